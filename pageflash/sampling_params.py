@@ -1,0 +1,199 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and meaning.
+
+A :class:`SamplingParams` is validated once, in ``__post_init__``: every user mistake raises a
+``ValueError`` (bad value) or ``TypeError`` (bad type) whose message names the field and the limit,
+so that the server can turn it into an OpenAI-style 400 body. Normalization (``stop`` to a list,
+``top_k == 0`` to ``-1``, ints to floats) also happens there and nowhere else; the engine must treat
+the object as read-only afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+# Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+# Most top logprobs one request may ask for per token (OpenAI's and vLLM's default cap).
+MAX_LOGPROBS = 20
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _check_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    # bool is an int subclass; True as a token count is almost surely a bug in the caller.
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"{name} must not be NaN")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request (vLLM's fields, defaults and semantics).
+
+    n: number of completions for the prompt.
+    temperature: 0 means greedy (argmax); any value below 1e-5 counts as 0.
+    top_p: keep the smallest set of most likely tokens whose probability sums to >= top_p.
+    top_k: keep the top_k most likely tokens; 0 or -1 turns it off (normalized to -1).
+    min_p: drop tokens whose probability is below min_p times the most likely token's.
+    seed: per-request seed; the same seed gives the same tokens whatever else runs in the batch.
+    presence_penalty / frequency_penalty: OpenAI-style, over the generated tokens, in [-2, 2].
+    repetition_penalty: HF-style (CTRL) over prompt and generated tokens; 1 = off, > 1 discourages.
+    stop: strings that end the output (normalized to a list; the stop string is not returned unless
+        include_stop_str_in_output).
+    stop_token_ids: token ids that end the output (in addition to EOS, unless ignore_eos).
+    max_tokens: most tokens to generate; None = until the model's context is full.
+    min_tokens: EOS and stop_token_ids are masked until this many tokens were generated.
+    ignore_eos: keep generating after EOS (benchmarks).
+    logprobs: number of top logprobs per generated token; 0 = only the sampled token's;
+        None = no logprobs.
+    skip_special_tokens: drop special tokens from the output text.
+    include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # ---- ints -------------------------------------------------------------------------
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disable) or at least 1, got {self.top_k}")
+        if self.top_k == 0:
+            self.top_k = -1  # one spelling of "off" so that the sampler tests only top_k > 0
+        _check_int("seed", self.seed, allow_none=True)
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
+        _check_int("max_tokens", self.max_tokens, allow_none=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 (or None), got {self.max_tokens}")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be at least 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        _check_int("logprobs", self.logprobs, allow_none=True)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+        # ---- floats -----------------------------------------------------------------------
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0.0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
+            )
+
+        # ---- bools ------------------------------------------------------------------------
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
+
+        # ---- stops ------------------------------------------------------------------------
+        self.stop = self._normalize_stop(self.stop)
+        self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
+
+    @staticmethod
+    def _normalize_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, (list, tuple)):
+            stop = list(stop)
+        else:
+            raise TypeError(f"stop must be a str, a list of str or None, got {type(stop).__name__}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise TypeError(f"stop must hold only str, got {type(s).__name__} {s!r}")
+            if not s:
+                raise ValueError("stop must not hold an empty string (it would match everywhere)")
+        return stop
+
+    @staticmethod
+    def _normalize_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(
+                f"stop_token_ids must be a list of int or None, got {type(ids).__name__}"
+            )
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"stop_token_ids must hold only int, got {type(t).__name__} {t!r}")
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+        return list(ids)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax (temperature below 1e-5, as vLLM)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when any of the three penalties changes the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def all_stop_token_ids(self, eos_token_id: Union[int, list[int], None]) -> set[int]:
+        """Token ids that end this request: stop_token_ids, plus EOS unless ignore_eos.
+
+        eos_token_id: the model's EOS id(s) (Llama 3 has several), or None.
+        """
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos and eos_token_id is not None:
+            ids.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        return ids
