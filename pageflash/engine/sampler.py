@@ -1,0 +1,474 @@
+"""Batched sampling: logits of one step -> next token ids (and logprobs), on any device.
+
+The engine describes each row of the logits with a :class:`SamplingRow`, turns the step's rows into
+a :class:`SamplingBatch` (per-row parameters as tensors on the device, built once per step on the
+host, so that sampling itself needs no host sync), and calls :class:`Sampler`::
+
+    batch = SamplingBatch.build(rows, vocab_size, device, eos_token_id=tokenizer.eos_token_id)
+    out = sampler(logits, batch)          # out.token_ids: int64 [B]
+
+Processing order (as vLLM): penalties (repetition HF-style over prompt + output tokens; presence and
+frequency OpenAI-style over output tokens), min_tokens (EOS and stop_token_ids masked while the row
+has fewer than min_tokens outputs), then -- for random rows only -- temperature, top-k, top-p
+(over the top-k renormalized distribution), min-p, and a draw. Greedy rows take the argmax of the
+penalized logits. The draw is ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. per token (the
+exponential-race form of categorical sampling, as in gpt-fast): no ``multinomial``, no host sync.
+A row with its own ``torch.Generator`` draws its noise from it, so a seeded request gets the same
+tokens alone or anywhere in any batch; the other rows share one draw from the global RNG.
+
+Logprobs are ``log_softmax`` of the raw logits, before penalties and temperature (vLLM's default
+"raw_logprobs" mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+from pageflash.sampling_params import SamplingParams
+
+# Packed per-row float parameters: one host->device copy per step instead of one per parameter.
+_TEMP, _TOP_K, _TOP_P, _MIN_P, _PRES, _FREQ, _REP = range(7)
+_NUM_PARAMS = 7
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits, as the engine sees it.
+
+    params: the request's sampling parameters.
+    prompt_token_ids: the prompt (only read when repetition_penalty != 1).
+    output_token_ids: tokens generated so far (penalties, min_tokens).
+    generator: the request's own RNG when it has a seed, else None. The engine creates it once per
+        request, on the logits' device: ``torch.Generator(device).manual_seed(params.seed)``, and
+        keeps it for the request's life (its state advances by one noise draw per sampled row).
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: Optional[torch.Generator] = None
+
+
+@dataclass
+class SamplerOutput:
+    """What one step's sampling returns (all on the logits' device).
+
+    token_ids: int64 [B], the sampled (or argmax) token of every row.
+    logprobs: float32 [B, K+1] or None (None when no row asked for logprobs). Column 0 is the
+        sampled token's logprob, columns 1..K the top-K logprobs in decreasing order, K the largest
+        ``params.logprobs`` in the batch; a row that asked for k < K reads columns 0..k.
+    logprob_token_ids: int64 [B, K+1] or None, the token ids of the ``logprobs`` columns.
+    sampled_ranks: int64 [B] or None, 1-based rank of the sampled token under the raw logits
+        (1 = most likely; tied tokens share the best rank).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: Optional[torch.Tensor] = None
+    logprob_token_ids: Optional[torch.Tensor] = None
+    sampled_ranks: Optional[torch.Tensor] = None
+
+
+def _pad_rows(lists: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    """int64 [len(lists), max_len] on the host, right-padded with ``pad``."""
+    width = max((len(x) for x in lists), default=0)
+    out = torch.full((len(lists), width), pad, dtype=torch.int64)
+    for i, x in enumerate(lists):
+        if x:
+            out[i, : len(x)] = torch.as_tensor(x, dtype=torch.int64)
+    return out
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling parameters as device tensors (B = number of logits rows).
+
+    Optional tensors are None when no row of the batch uses the feature, so that a plain batch
+    pays only for what it asks.
+
+    all_greedy / all_random / num_greedy: host-side counts, for fast paths without a sync.
+    temperature: float32 [B] (1.0 on greedy rows, so dividing by it is harmless).
+    greedy_mask: bool [B], rows that take the argmax.
+    top_k: int64 [B] or None; rows without top-k hold vocab_size. max_top_k: the largest active k.
+    top_p: float32 [B] or None; rows without top-p hold 2.0 (never reached by a cumulative sum).
+    min_p: float32 [B] or None (0.0 = off).
+    presence_penalty / frequency_penalty / repetition_penalty: float32 [B] or None.
+    output_counts: float32 [B, V] or None, occurrences of each token among the row's outputs
+        (built when presence or frequency penalties are used; rows without them hold zeros).
+    repetition_mask: bool [B, V] or None, tokens seen in the row's prompt or outputs (built when
+        a repetition penalty is used).
+    min_tokens_rows / min_tokens_ids: int64 [M] or None, the (row, token) pairs to mask with -inf
+        because the row has not reached min_tokens yet.
+    generators: (row, generator) of every random row with its own generator.
+    max_num_logprobs: K, the largest logprobs request in the batch, or None.
+    """
+
+    rows: list[SamplingRow] = field(repr=False)
+    vocab_size: int
+    device: torch.device
+    eos_token_ids: tuple[int, ...]
+    all_greedy: bool
+    all_random: bool
+    num_greedy: int
+    temperature: torch.Tensor
+    greedy_mask: torch.Tensor
+    top_k: Optional[torch.Tensor] = None
+    max_top_k: int = 0
+    top_p: Optional[torch.Tensor] = None
+    min_p: Optional[torch.Tensor] = None
+    presence_penalty: Optional[torch.Tensor] = None
+    frequency_penalty: Optional[torch.Tensor] = None
+    repetition_penalty: Optional[torch.Tensor] = None
+    output_counts: Optional[torch.Tensor] = None
+    repetition_mask: Optional[torch.Tensor] = None
+    min_tokens_rows: Optional[torch.Tensor] = None
+    min_tokens_ids: Optional[torch.Tensor] = None
+    generators: list[tuple[int, torch.Generator]] = field(default_factory=list)
+    max_num_logprobs: Optional[int] = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """True when penalties or min_tokens change the logits before argmax/sampling."""
+        return (
+            self.output_counts is not None
+            or self.repetition_mask is not None
+            or self.min_tokens_rows is not None
+        )
+
+    @classmethod
+    def build(
+        cls,
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        device: Union[torch.device, str],
+        eos_token_id: Union[int, Iterable[int], None] = None,
+    ) -> "SamplingBatch":
+        """Gather the rows' parameters into device tensors (host work, one copy per tensor kind).
+
+        rows: one per logits row, in the logits' order.
+        vocab_size: V, the logits' last dimension.
+        device: the logits' device.
+        eos_token_id: the model's EOS id(s); used only by min_tokens (masked unless ignore_eos).
+        """
+        device = torch.device(device)
+        rows = list(rows)
+        if eos_token_id is None:
+            eos = ()
+        elif isinstance(eos_token_id, int):
+            eos = (eos_token_id,)
+        else:
+            eos = tuple(eos_token_id)
+        n = len(rows)
+        ps = [r.params for r in rows]
+        greedy = [p.greedy for p in ps]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+
+        use_top_k = any(p.top_k > 0 and p.top_k < vocab_size and not g for p, g in zip(ps, greedy))
+        use_top_p = any(p.top_p < 1.0 and not g for p, g in zip(ps, greedy))
+        use_min_p = any(p.min_p > 0.0 and not g for p, g in zip(ps, greedy))
+        use_pres_freq = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in ps)
+        use_rep = any(p.repetition_penalty != 1.0 for p in ps)
+
+        packed = torch.tensor(
+            [
+                [
+                    1.0 if g else p.temperature,
+                    p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size,
+                    p.top_p if p.top_p < 1.0 and not g else 2.0,
+                    0.0 if g else p.min_p,
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                    p.repetition_penalty,
+                ]
+                for p, g in zip(ps, greedy)
+            ],
+            dtype=torch.float32,
+        ).reshape(n, _NUM_PARAMS)
+        packed = packed.to(device, non_blocking=True)
+        greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
+
+        max_top_k = max(
+            (p.top_k for p, g in zip(ps, greedy) if 0 < p.top_k < vocab_size and not g), default=0
+        )
+
+        output_counts = None
+        if use_pres_freq:
+            # Only rows that use the penalties pay for their outputs' transfer.
+            outs = [
+                r.output_token_ids
+                if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
+                else ()
+                for r in rows
+            ]
+            ids = _pad_rows(outs, vocab_size).to(device, non_blocking=True)
+            # Column V collects the padding and is dropped.
+            output_counts = torch.zeros(n, vocab_size + 1, dtype=torch.float32, device=device)
+            output_counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+            output_counts = output_counts[:, :vocab_size]
+
+        repetition_mask = None
+        if use_rep:
+            seen = [
+                list(r.prompt_token_ids) + list(r.output_token_ids)
+                if r.params.repetition_penalty != 1.0
+                else ()
+                for r in rows
+            ]
+            ids = _pad_rows(seen, vocab_size).to(device, non_blocking=True)
+            repetition_mask = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
+            repetition_mask.scatter_(1, ids, True)
+            repetition_mask = repetition_mask[:, :vocab_size]
+
+        mt_rows: list[int] = []
+        mt_ids: list[int] = []
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                for t in sorted(r.params.all_stop_token_ids(eos)):
+                    if t < vocab_size:
+                        mt_rows.append(i)
+                        mt_ids.append(t)
+        min_tokens_rows = min_tokens_ids = None
+        if mt_rows:
+            min_tokens_rows = torch.tensor(mt_rows, dtype=torch.int64).to(device, non_blocking=True)
+            min_tokens_ids = torch.tensor(mt_ids, dtype=torch.int64).to(device, non_blocking=True)
+
+        asked = [p.logprobs for p in ps if p.logprobs is not None]
+        return cls(
+            rows=rows,
+            vocab_size=vocab_size,
+            device=device,
+            eos_token_ids=eos,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            num_greedy=sum(greedy),
+            temperature=packed[:, _TEMP],
+            greedy_mask=greedy_mask,
+            top_k=packed[:, _TOP_K].long() if use_top_k else None,
+            max_top_k=max_top_k,
+            top_p=packed[:, _TOP_P] if use_top_p else None,
+            min_p=packed[:, _MIN_P] if use_min_p else None,
+            presence_penalty=packed[:, _PRES] if use_pres_freq else None,
+            frequency_penalty=packed[:, _FREQ] if use_pres_freq else None,
+            repetition_penalty=packed[:, _REP] if use_rep else None,
+            output_counts=output_counts,
+            repetition_mask=repetition_mask,
+            min_tokens_rows=min_tokens_rows,
+            min_tokens_ids=min_tokens_ids,
+            generators=[
+                (i, r.generator)
+                for i, (r, g) in enumerate(zip(rows, greedy))
+                if r.generator is not None and not g
+            ],
+            max_num_logprobs=max(asked) if asked else None,
+        )
+
+    def expand(
+        self,
+        counts: Sequence[int],
+        draft_token_ids: Optional[Sequence[Sequence[int]]] = None,
+    ) -> "SamplingBatch":
+        """A batch with row i repeated counts[i] times (repeat_interleave), for logits with several
+        rows per request (speculative verification: k draft positions + 1 bonus row).
+
+        draft_token_ids: when given, the j-th copy of row i sees ``draft_token_ids[i][:j]`` appended
+            to its outputs, so that penalties and min_tokens at every draft position are exactly
+            those of sequential decoding. Without it every copy uses the row's current outputs.
+        Copies of a seeded row share its generator and draw their noise from it in row order.
+        """
+        if len(counts) != self.num_rows:
+            raise ValueError(f"counts must have {self.num_rows} entries, got {len(counts)}")
+        if draft_token_ids is not None and len(draft_token_ids) != self.num_rows:
+            raise ValueError(
+                f"draft_token_ids must have {self.num_rows} entries, got {len(draft_token_ids)}"
+            )
+        rows: list[SamplingRow] = []
+        for i, (row, c) in enumerate(zip(self.rows, counts)):
+            for j in range(c):
+                if draft_token_ids is None or j == 0:
+                    rows.append(row)
+                else:
+                    drafts = list(draft_token_ids[i][:j])
+                    if len(drafts) < j:
+                        raise ValueError(
+                            f"draft_token_ids[{i}] has {len(drafts)} tokens, needs {c - 1}"
+                        )
+                    rows.append(
+                        SamplingRow(
+                            row.params,
+                            row.prompt_token_ids,
+                            list(row.output_token_ids) + drafts,
+                            row.generator,
+                        )
+                    )
+        return SamplingBatch.build(rows, self.vocab_size, self.device, self.eos_token_ids)
+
+
+class Sampler:
+    """Turns logits into token ids following each row's SamplingParams (stateless)."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row.
+
+        logits: [B, V], any float dtype, on batch.device; not modified.
+        Returns a SamplerOutput (token_ids int64 [B]; logprobs when any row asked).
+        """
+        _check_shapes(logits, batch)
+        if batch.all_greedy and not batch.needs_logits_processing:
+            token_ids = logits.argmax(dim=-1)  # fast path: no copy, no float32 cast
+        else:
+            processed = apply_penalties_and_min_tokens(logits, batch)
+            greedy_ids = processed.argmax(dim=-1)
+            if batch.all_greedy:
+                token_ids = greedy_ids
+            else:
+                probs = _probs_from_processed(processed, batch)
+                random_ids = _exponential_race(probs, batch)
+                token_ids = (
+                    random_ids if batch.all_random
+                    else torch.where(batch.greedy_mask, greedy_ids, random_ids)
+                )
+        out = SamplerOutput(token_ids=token_ids)
+        if batch.max_num_logprobs is not None:
+            _add_logprobs(out, logits, batch.max_num_logprobs)
+        return out
+
+
+def compute_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The final distribution each row samples from, after all processing.
+
+    logits: [B, V], any float dtype (not modified). For several rows per request, pass
+        ``batch.expand(counts, ...)``.
+    Returns float32 [B, V], rows summing to 1. Random rows: softmax of the penalized,
+    temperature-scaled logits restricted to the top-k / top-p / min-p set and renormalized.
+    Greedy rows: one-hot at the argmax of the penalized logits (the point mass the sampler takes),
+    which makes speculative rejection sampling reduce to exact-match acceptance for them.
+    """
+    _check_shapes(logits, batch)
+    processed = apply_penalties_and_min_tokens(logits, batch)
+    if batch.all_greedy:
+        probs = torch.zeros_like(processed)
+    else:
+        probs = _probs_from_processed(processed, batch)
+    if not batch.all_random:
+        one_hot = torch.zeros_like(processed)
+        one_hot.scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(batch.greedy_mask[:, None], one_hot, probs)
+    return probs
+
+
+def _check_shapes(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    if logits.dim() != 2 or logits.shape[0] != batch.num_rows or logits.shape[1] != batch.vocab_size:
+        raise ValueError(
+            f"logits must be [{batch.num_rows}, {batch.vocab_size}], got {list(logits.shape)}"
+        )
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
+
+
+def apply_penalties_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalties, then the min_tokens mask. logits [B, V] any float -> new float32 [B, V]."""
+    # float32 copy: processing happens in place on it, never on the model's buffer.
+    x = logits.to(torch.float32, copy=True)
+    if batch.repetition_mask is not None:
+        pen = batch.repetition_penalty[:, None]
+        # HF/CTRL: divide positive logits, multiply negative ones, so > 1 always discourages.
+        scaled = torch.where(x > 0, x / pen, x * pen)
+        x = torch.where(batch.repetition_mask, scaled, x)
+    if batch.output_counts is not None:
+        counts = batch.output_counts
+        x -= batch.frequency_penalty[:, None] * counts
+        x -= batch.presence_penalty[:, None] * (counts > 0).to(torch.float32)
+    if batch.min_tokens_rows is not None:
+        x[batch.min_tokens_rows, batch.min_tokens_ids] = float("-inf")
+    return x
+
+
+def _probs_from_processed(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p. x: float32 [B, V] (modified) -> probs float32 [B, V].
+
+    Greedy rows come out as softmax(x) (temperature 1, no filtering); callers overwrite them.
+    """
+    x.div_(batch.temperature[:, None])
+    if batch.top_p is not None:
+        x = _top_k_top_p_sorted(x, batch.top_k, batch.top_p)
+    elif batch.top_k is not None:
+        x = _top_k_only(x, batch.top_k, batch.max_top_k)
+    probs = torch.softmax(x, dim=-1)
+    if batch.min_p is not None:
+        # Relative to the row's most likely token; renormalizing afterwards does not change which
+        # tokens pass, since every ratio p / p_max is invariant under it.
+        threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _top_k_only(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's top_k largest logits (topk of the largest k, no full sort).
+
+    x: float32 [B, V]; top_k: int64 [B] (V = off). Ties at the k-th value are all kept.
+    """
+    values = torch.topk(x, max_top_k, dim=-1).values  # [B, max_top_k], descending
+    kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
+    off = top_k[:, None] >= x.shape[-1]
+    kth = kth.masked_fill(off, float("-inf"))
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _top_k_top_p_sorted(
+    x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: torch.Tensor
+) -> torch.Tensor:
+    """top-k then top-p (top-p over the top-k renormalized distribution), with one sort.
+
+    x: float32 [B, V]; top_k: int64 [B] or None (V = off); top_p: float32 [B] (2.0 = off).
+    Keeps sorted position i iff i < k and the probability mass before i is < top_p: the smallest
+    prefix of most likely tokens reaching top_p, never empty.
+    """
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    if top_k is not None:
+        pos = torch.arange(x.shape[-1], device=x.device)
+        sorted_x.masked_fill_(pos[None, :] >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_x.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """argmax(probs / E), E ~ Exp(1) i.i.d.: a categorical draw per row. probs [B, V] -> int64 [B].
+
+    P(argmax = j) = p_j / sum(p): the race of exponential clocks with rates p_j.
+    """
+    if batch.generators and len(batch.generators) == batch.num_rows - batch.num_greedy:
+        noise = torch.empty_like(probs)  # every random row has its own generator
+    else:
+        noise = torch.empty_like(probs).exponential_()
+    for i, gen in batch.generators:
+        noise[i].exponential_(generator=gen)
+    # Exp(1) can round to 0 on some backends; a tiny floor keeps p/E finite and 0/E = 0.
+    noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _add_logprobs(out: SamplerOutput, logits: torch.Tensor, k: int) -> None:
+    """Fill out.logprobs / logprob_token_ids / sampled_ranks from the raw logits [B, V]."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    sampled = out.token_ids[:, None]
+    sampled_lp = logprobs.gather(1, sampled)
+    if k > 0:
+        top = torch.topk(logprobs, k, dim=-1)
+        out.logprobs = torch.cat([sampled_lp, top.values], dim=1)
+        out.logprob_token_ids = torch.cat([sampled, top.indices], dim=1)
+    else:
+        out.logprobs = sampled_lp
+        out.logprob_token_ids = sampled.clone()
+    out.sampled_ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
