@@ -1,0 +1,145 @@
+"""Model configuration: a frozen dataclass built from a HF config.json dict or GGUF metadata."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shapes and constants of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict[str, Any]] = field(default=None, hash=False)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"model config: {name} must be a positive integer, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"model config: architecture {self.architecture!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "linear", "default"):
+                raise ValueError(f"model config: rope_scaling type {kind!r} is not supported (llama3, linear)")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        n = L * per_layer + h
+        emb = self.vocab_size * h
+        n += emb if not self.tie_word_embeddings else 0  # lm_head
+        return n + (emb if include_embedding else 0)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """From a HF config.json dict (LlamaConfig / MistralConfig / Qwen2Config keys)."""
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        model_type = d.get("model_type", "llama")
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        rope_scaling = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta")
+        if rope_theta is None and isinstance(d.get("rope_parameters"), dict):  # transformers >= 5 layout
+            rope_theta = d["rope_parameters"].get("rope_theta")
+            if d["rope_parameters"].get("rope_type", "default") != "default":
+                rope_scaling = d["rope_parameters"]
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            architecture=arch,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json dict that transformers accepts (used by tests to build the HF reference)."""
+        model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}[
+            self.architecture
+        ]
+        d = dict(
+            architectures=[self.architecture], model_type=model_type, vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            tie_word_embeddings=self.tie_word_embeddings, hidden_act="silu",
+            bos_token_id=self.bos_token_id, eos_token_id=list(self.eos_token_ids) or None,
+        )
+        if model_type == "llama":
+            d["attention_bias"] = self.attention_bias
+        return d
+
+
+def rope_inv_freq(cfg: ModelConfig) -> "Any":
+    """Inverse frequencies [head_dim // 2] with Llama 3.1 / linear scaling applied (float32 math, as transformers does, so that greedy outputs match it)."""
+    import torch
+
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    kind = (rs or {}).get("rope_type", (rs or {}).get("type"))
+    if kind == "linear":
+        inv = inv / float(rs["factor"])
+    elif kind == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old_len = float(rs.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv

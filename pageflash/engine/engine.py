@@ -1,0 +1,372 @@
+"""LLMEngine: schedule -> run -> sample -> process outputs, one step at a time.
+
+add_request() validates and queues; step() runs one continuous-batching step and returns a
+RequestOutput for every request that progressed; abort_request() frees a request's blocks at once.
+Not thread-safe: one thread owns an engine (the server's AsyncLLMEngine runs it in a loop thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from pageflash.config import ModelConfig
+from pageflash.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pageflash.engine.kv_cache import KVCacheManager
+from pageflash.engine.model_runner import ModelRunner
+from pageflash.engine.sampler import Sampler, SamplingBatch, SamplingRow
+from pageflash.engine.scheduler import Scheduler, SchedulerOutput
+from pageflash.engine.sequence import Request, Status
+from pageflash.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
+from pageflash.model.registry import DEFAULT_MODEL
+from pageflash.outputs import CompletionOutput, Logprob, RequestOutput
+from pageflash.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user asked for; derived values (resolved device, dtype, lengths) live on the engine."""
+
+    model: str = DEFAULT_MODEL
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    max_model_len: Optional[int] = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    load_format: str = "auto"
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+        positive("block_size")
+        positive("max_num_seqs")
+        positive("num_kv_blocks", allow_none=True)
+        positive("max_num_batched_tokens", allow_none=True)
+        positive("max_model_len", allow_none=True)
+        if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.source: ModelSource = resolve_model(config.model, config.load_format)
+        self.model_config: ModelConfig = load_config(self.source)
+        self.model_name = config.model
+        if config.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(config.device)
+            if self.device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError("device='cuda' was requested but CUDA is not available on this machine")
+        if config.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[config.dtype]
+
+        max_pos = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or max_pos
+        if self.max_model_len > max_pos:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context of {max_pos} tokens")
+        default_budget = 8192 if self.device.type == "cuda" else 2048
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
+
+        self.tokenizer = load_tokenizer(
+            resolve_model(config.tokenizer, "auto") if config.tokenizer else self.source
+        )
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+
+        self.runner = ModelRunner(
+            self.model_config, self.source, self.device, self.dtype, config.block_size,
+            self.max_model_len, config.attention_backend, config.seed,
+        )
+        bs = config.block_size
+        per_seq = -(-self.max_model_len // bs)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            num_blocks = self.runner.auto_num_blocks(
+                config.gpu_memory_utilization, self.max_num_batched_tokens, config.max_num_seqs
+            )
+            num_blocks = min(num_blocks, config.max_num_seqs * per_seq + 1)
+        if num_blocks < per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), fewer than "
+                f"max_model_len={self.max_model_len}; raise num_kv_blocks (or gpu_memory_utilization) or lower max_model_len"
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        self.sampler = Sampler()
+        self.groups: dict[str, list[Request]] = {}  # user request id -> its sequences (n of them)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._ids = itertools.count()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # -- requests -------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """(text or None, token ids). Raises ValueError/TypeError for malformed prompts."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one token")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy weights): pass prompt_token_ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise TypeError("prompt_token_ids must be a list of ints")
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
+            raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
+        return list(ids)
+
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens, but max_model_len is {self.max_model_len}: at most "
+                f"{self.max_model_len - 1} prompt tokens leave room for one generated token"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
+                f"max_model_len={self.max_model_len}; lower max_tokens to at most {self.max_model_len - n}"
+            )
+
+    def add_request(
+        self,
+        request_id: Optional[str],
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+    ) -> str:
+        """Validate and queue one request; returns its id. Raises ValueError/TypeError on bad input,
+        leaving the engine and every other request untouched."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate_request(ids, params)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        req = Request(request_id, text, ids, params, arrival_time or time.monotonic(), generator=gen)
+        self._attach_detokenizer(req)
+        self.groups[request_id] = [req]
+        self.scheduler.add(req)
+        self.prompt_tokens_total += len(ids)
+        return request_id
+
+    def _attach_detokenizer(self, req: Request) -> None:
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, skip_special_tokens=req.params.skip_special_tokens
+            )
+
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
+        """Stop requests and free their KV blocks now. Unknown or finished ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            for req in self.groups.pop(rid, []):
+                if not req.is_finished:
+                    req.finish_reason = "abort"
+                    self.scheduler.finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        now = time.monotonic()
+        for s in sched.seqs:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        result = self.runner.execute(sched, [self.kv.block_ids(s.request.request_id) for s in sched.seqs])
+        touched = self._process(sched, result.logits, result.rows)
+        return [self._make_output(gid) for gid in touched]
+
+    def _process(self, sched: SchedulerOutput, logits: torch.Tensor, rows: list[tuple[int, int]]) -> list[str]:
+        """Advance computed counts, sample where a step reached a request's end, apply stops."""
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        touched: dict[str, None] = {}
+        for s, (start, count) in zip(sched.seqs, rows):
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if count == 0:  # a prefill chunk that does not reach the end yet
+                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+                continue
+            for r in self._fork_if_needed(req):
+                sample_rows.append(start)
+                sample_reqs.append(r)
+        if not sample_reqs:
+            return list(touched)
+        batch = SamplingBatch.build(
+            [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sample_reqs],
+            vocab_size=self.vocab_size, device=self.device, eos_token_id=sorted(self.eos_token_ids),
+        )
+        out = self.sampler(logits[torch.tensor(sample_rows, device=logits.device)], batch)
+        token_ids = out.token_ids.tolist()
+        lp = None
+        if out.logprobs is not None:
+            lp = (out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.sampled_ranks.tolist())
+        now = time.monotonic()
+        for i, (req, tok) in enumerate(zip(sample_reqs, token_ids)):
+            self._append_token(req, tok, None if lp is None else (lp[0][i], lp[1][i], lp[2][i]), now)
+            touched[req.group_id] = None
+        return list(touched)
+
+    def _fork_if_needed(self, req: Request) -> list[Request]:
+        """At the first sample of an n > 1 request: n - 1 siblings share its blocks (copy on write)."""
+        if req.forked:
+            return [req]
+        req.forked = True
+        family = [req]
+        prev = req
+        for j in range(1, req.params.n):
+            gen = None
+            if req.params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(req.params.seed + j)
+            child = Request(
+                f"{req.group_id}#{j}", req.prompt, req.prompt_token_ids, req.params,
+                req.metrics.arrival_time, index=j, group_id=req.group_id, generator=gen,
+            )
+            child.num_computed_tokens = req.num_computed_tokens
+            child.metrics.first_scheduled_time = req.metrics.first_scheduled_time
+            self._attach_detokenizer(child)
+            self.kv.fork(req.request_id, child.request_id)
+            self.scheduler.add_running(child, after=prev)
+            self.groups[req.group_id].append(child)
+            family.append(child)
+            prev = child
+        return family
+
+    def _append_token(self, req: Request, tok: int, lp: Optional[tuple], now: float) -> None:
+        req.token_ids.append(tok)
+        self.generation_tokens_total += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        if lp is not None:
+            lps, ids, rank = lp
+            entry = {ids[0]: Logprob(lps[0], rank, self._decode_one(ids[0]))}
+            for j in range(1, req.params.logprobs + 1):
+                entry.setdefault(ids[j], Logprob(lps[j], j, self._decode_one(ids[j])))
+            req.logprobs.append(entry)
+            req.cumulative_logprob += lps[0]
+        self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+        self._check_stop(req, tok)
+        if req.finish_reason is not None:
+            req.metrics.finished_time = now
+            self.scheduler.finish(req)
+
+    def _decode_one(self, tok: int) -> Optional[str]:
+        return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        n_out = req.num_output_tokens
+        if req.detokenizer is not None:
+            delta = req.detokenizer.add_tokens([tok])
+            req.output_text = req.detokenizer.output_text
+            if p.stop and delta:
+                hit = find_stop_string(req.output_text, len(delta), p.stop, p.include_stop_str_in_output)
+                if hit is not None:
+                    cut, stop = hit
+                    req.output_text = req.output_text[:cut]
+                    req.finish_reason, req.stop_reason = "stop", stop
+                    return
+        if n_out > p.min_tokens:  # the sampler masks EOS and stop ids up to min_tokens
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                req.finish_reason = "stop"
+                return
+            if tok in p.stop_token_ids:
+                req.finish_reason, req.stop_reason = "stop", tok
+                return
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            req.finish_reason = "length"
+        elif req.num_tokens >= self.max_model_len:
+            req.finish_reason = "length"
+
+    def _make_output(self, group_id: str) -> RequestOutput:
+        reqs = self.groups[group_id]
+        outs = [
+            CompletionOutput(
+                index=r.index, text=r.output_text, token_ids=list(r.output_token_ids),
+                cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+                logprobs=list(r.logprobs) if r.logprobs is not None else None,
+                finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+            )
+            for r in reqs
+        ]
+        head = reqs[0]
+        finished = head.forked and all(r.is_finished for r in reqs)
+        if finished:
+            del self.groups[group_id]
+        return RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished, head.metrics)
+
+    # -- introspection ----------------------------------------------------------------------------
+    def get_stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        s["prompt_tokens_total"] = self.prompt_tokens_total
+        s["generation_tokens_total"] = self.generation_tokens_total
+        return s

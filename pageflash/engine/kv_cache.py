@@ -1,0 +1,235 @@
+"""Paged KV-cache bookkeeping on the host: block pool, prefix-cache hash map, per-sequence block tables.
+
+Blocks hold `block_size` tokens. A sequence's block table grows on demand. Full blocks get a hash
+chained over their whole prefix (hash(parent_hash, tokens)), so equal prefixes map to the same block
+and can be shared between requests with reference counts. A block whose count drops to zero goes to
+the tail of the free queue but keeps its hash until it is handed out again (LRU eviction), so a later
+request can still hit it. A sequence forked for parallel sampling shares all blocks; the shared
+partial last block is copied on write (the copy is recorded here and performed by the model runner).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+def hash_block(parent_hash: Optional[int], tokens: Sequence[int]) -> int:
+    return hash((parent_hash, tuple(tokens)))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: Optional[int] = None
+
+
+class BlockPool:
+    """All physical blocks, their reference counts, the LRU free queue and the hash -> block map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks, least recently freed first. Cached-but-free blocks stay here (evictable).
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks (ref_cnt 1). Evicts the least recently freed, dropping their hashes."""
+        if n > len(self.free_queue):
+            raise RuntimeError(f"out of KV blocks: need {n}, have {len(self.free_queue)}")
+        out = []
+        for _ in range(n):
+            bid, _ = self.free_queue.popitem(last=False)
+            b = self.blocks[bid]
+            assert b.ref_cnt == 0, f"block {bid} in free queue with ref_cnt {b.ref_cnt}"
+            if b.block_hash is not None:
+                if self.cached.get(b.block_hash) == bid:
+                    del self.cached[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(bid)
+        return out
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference to each block (prefix hit or fork); revives cached free blocks."""
+        for bid in block_ids:
+            b = self.blocks[bid]
+            if b.ref_cnt == 0:
+                del self.free_queue[bid]
+            b.ref_cnt += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each; blocks reaching zero join the free queue's tail in this order."""
+        for bid in block_ids:
+            b = self.blocks[bid]
+            assert b.ref_cnt > 0, f"double free of block {bid}"
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue[bid] = None
+
+    def lookup(self, block_hash: int) -> Optional[int]:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def cache(self, block_id: int, block_hash: int) -> None:
+        """Publish a full, computed block under its hash (first writer wins on duplicates)."""
+        if not self.enable_caching:
+            return
+        b = self.blocks[block_id]
+        if b.block_hash is None and block_hash not in self.cached:
+            b.block_hash = block_hash
+            self.cached[block_hash] = block_id
+
+
+@dataclass
+class SeqBlocks:
+    """One sequence's block table and the hashes of its full, computed blocks (a prefix of the table)."""
+
+    block_ids: list[int]
+    hashes: list[int]
+
+
+class KVCacheManager:
+    """Hands the scheduler allocations per sequence id; hides the pool.
+
+    Invariants (checked by tests): every block id is either in the free queue with ref_cnt 0 or
+    referenced by exactly ref_cnt sequence tables; a block in the hash map holds the tokens hashed.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.seqs: dict[str, SeqBlocks] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, for the runner
+        self.prefix_queries = 0  # prompt tokens of admitted requests (counted by the scheduler)
+        self.prefix_hits = 0  # of which were served from the prefix cache
+
+    # -- queries ----------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        return self.seqs[seq_id].block_ids
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -----------------------------------------------------------------------------
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached chain of full blocks within token_ids[:-1].
+
+        The last token is never served from cache: its logits are needed, so at least one token is
+        computed.
+        """
+        if not self.pool.enable_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        parent = None
+        for i in range((len(token_ids) - 1) // bs):
+            h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            bid = self.pool.lookup(h)
+            if bid is None:
+                break
+            hits.append(bid)
+            parent = h
+        return hits
+
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Publish the blocks that became full and computed (token_ids: the sequence's tokens)."""
+        if not self.pool.enable_caching:
+            return
+        sb = self.seqs[seq_id]
+        bs = self.block_size
+        parent = sb.hashes[-1] if sb.hashes else None
+        for i in range(len(sb.hashes), num_computed // bs):
+            h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache(sb.block_ids[i], h)
+            sb.hashes.append(h)
+            parent = h
+
+    # -- allocation -------------------------------------------------------------------------------
+    def can_allocate(self, seq_id: str, num_computed: int, num_new: int, cached_blocks: Sequence[int] = ()) -> bool:
+        return self._blocks_to_add(seq_id, num_computed, num_new, cached_blocks) is not None
+
+    def _blocks_to_add(self, seq_id, num_computed, num_new, cached_blocks) -> Optional[int]:
+        sb = self.seqs.get(seq_id)
+        have = len(sb.block_ids) if sb else len(cached_blocks)
+        need = max(0, self.blocks_needed(num_computed + num_new) - have)
+        # Copy-on-write: new tokens land in a shared partial block.
+        if sb and num_new > 0 and num_computed % self.block_size:
+            last = sb.block_ids[num_computed // self.block_size]
+            if self.pool.blocks[last].ref_cnt > 1:
+                need += 1
+        # Cached hits that sit in the free queue stop being allocatable once we take them.
+        revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_cnt == 0)
+        return need if need + revived <= self.pool.num_free else None
+
+    def allocate(self, seq_id: str, num_computed: int, num_new: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Make room for tokens [num_computed, num_computed + num_new) of seq_id.
+
+        cached_blocks: prefix-cache hits for a new sequence (from find_cached_prefix). Returns False,
+        changing nothing, when the pool has too few free blocks.
+        """
+        need = self._blocks_to_add(seq_id, num_computed, num_new, cached_blocks)
+        if need is None:
+            return False
+        sb = self.seqs.get(seq_id)
+        if sb is None:
+            self.pool.touch(cached_blocks)
+            hashes = [self.pool.blocks[b].block_hash for b in cached_blocks]
+            sb = self.seqs[seq_id] = SeqBlocks(list(cached_blocks), hashes)  # type: ignore[arg-type]
+        if num_new > 0 and num_computed % self.block_size:
+            idx = num_computed // self.block_size
+            old = sb.block_ids[idx]
+            if self.pool.blocks[old].ref_cnt > 1:
+                (new,) = self.pool.allocate(1)
+                self.pending_copies.append((old, new))
+                self.pool.free([old])
+                sb.block_ids[idx] = new
+                need -= 1
+        if need > 0:
+            sb.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def free(self, seq_id: str) -> None:
+        """Release a sequence's blocks; its tail is freed first so it is evicted first."""
+        sb = self.seqs.pop(seq_id, None)
+        if sb is not None:
+            self.pool.free(list(reversed(sb.block_ids)))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """child shares every block of parent (parallel sampling); writes into a shared block copy it."""
+        sb = self.seqs[parent_id]
+        self.pool.touch(sb.block_ids)
+        self.seqs[child_id] = SeqBlocks(list(sb.block_ids), list(sb.hashes))
+
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Keep only the blocks covering num_tokens (speculative rollback of rejected slots)."""
+        sb = self.seqs[seq_id]
+        keep = self.blocks_needed(num_tokens)
+        if keep < len(sb.block_ids):
+            drop = sb.block_ids[keep:]
+            del sb.block_ids[keep:]
+            self.pool.free(list(reversed(drop)))
+        del sb.hashes[num_tokens // self.block_size :]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        out, self.pending_copies = self.pending_copies, []
+        return out

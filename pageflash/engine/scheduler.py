@@ -1,0 +1,174 @@
+"""Continuous batching by token counts, with no prefill or decode phase.
+
+Each request has num_tokens (prompt + output so far, plus any draft tokens to verify) and
+num_computed_tokens (KV already in the cache); a step gives each scheduled request some of the
+difference. That one rule covers prefill, chunked prefill, prefix-cache hits, decode, recompute after
+preemption and speculative draft tokens alike.
+
+Policy per step, under a token budget (max_num_batched_tokens) and max_num_seqs:
+1. Running requests first, in arrival order, so decodes never starve behind prefills. When the pool
+   cannot hold a request's new tokens, the most recently admitted running request is preempted: its
+   blocks are freed and it goes back to the head of the queue to be recomputed later.
+2. Then waiting requests, first come first served, each starting from its longest prefix-cache hit;
+   a prompt larger than the remaining budget is chunked. Nothing is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from pageflash.engine.kv_cache import KVCacheManager
+from pageflash.engine.sequence import Request, Status
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, draft tokens included
+    num_spec_tokens: int  # how many of them are draft tokens (at the end)
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's known tokens (so logits are needed)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens >= r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def add_running(self, req: Request, after: Request) -> None:
+        """Insert a forked sibling right after its parent (it already owns blocks)."""
+        req.status = Status.RUNNING
+        self.running.insert(self.running.index(after) + 1, req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a request wherever it is and free its blocks at once."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
+        req.status = Status.FINISHED
+
+    def requests(self) -> Iterable[Request]:
+        yield from self.running
+        yield from self.waiting
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def _preempt(self, victim: Request) -> None:
+        self.kv.free(victim.request_id)
+        victim.status = Status.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_spec = len(req.spec_token_ids)
+            want = req.num_tokens + num_spec - req.num_computed_tokens
+            # Never past the context: draft tokens beyond max_model_len are dropped.
+            want = min(want, self.max_model_len - req.num_computed_tokens)
+            n = min(want, budget)
+            spec = max(0, n - (req.num_tokens - req.num_computed_tokens))
+            if spec < num_spec:
+                req.spec_token_ids = req.spec_token_ids[:spec]
+            if n <= 0:
+                i += 1
+                continue
+            scheduled = True
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            out.seqs.append(ScheduledSeq(req, n, spec))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and not out.preempted:
+            req = self.waiting[0]
+            slots = 1 if req.forked else req.params.n
+            if self.running and len(self.running) + slots > self.max_num_seqs:
+                break
+            hits = self.kv.find_cached_prefix(req.token_ids)
+            computed = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - computed, budget)
+            if not self.kv.allocate(req.request_id, computed, n, hits):
+                break
+            self.kv.prefix_queries += req.num_tokens
+            self.kv.prefix_hits += computed
+            self.waiting.popleft()
+            req.num_computed_tokens = computed
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.seqs.append(ScheduledSeq(req, n, 0))
+            budget -= n
+
+        out.block_copies = self.kv.take_pending_copies()
+        return out
+
+    def stats(self) -> dict[str, float]:
+        pool = self.kv.pool
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_cache_usage": self.kv.usage,
+            "num_free_blocks": pool.num_free,
+            "num_total_blocks": pool.num_blocks,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "num_preemptions": self.num_preemptions,
+        }
+

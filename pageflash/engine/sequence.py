@@ -1,0 +1,83 @@
+"""A request as the scheduler sees it: tokens so far, how many have KV computed, and its status."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional
+
+import torch
+
+from pageflash.outputs import Logprob, RequestMetrics
+from pageflash.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """One sequence. Parallel sampling (n > 1) runs one Request until its prompt is computed, then
+    forks n - 1 siblings that share its KV blocks (each sibling is a Request with its own index).
+
+    The scheduler only reasons about token counts: num_tokens (prompt + output), num_computed_tokens
+    (with KV in the cache), and spec_token_ids (draft tokens to verify this step).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: Optional[str],
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        index: int = 0,
+        group_id: Optional[str] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        self.request_id = request_id  # unique per sequence (siblings get "<group_id>#<index>")
+        self.group_id = group_id or request_id  # the user's request id
+        self.index = index
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = Status.WAITING
+        self.generator = generator
+        self.spec_token_ids: list[int] = []
+        self.spec_state: Any = None  # proposer's per-request state
+        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float = 0.0
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Any = None
+        self.forked = params.n == 1  # whether the n siblings exist yet
+        self.detokenizer: Any = None
+        self.output_text = ""
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,83 @@
+"""Linear layers as small classes, each parameter with its own weight loader.
+
+Tensor parallelism and quantized weights will swap these per module: a loader knows which slice of a
+checkpoint tensor it takes (today: the whole tensor, or one shard of a merged projection).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). weight: [out_features, in_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[str] = None) -> None:
+        if param.shape != loaded.shape:
+            raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, checkpoint has {tuple(loaded.shape)}")
+        param.data.copy_(loaded)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input fused into one GEMM (q/k/v, or gate/up).
+
+    shard_sizes: output rows of each shard, in order; shard_ids name them (e.g. "q", "k", "v").
+    """
+
+    def __init__(self, in_features: int, shard_sizes: Sequence[int], shard_ids: Sequence[str], bias: bool = False):
+        super().__init__(in_features, sum(shard_sizes), bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        off = 0
+        for sid, size in zip(shard_ids, shard_sizes):
+            self.shard_offsets[sid] = (off, size)
+            off += size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[str] = None) -> None:
+        if shard_id is None:
+            return super().weight_loader(param, loaded)
+        off, size = self.shard_offsets[shard_id]
+        dst = param.data.narrow(0, off, size)
+        if dst.shape != loaded.shape:
+            raise ValueError(
+                f"weight shape mismatch for shard {shard_id!r}: expected {tuple(dst.shape)}, checkpoint has {tuple(loaded.shape)}"
+            )
+        dst.copy_(loaded)
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        return list(y.split([size for _, size in self.shard_offsets.values()], dim=-1))
+
+
+class QKVLinear(MergedLinear):
+    def __init__(self, hidden_size: int, q_size: int, kv_size: int, bias: bool = False) -> None:
+        super().__init__(hidden_size, [q_size, kv_size, kv_size], ["q", "k", "v"], bias)
+
+
+class GateUpLinear(MergedLinear):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__(hidden_size, [intermediate_size, intermediate_size], ["gate", "up"], bias=False)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding table [vocab_size, hidden_size]; also the LM head when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    weight_loader = Linear.weight_loader

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pageflash.config import ModelConfig, rope_inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, HF/NeoX layout (rotate halves), with a precomputed cos/sin table.
+
+    The table ([max_positions, head_dim // 2] each, float32) is built the way transformers builds it,
+    in float32, so that greedy outputs match it bit for bit as far as possible.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        inv = rope_inv_freq(cfg).float()
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns rotated (q, k) in their dtype."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,139 @@
+"""Offline entry point with vLLM's habits: LLM(model=...).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from pageflash.engine.engine import EngineConfig, LLMEngine, PromptType
+from pageflash.model.registry import DEFAULT_MODEL
+from pageflash.outputs import RequestOutput
+from pageflash.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Holds an LLMEngine; generate() and chat() run it until every submitted request finishes."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        tokenizer: Optional[str] = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: Optional[int] = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: Optional[int] = None,
+        max_model_len: Optional[int] = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        load_format: str = "auto",
+        attention_backend: str = "auto",
+    ) -> None:
+        self.llm_engine = LLMEngine(
+            EngineConfig(
+                model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
+                num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
+                load_format=load_format, attention_backend=attention_backend,
+            )
+        )
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a str, a {"prompt_token_ids": [...]} dict, or a list of these).
+
+        Every prompt is validated before any is queued, so a bad one raises (naming its index)
+        without leaving half a batch behind.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # one prompt
+        prompts = list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; they must match")
+        eng = self.llm_engine
+        encoded = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                if not isinstance(sp, SamplingParams):
+                    raise TypeError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
+                text, ids = eng.tokenize_prompt(p)
+                eng.validate_request(ids, sp)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from e
+            encoded.append(({"prompt": text, "prompt_token_ids": ids} if text is not None else ids, sp))
+        return self._run(encoded, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Conversation, Sequence[Conversation]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: Optional[str] = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            if not conv:
+                raise ValueError("messages is empty: a conversation needs at least one message")
+            for m in conv:
+                if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                    raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+            text = tok.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+            # The template already holds any BOS: tokenize without adding special tokens again.
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
+        eng = self.llm_engine
+        ids = []
+        for prompt, sp in items:
+            ids.append(eng.add_request(None, prompt, sp))
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while pending:
+                for out in eng.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            eng.abort_request(list(pending))  # leave no blocks behind (Ctrl-C, errors)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]

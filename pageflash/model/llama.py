@@ -1,0 +1,141 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) over a flat varlen token batch.
+
+All sequences of a step are concatenated into one token dimension T; attention goes through the
+backend with the step's plan (see pageflash/layers/attention.py), so prefill chunks, decodes and
+draft tokens share one forward.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from pageflash.config import ModelConfig
+from pageflash.layers.activation import silu_and_mul
+from pageflash.layers.attention import AttentionBackend
+from pageflash.layers.linear import GateUpLinear, Linear, QKVLinear, VocabEmbedding
+from pageflash.layers.norm import RMSNorm
+from pageflash.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        plan: Any,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, rotary, kv_cache, backend, plan):
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, backend, plan)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, backend, plan) -> hidden [T, H];
+    compute_logits(hidden [N, H]) -> float32 logits [N, V]."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rotary = RotaryEmbedding(cfg, max_positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        plan: Any,
+        num_layers: Optional[int] = None,
+    ) -> torch.Tensor:
+        """num_layers < L runs only the first layers (early-exit drafts); the final norm is applied."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
+            x, residual = layer(x, residual, positions, self.rotary, kv_caches[i], backend, plan)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+    # HF checkpoint name -> (our parameter name, shard id of a merged projection)
+    _MERGED = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load (HF name, tensor) pairs; returns the parameter names that were filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding table serves as the head
+            shard = None
+            m = re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.", name)
+            if m:
+                target, shard = self._MERGED[m.group(1)]
+                name = name.replace(f".{m.group(1)}.", f".{target}.")
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            param = params[name]
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            owner.weight_loader(param, tensor.to(param.dtype), shard)
+            loaded.add(name)
+        return loaded

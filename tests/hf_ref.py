@@ -1,0 +1,56 @@
+"""Helpers that build HF transformers references for the engine's tests (CPU, float32)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+GGUF_DIR = None
+
+
+def default_gguf() -> tuple[str, str]:
+    from pageflash.model.loader import _embedded_path
+
+    path = _embedded_path("smollm2-135m")
+    return os.path.dirname(path), os.path.basename(path)
+
+
+def hf_model_from_gguf():
+    from transformers import AutoModelForCausalLM
+
+    folder, name = default_gguf()
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+def make_random_hf_folder(tmp_path, cfg_dict: dict, seed: int = 0, std: float = 0.08) -> str:
+    """Save a random HF model with this config to tmp_path (safetensors, sharded); returns the folder.
+
+    std is larger than usual so that logits have clear winners and greedy decoding is not decided
+    by float rounding.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(**cfg_dict)
+    cfg.initializer_range = std
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif "bias" in n:
+                p.normal_(0, 0.5)
+    model.save_pretrained(str(tmp_path), max_shard_size="200KB", safe_serialization=True)
+    return str(tmp_path)
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF greedy continuation of one prompt (no padding), EOS ignored."""
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+        do_sample=False, pad_token_id=0, eos_token_id=None,
+    )
+    return out[0, len(prompt_ids):].tolist()
