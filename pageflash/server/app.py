@@ -1,0 +1,707 @@
+"""OpenAI-compatible HTTP server over an AsyncLLMEngine (FastAPI + uvicorn), as vLLM's.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streams ending with
+`data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version.
+
+Bad input never reaches the engine thread as an exception: bodies are size-bounded (413), parsed
+strictly (400, OpenAI error body naming the field), the model name is checked (404), and
+SamplingParams/engine ValueErrors become 400s. A client that disconnects (streaming or not) aborts
+its requests at once, which frees their KV blocks before the engine's next step.
+
+    pageflash serve --model smollm2-135m --host 127.0.0.1 --port 8000 [--api-key KEY]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+
+import pydantic
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from pageflash.engine.async_engine import AsyncLLMEngine, EngineError, RequestStream
+from pageflash.server import protocol as P
+from pageflash.server.metrics import CONTENT_TYPE_LATEST, RequestTimer, ServerMetrics
+
+logger = logging.getLogger("pageflash.server")
+
+__version__ = "0.1.0"
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_CHOICES = 512  # prompts x n per HTTP request
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON; the openai client expects a float (vLLM clamps the same)
+
+
+# --------------------------------------------------------------------------- errors
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+             503: "server_error"}  # fmt: skip
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | int | None = None, type_: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else status
+        self.type = type_ or self.TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        info = P.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return P.ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _loc_to_param(loc: Sequence[Any]) -> str | None:
+    """('messages', 0, 'role') -> 'messages[0].role'; union-branch tags like 'list[int]' dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in str(part) or str(part) in ("str", "int", "float", "bool"):
+            continue  # the name of a union branch, not a field
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def _validation_error(e: pydantic.ValidationError) -> APIError:
+    errors = e.errors(include_url=False)
+    if errors and errors[0]["type"] == "json_invalid":
+        return APIError(400, f"Malformed JSON body: {errors[0]['msg']}", code="invalid_json")
+    parts: list[str] = []
+    first_param = None
+    for err in errors:
+        param = _loc_to_param(err["loc"])
+        first_param = first_param or param
+        msg = err["msg"].removeprefix("Value error, ")
+        text = f"{param}: {msg}" if param else msg
+        if err["type"] not in ("missing", "model_type") and "input" in err and param:
+            text += f" (got {json.dumps(err['input'], default=str)[:80]})"
+        if text not in parts:
+            parts.append(text)
+    if len(parts) > 4:
+        parts = parts[:4] + [f"... and {len(parts) - 4} more"]
+    return APIError(400, "Invalid request: " + "; ".join(parts), param=first_param)
+
+
+def _value_error(e: Exception, fields: Sequence[str] = ()) -> APIError:
+    """A ValueError/TypeError from SamplingParams or the engine; param guessed from its message."""
+    msg = str(e) or type(e).__name__
+    param = next((f for f in fields if re.search(rf"\b{re.escape(f)}\b", msg)), None)
+    return APIError(400, msg, param=param)
+
+
+# --------------------------------------------------------------------------- SSE response
+class SSEResponse(Response):
+    """Streams an async iterator of SSE lines, watching for the client's disconnect throughout.
+
+    Starlette's StreamingResponse only notices a disconnect on its next send under ASGI 2.4; here
+    the body and a receive() watcher race, so a disconnect cancels the body at once (its `finally`
+    aborts the engine requests) even while no token is being produced.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[str]) -> None:
+        super().__init__(content=None, status_code=200, media_type=self.media_type,
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        self.body_iter = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})  # fmt: skip
+            async for chunk in self.body_iter:
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        tasks = [asyncio.ensure_future(stream()), asyncio.ensure_future(watch())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            await self.body_iter.aclose()  # type: ignore[attr-defined]
+        err = results[0]
+        if isinstance(err, Exception) and not isinstance(err, OSError):
+            logger.error("stream failed", exc_info=err)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return task.result()
+    except asyncio.CancelledError:
+        raise APIError(499, "client disconnected", code="client_disconnected") from None
+
+
+# --------------------------------------------------------------------------- one generation
+@dataclass
+class _Choice:
+    """What has been sent for one choice (index = prompt_index * n + output index)."""
+
+    index: int
+    prompt_idx: int
+    text_len: int = 0  # characters of the cumulative text already sent
+    num_tokens: int = 0  # token ids already sent (their logprobs too)
+    text_offset: int = 0  # completions logprobs: character offset of the next token
+    started: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_generated: int = 0
+
+
+def _clamp(x: float) -> float:
+    x = float(x)
+    return max(x, LOGPROB_FLOOR) if x == x else LOGPROB_FLOOR  # NaN -> floor too
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave request streams as (stream index, RequestOutput); every stream is closed at the
+    end, so leaving early (error, cancellation) aborts the unfinished requests."""
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for out in s:
+                    q.put_nowait((i, out))
+                q.put_nowait((i, done))
+            except Exception as e:
+                q.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await q.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for s in streams:
+            s.close()
+
+
+OnDelta = Callable[[_Choice, str, list[int], "list[dict[int, Any]] | None"], Any]
+
+
+class _Generation:
+    """The engine requests behind one HTTP request (prompts x n choices) and what was sent of them."""
+
+    def __init__(self, streams: list[RequestStream], n: int, timer: RequestTimer) -> None:
+        self.streams = streams
+        self.n = n
+        self.timer = timer
+        self.choices = [_Choice(index=i * n + j, prompt_idx=i) for i in range(len(streams)) for j in range(n)]
+        self.prompt_tokens = [0] * len(streams)
+
+    def usage(self) -> P.Usage:
+        prompt = sum(self.prompt_tokens)
+        completion = sum(c.num_generated for c in self.choices)
+        return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def deltas(self, on_delta: OnDelta) -> AsyncIterator[Any]:
+        """For each choice with news, yield on_delta(choice, new text, new token ids, their logprobs).
+
+        Outputs carry cumulative text/token ids; a delta is what was not sent yet. A delta with
+        new tokens but no new text (a partial UTF-8 character held back) waits for the next one.
+        """
+        finished = False
+        try:
+            async for i, out in _merge(self.streams):
+                self.prompt_tokens[i] = len(out.prompt_token_ids or [])
+                self.timer.prompt_tokens = sum(self.prompt_tokens)
+                for comp in out.outputs:
+                    ch = self.choices[i * self.n + comp.index]
+                    if ch.finish_reason is not None:
+                        continue
+                    ch.num_generated = len(comp.token_ids)
+                    delta = comp.text[ch.text_len :]
+                    if comp.finish_reason is not None:
+                        ch.finish_reason, ch.stop_reason = comp.finish_reason, comp.stop_reason
+                    elif not delta:
+                        continue
+                    new_ids = list(comp.token_ids[ch.num_tokens :])
+                    new_lps = list(comp.logprobs[ch.num_tokens :]) if comp.logprobs is not None else None
+                    item = on_delta(ch, delta, new_ids, new_lps)
+                    ch.text_len, ch.num_tokens, ch.started = len(comp.text), len(comp.token_ids), True
+                    if item is not None:
+                        yield item
+                self.timer.on_tokens(sum(c.num_generated for c in self.choices))
+            finished = True
+        finally:
+            self.timer.finish([c.finish_reason if finished else "abort" for c in self.choices])
+
+
+def _sse(obj: pydantic.BaseModel | dict[str, Any]) -> str:
+    data = obj.model_dump_json() if isinstance(obj, pydantic.BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------- serving
+class OpenAIServing:
+    """The endpoints' logic; one per app, shared by all requests (holds no per-request state)."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], max_body_bytes: int) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.max_body_bytes = max_body_bytes
+        self.metrics = ServerMetrics(engine, model_names[0])
+        tok = engine.tokenizer
+        self.vocab_size = len(tok) if tok is not None else None
+
+    # ---- parsing and checks
+    async def read_json(self, request: Request, cls: type[pydantic.BaseModel]) -> Any:
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"Request body of {declared} bytes is over the limit of {limit} bytes",
+                           code="request_too_large")  # fmt: skip
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"Request body is over the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        try:
+            return cls.model_validate_json(b"".join(chunks))
+        except pydantic.ValidationError as e:
+            raise _validation_error(e) from None
+
+    def response_model_name(self, requested: str | None) -> str:
+        if requested is None:
+            return self.model_names[0]
+        if requested not in self.model_names:
+            raise APIError(404, f"The model `{requested}` does not exist (served: {', '.join(self.model_names)})",
+                           param="model", code="model_not_found")  # fmt: skip
+        return requested
+
+    def sampling_params(self, kw: dict[str, Any]) -> Any:
+        from pageflash.sampling_params import SamplingParams
+
+        try:
+            return SamplingParams(**kw)
+        except (ValueError, TypeError) as e:
+            raise _value_error(e, list(kw)) from None
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise APIError(400, f"{param} must not be empty", param=param)
+        vocab = self.vocab_size
+        bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+    async def add_all(self, base_id: str, prompts: list[Any], params: Any) -> list[RequestStream]:
+        """Add one engine request per prompt; on any refusal abort those already added."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self.engine.add_request(rid, prompt, params))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            if isinstance(e, EngineError):
+                raise APIError(503, f"The engine is not available: {e}") from None
+            if isinstance(e, (ValueError, TypeError)):
+                raise _value_error(e, ("prompt", "max_tokens", "messages")) from None
+            raise
+        return streams
+
+    async def engine_call(self, fn: Callable[[Any], Any], what: str, param: str) -> Any:
+        """Run fn(engine) on the engine thread; its errors are the request's fault (400)."""
+        try:
+            return await self.engine.call(fn)
+        except EngineError as e:
+            raise APIError(503, f"The engine is not available: {e}") from None
+        except Exception as e:
+            raise APIError(400, f"{what}: {type(e).__name__}: {e}", param=param) from None
+
+    # ---- logprobs
+    def decoded(self, token_id: int, lp: Any) -> str:
+        tok = getattr(lp, "decoded_token", None)
+        if tok is not None:
+            return tok
+        try:  # an id -> string lookup: safe beside the engine thread
+            return str(self.engine.tokenizer.convert_ids_to_tokens(token_id))
+        except Exception:
+            return f"token_id:{token_id}"
+
+    @staticmethod
+    def _ranked(d: dict[int, Any] | None) -> list[tuple[int, Any]]:
+        return sorted((d or {}).items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
+
+    def completion_logprobs(self, ch: _Choice, ids: list[int], lps: list[dict[int, Any]] | None,
+                            ) -> P.CompletionLogprobs | None:  # fmt: skip
+        if lps is None:
+            return None
+        out = P.CompletionLogprobs()
+        for tid, d in zip(ids, lps):
+            lp = (d or {}).get(tid)
+            tok = self.decoded(tid, lp)
+            out.tokens.append(tok)
+            out.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
+            out.top_logprobs.append({self.decoded(t, v): _clamp(v.logprob) for t, v in self._ranked(d)} or None)
+            out.text_offset.append(ch.text_offset)
+            ch.text_offset += len(tok)
+        return out
+
+    def chat_logprobs(self, ids: list[int], lps: list[dict[int, Any]] | None, k: int) -> P.ChatLogprobs | None:
+        if lps is None:
+            return None
+        content = []
+        for tid, d in zip(ids, lps):
+            lp = (d or {}).get(tid)
+            tok = self.decoded(tid, lp)
+            top = []
+            for t, v in [(t, v) for t, v in self._ranked(d) if v.rank is not None][:k]:
+                s = self.decoded(t, v)
+                top.append(P.ChatTopLogprob(token=s, logprob=_clamp(v.logprob), bytes=list(s.encode())))
+            content.append(P.ChatTokenLogprob(token=tok, logprob=_clamp(lp.logprob) if lp is not None else LOGPROB_FLOOR,
+                                              bytes=list(tok.encode()), top_logprobs=top))  # fmt: skip
+        return P.ChatLogprobs(content=content)
+
+    # ---- /v1/completions
+    async def completions(self, request: Request) -> Response:
+        req: P.CompletionRequest = await self.read_json(request, P.CompletionRequest)
+        model = self.response_model_name(req.model)
+        try:
+            raw = req.prompts()
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        if len(raw) * req.n > MAX_CHOICES:
+            raise APIError(400, f"prompts x n = {len(raw) * req.n} is over the limit of {MAX_CHOICES}", param="n")
+        prompts: list[Any] = []
+        for i, p in enumerate(raw):
+            if isinstance(p, list):
+                self.check_token_ids(p, "prompt" if len(raw) == 1 else f"prompt[{i}]")
+                prompts.append({"prompt_token_ids": p})
+            elif not p:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            else:
+                prompts.append(p)
+        echo = [p if isinstance(p, str) else "" for p in raw]
+        if req.echo and any(isinstance(p, list) for p in raw):
+            texts = await self.engine_call(lambda e: [e.tokenizer.decode(p) if isinstance(p, list) else p for p in raw],
+                                           "Cannot decode the prompt", "prompt")  # fmt: skip
+            echo = list(texts)
+        kw = req.sampling_kwargs()
+        kw["max_tokens"] = req.max_tokens
+        if req.logprobs is not None:
+            kw["logprobs"] = req.logprobs
+        params = self.sampling_params(kw)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        timer = self.metrics.timer()
+        gen = _Generation(await self.add_all(rid, prompts, params), req.n, timer)
+        created = int(time.time())
+
+        def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any) -> P.CompletionChoice:
+            if req.echo and not ch.started:
+                delta = echo[ch.prompt_idx] + delta
+                ch.text_offset = len(echo[ch.prompt_idx])
+            lp = self.completion_logprobs(ch, ids, lps) if req.logprobs is not None else None
+            return P.CompletionChoice(index=ch.index, text=delta, logprobs=lp,
+                                      finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
+
+        def chunk(choices: list[P.CompletionChoice], usage: P.Usage | None = None) -> str:
+            return _sse(P.CompletionStreamResponse(id=rid, created=created, model=model, choices=choices, usage=usage))
+
+        if req.stream:
+            async def body() -> AsyncIterator[str]:
+                try:
+                    async for c in gen.deltas(on_delta):
+                        yield chunk([c], gen.usage() if req.continuous_usage else None)
+                    if req.include_usage:
+                        yield chunk([], gen.usage())
+                except EngineError as e:
+                    yield _sse(APIError(500, f"Engine error: {e}").body())
+                yield _DONE
+
+            return SSEResponse(body())
+
+        async def collect() -> list[P.CompletionChoice]:
+            merged: dict[int, P.CompletionChoice] = {}
+            async for c in gen.deltas(on_delta):
+                prev = merged.setdefault(c.index, c)
+                if prev is c:
+                    continue
+                prev.text += c.text
+                prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+                if prev.logprobs is not None and c.logprobs is not None:
+                    for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                        getattr(prev.logprobs, name).extend(getattr(c.logprobs, name))
+            return [merged[i] for i in sorted(merged)]
+
+        choices = await _run_request(request, collect())
+        body = P.CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage())
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    # ---- /v1/chat/completions
+    async def chat_completions(self, request: Request) -> Response:
+        req: P.ChatCompletionRequest = await self.read_json(request, P.ChatCompletionRequest)
+        model = self.response_model_name(req.model)
+        if req.n > MAX_CHOICES:
+            raise APIError(400, f"n = {req.n} is over the limit of {MAX_CHOICES}", param="n")
+        messages = req.template_messages()
+
+        def render(e: Any) -> list[int]:
+            text = e.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                   tokenize=False)  # fmt: skip
+            # The template writes its own special tokens (BOS etc.): do not add them twice.
+            return list(e.tokenizer.encode(text, add_special_tokens=False))
+
+        prompt_ids = await self.engine_call(render, "Cannot apply the chat template", "messages")
+        if not prompt_ids:
+            raise APIError(400, "messages: the chat template produced an empty prompt", param="messages")
+        kw = req.sampling_kwargs()
+        kw["max_tokens"] = req.max_new_tokens
+        k = req.top_logprobs or 0
+        if req.logprobs:
+            kw["logprobs"] = k
+        params = self.sampling_params(kw)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        timer = self.metrics.timer()
+        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params), req.n, timer)
+        created = int(time.time())
+
+        def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any) -> P.ChatStreamChoice:
+            lp = self.chat_logprobs(ids, lps, k) if req.logprobs else None
+            return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(content=delta), logprobs=lp,
+                                      finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
+
+        def chunk(choices: list[P.ChatStreamChoice], usage: P.Usage | None = None) -> str:
+            return _sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=choices,
+                                                       usage=usage))  # fmt: skip
+
+        if req.stream:
+            async def body() -> AsyncIterator[str]:
+                try:
+                    for i in range(req.n):  # the first chunk of each choice carries the role
+                        yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))])
+                    async for c in gen.deltas(on_delta):
+                        yield chunk([c], gen.usage() if req.continuous_usage else None)
+                    if req.include_usage:
+                        yield chunk([], gen.usage())
+                except EngineError as e:
+                    yield _sse(APIError(500, f"Engine error: {e}").body())
+                yield _DONE
+
+            return SSEResponse(body())
+
+        async def collect() -> list[P.ChatChoice]:
+            merged: dict[int, P.ChatChoice] = {}
+            async for c in gen.deltas(on_delta):
+                prev = merged.get(c.index)
+                if prev is None:
+                    merged[c.index] = P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.delta.content),
+                                                   logprobs=c.logprobs, finish_reason=c.finish_reason,
+                                                   stop_reason=c.stop_reason)  # fmt: skip
+                    continue
+                prev.message.content = (prev.message.content or "") + (c.delta.content or "")
+                prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+                if prev.logprobs is not None and c.logprobs is not None:
+                    prev.logprobs.content = (prev.logprobs.content or []) + (c.logprobs.content or [])
+            return [merged[i] for i in sorted(merged)]
+
+        choices = await _run_request(request, collect())
+        body = P.ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage())
+        return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _run_request(request: Request, work: Awaitable[Any]) -> Any:
+    try:
+        return await _until_disconnect(request, work)
+    except EngineError as e:
+        raise APIError(500, f"Engine error: {e}") from None
+
+
+# --------------------------------------------------------------------------- the app
+def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:  # fmt: skip
+    """The FastAPI app serving `engine` under the given model name(s) (the first is the default).
+
+    `api_key`: if set, /v1/* require `Authorization: Bearer <api_key>` (401 otherwise); /health and
+    /metrics stay open. `max_body_bytes`: larger request bodies get 413.
+    """
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names:
+        raise ValueError("served_model_name must name at least one model")
+    serving = OpenAIServing(engine, names, max_body_bytes)
+    metrics = serving.metrics
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()  # idempotent; the caller that made the engine shuts it down
+        yield
+
+    app = FastAPI(title="pageflash OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.serving = serving
+
+    # Every error leaves as an OpenAI body; none as a bare HTML/text page.
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        metrics.count_error(exc.status)
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        metrics.count_error(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.count_error(400)
+        return APIError(400, f"Invalid request: {exc.errors()}").response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error on %s", request.url.path)
+        metrics.count_error(500)
+        return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}").response()
+
+    async def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Missing or invalid API key: send `Authorization: Bearer <key>`",
+                           code="invalid_api_key")  # fmt: skip
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return Response(status_code=200)
+        return APIError(503, f"The engine is not running: {engine.dead_reason}").response()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_auth)])
+
+    @v1.get("/models")
+    async def models() -> Response:
+        cards = [P.ModelCard(id=n, root=engine.model_name, max_model_len=engine.max_model_len) for n in names]
+        return Response(P.ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat_completions(request)
+
+    app.include_router(v1)
+    return app
+
+
+# --------------------------------------------------------------------------- `pageflash serve`
+# Engine flags passed to LLM(...) when given (None = the engine's default).
+ENGINE_FLAGS: dict[str, type] = {
+    "dtype": str, "device": str, "max_model_len": int, "num_kv_blocks": int, "max_num_seqs": int,
+    "block_size": int, "gpu_memory_utilization": float, "seed": int,
+}  # fmt: skip
+
+
+def make_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pageflash serve", description="OpenAI-compatible server for pageflash.")
+    p.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    p.add_argument("--model", default=None, help="model name or path (default: smollm2-135m)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1 (default: $PAGEFLASH_API_KEY)")  # fmt: skip
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the API answers to (default: the --model value)")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g = p.add_argument_group("engine")
+    for name, typ in ENGINE_FLAGS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`pageflash serve ...`: load the model, start the engine thread, run uvicorn until stopped."""
+    import uvicorn
+
+    if argv and argv[0] == "serve":
+        argv = argv[1:]
+    args = make_arg_parser().parse_args(argv)
+    model = args.model or args.model_tag or "smollm2-135m"
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pageflash import LLM
+
+    engine_kw = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    llm = LLM(model=model, **engine_kw)
+    engine = AsyncLLMEngine(llm.llm_engine)
+    api_key = args.api_key or os.environ.get("PAGEFLASH_API_KEY") or None
+    app = build_app(engine, args.served_model_name or [model], api_key=api_key, max_body_bytes=args.max_body_bytes)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5)
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Prometheus metrics of the server, named as vLLM's (`vllm:` -> `pageflash:`).
+
+Each server gets its own CollectorRegistry (no global state: several apps can live in one process,
+as in the tests). Two sources:
+- the engine's own counters and gauges (`LLMEngine.get_stats()`, snapshotted by the engine thread)
+  are read at scrape time by a custom collector: running/waiting requests, KV-cache usage, free
+  blocks, prefix-cache queries/hits, preemptions, prompt/generation token totals;
+- per-request latencies that only the server sees (time to first token, time per output token,
+  end-to-end latency) and finished requests by reason are histograms/counters updated per request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for app.py)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from pageflash.engine.async_engine import AsyncLLMEngine
+
+PREFIX = "pageflash:"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class EngineStatsCollector(Collector):
+    """Turns the engine's latest stats snapshot into metrics at scrape time."""
+
+    def __init__(self, engine: "AsyncLLMEngine", model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.get_stats()
+        lbl = ["model_name"]
+        val = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=lbl)
+            g.add_metric(val, float(value))
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=lbl)
+            c.add_metric(val, float(value))
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.get("num_running", 0))
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.get("num_waiting", 0))
+        yield gauge("num_requests_in_flight", "Requests the server is streaming or awaiting.",
+                    self.engine.num_in_flight)  # fmt: skip
+        yield gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).", s.get("kv_cache_usage", 0.0))
+        yield gauge("num_kv_blocks_free", "Free KV-cache blocks.", s.get("num_free_blocks", 0))
+        yield gauge("num_kv_blocks_total", "KV-cache blocks in all.", s.get("num_total_blocks", 0))
+        queries = s.get("prefix_cache_queries", 0)
+        hits = s.get("prefix_cache_hits", 0)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
+        yield gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens).",
+                    hits / queries if queries else 0.0)  # fmt: skip
+        yield counter("num_preemptions", "Requests preempted since start.", s.get("num_preemptions", 0))
+        yield counter("prompt_tokens", "Prompt tokens processed.", s.get("prompt_tokens_total", 0))
+        yield counter("generation_tokens", "Tokens generated.", s.get("generation_tokens_total", 0))
+        yield gauge("engine_healthy", "1 while the engine loop runs.", 1.0 if self.engine.is_running else 0.0)
+
+
+@dataclass
+class RequestTimer:
+    """Per-request timing: created at arrival, fed each output's token count, closed at the end."""
+
+    metrics: "ServerMetrics"
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+    prompt_tokens: int = 0
+    done: bool = False
+
+    def on_tokens(self, total_tokens: int) -> None:
+        """Called with the request's total output tokens so far (over all its choices)."""
+        if total_tokens > self.num_tokens:
+            now = time.perf_counter()
+            if self.first_token is None:
+                self.first_token = now
+                self.metrics.ttft.labels(self.metrics.model_name).observe(now - self.arrival)
+            self.last_token = now
+            self.num_tokens = total_tokens
+
+    def finish(self, finished_reasons: list[str | None]) -> None:
+        if self.done:
+            return
+        self.done = True
+        m, name = self.metrics, self.metrics.model_name
+        m.e2e.labels(name).observe(time.perf_counter() - self.arrival)
+        if self.first_token is not None and self.last_token is not None and self.num_tokens > 1:
+            m.tpot.labels(name).observe((self.last_token - self.first_token) / (self.num_tokens - 1))
+        m.prompt_len.labels(name).observe(self.prompt_tokens)
+        m.gen_len.labels(name).observe(self.num_tokens)
+        for reason in finished_reasons:
+            m.success.labels(name, reason or "abort").inc()
+
+
+class ServerMetrics:
+    def __init__(self, engine: "AsyncLLMEngine", model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, lbl = self.registry, ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                              lbl, buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              lbl, buckets=TPOT_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to end.",
+                             lbl, buckets=E2E_BUCKETS, registry=r)  # fmt: skip
+        self.prompt_len = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per request.",
+                                    lbl, buckets=TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.gen_len = Histogram(PREFIX + "request_generation_tokens", "Generated tokens per request.",
+                                 lbl, buckets=TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)  # fmt: skip
+        self.errors = Counter(PREFIX + "request_errors", "Requests answered with an error, by status.",
+                              ["model_name", "status"], registry=r)  # fmt: skip
+        r.register(EngineStatsCollector(engine, model_name))
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def count_error(self, status: int) -> None:
+        self.errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,317 @@
+"""Pydantic models of the OpenAI request and response bodies that the server speaks.
+
+Requests follow OpenAI's /v1/completions and /v1/chat/completions plus vLLM's sampling extras
+(top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+include_stop_str_in_output, skip_special_tokens). Types are strict (a string is not a number), so a
+wrong type is a 400 rather than a silent coercion; limits that the spec names (max_tokens >= 1,
+temperature >= 0, 0 < top_p <= 1, n >= 1, non-empty messages, known roles) are checked here so that
+the error names the field. Everything else is checked by SamplingParams and the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_serializer,
+    model_validator,
+)
+
+# A bound on fan-out per HTTP request: choices = prompts x n.
+MAX_N = 128
+MAX_PROMPTS = 256
+MAX_LOGPROBS = 20
+
+Float = float  # strict float: JSON ints are accepted, strings and booleans are not
+
+
+class _Strict(BaseModel):
+    # strict: no "5" -> 5; extra fields (e.g. user, logit_bias) are ignored as vLLM does.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints; bounds that the issue names are enforced here."""
+
+    model: StrictStr | None = None
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    temperature: Float | None = Field(None, ge=0.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = None
+    min_p: Float | None = Field(None, ge=0.0, le=1.0)
+    seed: StrictInt | None = None
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Float | None = Field(None, gt=0.0)
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: StrictInt | None = Field(None, ge=0)
+    ignore_eos: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams keyword arguments this request sets (None = engine default)."""
+        names = (
+            "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens",
+            "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+        )  # fmt: skip
+        kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.stop is not None:
+            kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return kw
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+# --------------------------------------------------------------------------- completions
+PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptType
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool | None = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "CompletionRequest":
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n (best_of > n is not supported)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if len(p) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}")
+        return list(p)  # type: ignore[arg-type]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# --------------------------------------------------------------------------- chat
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    # Roles are checked by hand so that an unknown one gets a clear message naming the known ones.
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatMessage":
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; expected one of {', '.join(ROLES)}")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages for the chat template: plain-text content; 'developer' is OpenAI's new 'system'."""
+        out = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.text()})
+        return out
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(BaseModel):
+    """A streamed chat delta; unset fields are left out, as OpenAI does ({"content": "..."})."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+# --------------------------------------------------------------------------- models, errors
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pageflash"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
