@@ -4,8 +4,8 @@ The engine describes each row of the logits with a :class:`SamplingRow`, turns t
 a :class:`SamplingBatch` (per-row parameters as tensors on the device, built once per step on the
 host, so that sampling itself needs no host sync), and calls :class:`Sampler`::
 
-    batch = SamplingBatch.build(rows, vocab_size, device, eos_token_id=tokenizer.eos_token_id)
-    out = sampler(logits, batch)          # out.token_ids: int64 [B]
+    batch = SamplingBatch.build(rows, vocab_size, device, eos_token_ids=eos_ids)
+    out = sampler(logits, batch, generator)   # out.token_ids: int64 [B]
 
 Processing order (as vLLM): penalties (repetition HF-style over prompt + output tokens; presence and
 frequency OpenAI-style over output tokens), min_tokens (EOS and stop_token_ids masked while the row
@@ -14,7 +14,8 @@ has fewer than min_tokens outputs), then -- for random rows only -- temperature,
 penalized logits. The draw is ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. per token (the
 exponential-race form of categorical sampling, as in gpt-fast): no ``multinomial``, no host sync.
 A row with its own ``torch.Generator`` draws its noise from it, so a seeded request gets the same
-tokens alone or anywhere in any batch; the other rows share one draw from the global RNG.
+tokens alone or anywhere in any batch; the other rows share one draw (from the generator passed
+to the call, or torch's default RNG).
 
 Logprobs are ``log_softmax`` of the raw logits, before penalties and temperature (vLLM's default
 "raw_logprobs" mode).
@@ -147,23 +148,24 @@ class SamplingBatch:
         rows: Sequence[SamplingRow],
         vocab_size: int,
         device: Union[torch.device, str],
-        eos_token_id: Union[int, Iterable[int], None] = None,
+        eos_token_ids: Union[int, Iterable[int], None] = None,
     ) -> "SamplingBatch":
         """Gather the rows' parameters into device tensors (host work, one copy per tensor kind).
 
         rows: one per logits row, in the logits' order.
         vocab_size: V, the logits' last dimension.
         device: the logits' device.
-        eos_token_id: the model's EOS id(s); used only by min_tokens (masked unless ignore_eos).
+        eos_token_ids: the model's EOS id(s); used only by min_tokens, which masks them (unless
+            ignore_eos) together with stop_token_ids while a row has fewer than min_tokens outputs.
         """
         device = torch.device(device)
         rows = list(rows)
-        if eos_token_id is None:
-            eos = ()
-        elif isinstance(eos_token_id, int):
-            eos = (eos_token_id,)
+        if eos_token_ids is None:
+            eos: tuple[int, ...] = ()
+        elif isinstance(eos_token_ids, int):
+            eos = (eos_token_ids,)
         else:
-            eos = tuple(eos_token_id)
+            eos = tuple(int(t) for t in eos_token_ids)
         n = len(rows)
         ps = [r.params for r in rows]
         greedy = [p.greedy for p in ps]
@@ -313,10 +315,17 @@ class SamplingBatch:
 class Sampler:
     """Turns logits into token ids following each row's SamplingParams (stateless)."""
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        generator: Optional[torch.Generator] = None,
+    ) -> SamplerOutput:
         """Sample one token per row.
 
         logits: [B, V], any float dtype, on batch.device; not modified.
+        generator: RNG of the rows without their own generator (e.g. the engine's, seeded from its
+            config, so that a whole run is reproducible); None = torch's default RNG.
         Returns a SamplerOutput (token_ids int64 [B]; logprobs when any row asked).
         """
         _check_shapes(logits, batch)
@@ -329,7 +338,7 @@ class Sampler:
                 token_ids = greedy_ids
             else:
                 probs = _probs_from_processed(processed, batch)
-                random_ids = _exponential_race(probs, batch)
+                random_ids = _exponential_race(probs, batch, generator)
                 token_ids = (
                     random_ids if batch.all_random
                     else torch.where(batch.greedy_mask, greedy_ids, random_ids)
@@ -443,7 +452,9 @@ def _top_k_top_p_sorted(
     return torch.empty_like(x).scatter_(1, order, sorted_x)
 
 
-def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _exponential_race(
+    probs: torch.Tensor, batch: SamplingBatch, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
     """argmax(probs / E), E ~ Exp(1) i.i.d.: a categorical draw per row. probs [B, V] -> int64 [B].
 
     P(argmax = j) = p_j / sum(p): the race of exponential clocks with rates p_j.
@@ -451,7 +462,7 @@ def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     if batch.generators and len(batch.generators) == batch.num_rows - batch.num_greedy:
         noise = torch.empty_like(probs)  # every random row has its own generator
     else:
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(probs).exponential_(generator=generator)
     for i, gen in batch.generators:
         noise[i].exponential_(generator=gen)
     # Exp(1) can round to 0 on some backends; a tiny floor keeps p/E finite and 0/E = 0.

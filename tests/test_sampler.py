@@ -1,0 +1,393 @@
+"""Sampler: each transformation against its definition, seeds, distributions, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pageflash.engine.sampler import (
+    Sampler,
+    SamplingBatch,
+    SamplingRow,
+    apply_penalties_and_min_tokens,
+    compute_probs,
+)
+from pageflash.sampling_params import SamplingParams
+
+DEVICE = "cpu"
+
+
+def rows_for(params: list[SamplingParams], outputs=None, prompts=None, gens=None):
+    n = len(params)
+    outputs = outputs or [[] for _ in range(n)]
+    prompts = prompts or [[] for _ in range(n)]
+    gens = gens or [None] * n
+    return [SamplingRow(p, pr, o, g) for p, pr, o, g in zip(params, prompts, outputs, gens)]
+
+
+def build(params, vocab, **kw):
+    eos = kw.pop("eos", None)
+    return SamplingBatch.build(rows_for(params, **kw), vocab, DEVICE, eos_token_ids=eos)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def chi2_sf_even_df(x: float, df: int) -> float:
+    """Survival function of the chi-square distribution for an even df (closed form)."""
+    assert df % 2 == 0
+    half = x / 2
+    term, total = 1.0, 1.0
+    for i in range(1, df // 2):
+        term *= half / i
+        total += term
+    return math.exp(-half) * total
+
+
+# ---------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_is_argmax(dtype):
+    torch.manual_seed(0)
+    logits = (torch.randn(7, 301) * 4).to(dtype)
+    before = logits.clone()
+    out = Sampler()(logits, build([SamplingParams(temperature=0.0)] * 7, 301))
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.token_ids.dtype == torch.int64
+    assert out.logprobs is None
+    assert torch.equal(logits, before)  # the model's buffer is never modified
+
+
+def test_greedy_rows_in_mixed_batch_ignore_sampling_knobs():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50) * 3
+    params = [
+        SamplingParams(temperature=0.0, top_k=2, top_p=0.1, min_p=0.9),  # greedy: knobs inert
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=1e-6),  # below 1e-5 counts as greedy
+        SamplingParams(temperature=0.7, top_p=0.5, seed=3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(),
+    ]
+    gens = [None, None, None, gen(3), None, None]
+    out = Sampler()(logits, build(params, 50, gens=gens))
+    for i in (0, 2, 4):
+        assert out.token_ids[i] == logits[i].argmax()
+    probs = compute_probs(logits, build(params, 50, gens=gens))
+    for i in (0, 2, 4):  # greedy rows' distribution is the point mass at the argmax
+        assert probs[i, logits[i].argmax()] == 1.0 and probs[i].sum() == 1.0
+
+
+# ---------------------------------------------------------------- filters vs definitions
+
+
+def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """float64 [V]: temperature, then top-k, top-p, min-p by their textbook definitions."""
+    z = logits.double() / p.temperature
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if p.top_k > 0:
+        keep = torch.zeros_like(keep)
+        keep[z.topk(min(p.top_k, z.numel())).indices] = True
+
+    def renorm(mask):
+        q = torch.softmax(z, -1) * mask
+        return q / q.sum()
+
+    if p.top_p < 1.0:
+        q = renorm(keep)
+        order = q.argsort(descending=True)
+        cum = q[order].cumsum(0)
+        n = int((cum < p.top_p).sum()) + 1  # smallest prefix whose mass reaches top_p
+        keep = torch.zeros_like(keep)
+        keep[order[:n]] = True
+    if p.min_p > 0.0:
+        q = renorm(keep)
+        keep = keep & (q >= p.min_p * q.max())
+    return renorm(keep)
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_filters_match_definitions(case):
+    g = torch.Generator().manual_seed(100 + case)
+    batch_size, vocab = 16, 97
+    logits = torch.randn(batch_size, vocab, generator=g) * 2.5
+    params = []
+    for i in range(batch_size):
+        u = torch.rand(5, generator=g).tolist()
+        params.append(
+            SamplingParams(
+                temperature=0.3 + 1.7 * u[0],
+                top_k=[-1, 0, 1, 5, 20, 200][int(u[1] * 6)],
+                top_p=[1.0, 0.9, 0.5, 0.2, 0.05][int(u[2] * 5)] if case % 2 == 0 else 1.0,
+                min_p=[0.0, 0.05, 0.3, 1.0][int(u[3] * 4)] if case < 4 else 0.0,
+            )
+        )
+    probs = compute_probs(logits, build(params, vocab))
+    assert probs.dtype == torch.float32 and probs.shape == (batch_size, vocab)
+    for i, p in enumerate(params):
+        ref = reference_probs(logits[i], p)
+        assert torch.equal(probs[i] > 0, ref > 0), (i, p)
+        torch.testing.assert_close(probs[i].double(), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_top_p_tiny_keeps_one_token_and_top_k_one_is_argmax():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 40)
+    params = [SamplingParams(top_p=1e-6), SamplingParams(top_k=1)] * 2
+    probs = compute_probs(logits, build(params, 40))
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert torch.equal((probs > 0).sum(-1), torch.ones(4, dtype=torch.int64))
+    out = Sampler()(logits, build(params, 40))
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def reference_penalized(logits, p: SamplingParams, prompt, output):
+    x = logits.double().clone()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(output):
+        x[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return x
+
+
+def test_penalties_match_reference():
+    g = torch.Generator().manual_seed(7)
+    vocab = 30
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, repetition_penalty=0.7),
+        SamplingParams(temperature=0.0, presence_penalty=1.2),
+        SamplingParams(temperature=0.0, frequency_penalty=-0.8),
+        SamplingParams(
+            temperature=0.0, presence_penalty=-0.5, frequency_penalty=2.0, repetition_penalty=1.3
+        ),
+        SamplingParams(temperature=0.0),
+    ]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 8, 0, 3, 12, 4)]
+    outputs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (6, 0, 9, 7, 10, 3)]
+    logits = torch.randn(len(params), vocab, generator=g) * 3
+    batch = build(params, vocab, prompts=prompts, outputs=outputs)
+    got = apply_penalties_and_min_tokens(logits, batch)
+    for i, p in enumerate(params):
+        ref = reference_penalized(logits[i], p, prompts[i], outputs[i])
+        torch.testing.assert_close(got[i].double(), ref, atol=1e-5, rtol=1e-5)
+    out = Sampler()(logits, batch)
+    assert torch.equal(out.token_ids, got.argmax(-1))
+
+
+def test_penalties_only_build_what_is_used():
+    b = build([SamplingParams(), SamplingParams(temperature=0)], 10, outputs=[[1], [2]])
+    assert b.output_counts is None and b.repetition_mask is None and not b.needs_logits_processing
+    b = build([SamplingParams(presence_penalty=1.0), SamplingParams()], 10, outputs=[[1, 1], [2]])
+    assert b.repetition_mask is None
+    assert b.output_counts[0, 1] == 2 and b.output_counts[1].sum() == 0  # row 1 does not pay
+
+
+# ---------------------------------------------------------------- min_tokens
+
+
+def test_min_tokens_blocks_eos_and_stop_ids():
+    vocab, eos = 12, 11
+    logits = torch.zeros(5, vocab)
+    logits[:, eos] = 50.0  # EOS would win by far
+    logits[:, 3] = 40.0  # a stop token id, second
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[3]),  # 2 outputs: blocked
+        SamplingParams(temperature=0.9, min_tokens=3, stop_token_ids=[3], seed=1),
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]),  # reached: free
+        SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True, stop_token_ids=[3]),
+        SamplingParams(temperature=0.0, min_tokens=3),  # EOS blocked, 3 is no stop here
+    ]
+    outputs = [[0, 0]] * 5
+    for _ in range(20):
+        gens = [None, gen(torch.randint(0, 10**6, ()).item()), None, None, None]
+        out = Sampler()(logits, build(params, vocab, outputs=outputs, gens=gens, eos=eos))
+        t = out.token_ids.tolist()
+        assert t[0] not in (eos, 3) and t[1] not in (eos, 3)
+        assert t[2] == eos
+        assert t[3] == eos  # ignore_eos: EOS is not a stop, so min_tokens leaves it alone
+        assert t[4] == 3
+
+
+def test_min_tokens_with_several_eos_ids():
+    logits = torch.zeros(1, 8)
+    logits[0, 5], logits[0, 6], logits[0, 1] = 9.0, 8.0, 7.0
+    out = Sampler()(
+        logits,
+        build([SamplingParams(temperature=0, min_tokens=1)], 8, eos=[5, 6]),
+    )
+    assert out.token_ids.item() == 1
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def test_seeded_row_is_independent_of_batch_composition():
+    torch.manual_seed(3)
+    vocab, steps = 64, 12
+    target = SamplingParams(temperature=1.1, top_p=0.95, seed=1234)
+    logits_seq = [torch.randn(vocab) for _ in range(steps)]
+
+    def run(position: int, others: list[SamplingParams]) -> list[int]:
+        g_target = gen(1234)
+        g_others = [gen(p.seed) if p.seed is not None else None for p in others]
+        tokens = []
+        for s in range(steps):
+            params = list(others)
+            params.insert(position, target)
+            gens = list(g_others)
+            gens.insert(position, g_target)
+            logits = torch.randn(len(params), vocab)
+            logits[position] = logits_seq[s]
+            out = Sampler()(logits, build(params, vocab, gens=gens))
+            tokens.append(out.token_ids[position].item())
+        return tokens
+
+    alone = run(0, [])
+    others = [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=99, top_k=7),
+        SamplingParams(temperature=2.0, min_p=0.1),
+    ]
+    assert run(0, others) == alone
+    assert run(2, others) == alone
+    assert run(4, others[:2] + others[3:] + [SamplingParams()] * 3) == alone
+    # and the seed matters
+    other_seed = []
+    g = gen(4321)
+    for s in range(steps):
+        out = Sampler()(logits_seq[s][None], build([target], vocab, gens=[g]))
+        other_seed.append(out.token_ids.item())
+    assert other_seed != alone
+
+
+def test_compute_probs_rows_with_same_params_are_identical_and_expand():
+    torch.manual_seed(4)
+    vocab = 40
+    params = [SamplingParams(temperature=0.7, top_k=9, frequency_penalty=0.5, min_tokens=3),
+              SamplingParams(temperature=0.0, presence_penalty=1.0)]
+    batch = build(params, vocab, outputs=[[1, 2], [3]], eos=0)
+    drafts = [[5, 6], [7]]
+    expanded = batch.expand([3, 2], drafts)
+    explicit = build(
+        [params[0]] * 3 + [params[1]] * 2,
+        vocab,
+        outputs=[[1, 2], [1, 2, 5], [1, 2, 5, 6], [3], [3, 7]],
+        eos=0,
+    )
+    logits = torch.randn(5, vocab)
+    torch.testing.assert_close(compute_probs(logits, expanded), compute_probs(logits, explicit))
+    # min_tokens=3 blocks EOS (id 0) for the first two positions only
+    probs = compute_probs(logits, expanded)
+    assert probs[0, 0] == 0 and probs[1, 0] == 0 and probs[2, 0] > 0
+    plain = batch.expand([3, 2])
+    assert [len(r.output_token_ids) for r in plain.rows] == [2, 2, 2, 1, 1]
+    with pytest.raises(ValueError, match="counts"):
+        batch.expand([1])
+
+
+# ---------------------------------------------------------------- distributions
+
+# Each test below compares counts with the expected probabilities by a chi-square test and
+# fails when the p-value is below ALPHA: for a correct sampler and a fresh random seed that is a
+# false alarm with probability 1e-6. The seeds are fixed, so the tests are deterministic.
+ALPHA = 1e-6
+
+
+def assert_matches(counts: torch.Tensor, probs: torch.Tensor) -> None:
+    n = counts.sum().item()
+    expected = probs.double() * n
+    support = expected > 0
+    assert counts[~support].sum() == 0, "sampled a token of probability 0"
+    stat = (((counts[support].double() - expected[support]) ** 2) / expected[support]).sum().item()
+    df = int(support.sum()) - 1
+    if df % 2:  # the closed form needs an even df; one more df only makes the test laxer
+        df += 1
+    p_value = chi2_sf_even_df(stat, df)
+    assert p_value > ALPHA, f"chi2={stat:.1f} df={df} p={p_value:.2e}"
+
+
+def test_unseeded_samples_follow_softmax_over_temperature():
+    torch.manual_seed(5)
+    vocab, n, temp = 7, 50_000, 0.8
+    logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -3.0, 1.5])
+    out = Sampler()(logits.expand(n, vocab), build([SamplingParams(temperature=temp)] * n, vocab))
+    counts = torch.bincount(out.token_ids, minlength=vocab)
+    assert_matches(counts, torch.softmax(logits.double() / temp, -1))
+
+
+def test_seeded_samples_follow_the_filtered_distribution():
+    torch.manual_seed(6)
+    vocab, n = 9, 20_000
+    logits = torch.randn(vocab) * 1.5
+    params = SamplingParams(temperature=1.3, top_k=6, min_p=0.05, seed=11)
+    g = gen(11)  # one request's generator, drawn from n times in a row
+    out = Sampler()(logits.expand(n, vocab), build([params] * n, vocab, gens=[g] * n))
+    counts = torch.bincount(out.token_ids, minlength=vocab)
+    expected = compute_probs(logits[None], build([params], vocab))[0]
+    torch.testing.assert_close(expected.double(), reference_probs(logits, params))
+    assert_matches(counts, expected)
+
+
+def test_chi_square_detects_a_wrong_distribution():
+    # the check has power: samples of T=1 are rejected against T=0.8's distribution
+    torch.manual_seed(5)
+    vocab, n = 7, 50_000
+    logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -3.0, 1.5])
+    out = Sampler()(logits.expand(n, vocab), build([SamplingParams()] * n, vocab))
+    counts = torch.bincount(out.token_ids, minlength=vocab)
+    with pytest.raises(AssertionError, match="chi2"):
+        assert_matches(counts, torch.softmax(logits.double() / 0.8, -1))
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_raw_and_ranks_are_right():
+    torch.manual_seed(8)
+    vocab = 50
+    logits = (torch.randn(5, vocab) * 2).to(torch.bfloat16)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=0, repetition_penalty=2.0),
+        SamplingParams(temperature=1.5, logprobs=5, presence_penalty=1.0),
+        SamplingParams(temperature=0.5, logprobs=2, top_k=10),
+        SamplingParams(temperature=3.0),  # asks none; still gets columns, ignores them
+        SamplingParams(temperature=0.0, logprobs=1),
+    ]
+    batch = build(params, vocab, prompts=[[1, 2]] * 5, outputs=[[3, 4]] * 5)
+    out = Sampler()(logits, batch)
+    ref = torch.log_softmax(logits.float(), -1)
+    assert out.logprobs.shape == (5, 6) and out.logprob_token_ids.shape == (5, 6)
+    assert torch.equal(out.logprob_token_ids[:, 0], out.token_ids)
+    torch.testing.assert_close(out.logprobs[:, 0], ref.gather(1, out.token_ids[:, None])[:, 0])
+    top = ref.topk(5, -1)
+    assert torch.equal(out.logprob_token_ids[:, 1:], top.indices)
+    torch.testing.assert_close(out.logprobs[:, 1:], top.values)
+    for i in range(5):
+        sampled = ref[i, out.token_ids[i]]
+        assert out.sampled_ranks[i].item() == 1 + int((ref[i] > sampled).sum())
+
+
+def test_logprobs_zero_gives_only_the_sampled_token():
+    logits = torch.randn(3, 20)
+    out = Sampler()(logits, build([SamplingParams(logprobs=0)] * 3, 20))
+    assert out.logprobs.shape == (3, 1)
+    assert torch.equal(out.logprob_token_ids[:, 0], out.token_ids)
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def test_rejects_wrong_logits_shape_and_handles_empty_batch():
+    with pytest.raises(ValueError, match="logits must be"):
+        Sampler()(torch.randn(2, 9), build([SamplingParams()] * 2, 10))
+    out = Sampler()(torch.randn(0, 10), build([], 10))
+    assert out.token_ids.shape == (0,)
