@@ -1,0 +1,115 @@
+"""The Triton attention backend ("triton"): store K/V, then Flash-Decoding for decode-only steps and
+the paged prefill kernel for everything else (prefill, chunked prefill, prefix hits, multi-token and
+tree decode). Interface and conventions: pageflash.layers.attention.
+
+``plan`` does the per-step index arithmetic once (host-side, from the metadata's CPU lists); the
+pieces that depend on the model's head counts (decode split count, prefill work list, which depends
+on queries per tile = BLOCK_M / padded GQA group) are computed at the first layer's ``forward`` and
+cached in the plan for the other layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode
+from pageflash.kernels.kv_store import store_kv
+from pageflash.kernels.paged_attention import build_tiles, paged_attention, prefill_config
+from pageflash.layers.attention import AttentionMetadata, register_backend
+
+__all__ = ["TritonBackend", "TritonPlan"]
+
+
+@dataclass
+class TritonPlan:
+    """One step's plan. ``meta``: the step's metadata; ``decode``: decode-only step;
+    ``max_kv_len``: static bound of the KV length (block-table width x block size), which sizes the
+    decode splits; the caches below are filled by the first forward of the step."""
+
+    meta: AttentionMetadata
+    decode: bool
+    max_kv_len: int
+    num_sms: int
+    num_splits: dict[int, int] = field(default_factory=dict)  # num_kv_heads -> splits
+    tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # queries/tile -> list
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.meta.slot_mapping
+
+    def splits_for(self, num_kv_heads: int) -> int:
+        s = self.num_splits.get(num_kv_heads)
+        if s is None:
+            s = choose_num_splits(self.meta.num_seqs, num_kv_heads, self.max_kv_len, self.num_sms)
+            self.num_splits[num_kv_heads] = s
+        return s
+
+    def tiles_for(self, queries_per_tile: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.tiles.get(queries_per_tile)
+        if t is None:
+            t = build_tiles(self.meta.query_lens_cpu, self.meta.seq_lens_cpu, queries_per_tile, device)
+            self.tiles[queries_per_tile] = t
+        return t
+
+
+class TritonBackend:
+    """Triton kernels on CUDA (and under TRITON_INTERPRET=1 on CPU, for tests)."""
+
+    name = "triton"
+
+    def __init__(self, num_sms: Optional[int] = None) -> None:
+        self._num_sms = num_sms
+
+    def _sms(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            if device.type == "cuda":
+                self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self._num_sms = 4  # interpreter: small, so that the tests exercise the splits
+        return self._num_sms
+
+    def plan(self, meta: AttentionMetadata) -> TritonPlan:
+        dev = meta.seq_lens.device
+        return TritonPlan(
+            meta=meta,
+            decode=meta.is_decode_only,
+            max_kv_len=int(meta.block_tables.shape[1]) * meta.block_size,
+            num_sms=self._sms(dev),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: TritonPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]."""
+        meta = plan.meta
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        hkv = k_cache.shape[2]
+        if plan.decode:
+            return flash_decode(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=plan.splits_for(hkv)
+            )
+        group = q.shape[1] // hkv
+        cfg = prefill_config(q.shape[2], group, meta.max_query_len, q.dtype, q.device)
+        per_tile = cfg["BLOCK_M"] // _pow2(group)
+        return paged_attention(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask,
+            tiles=plan.tiles_for(per_tile, q.device), config=cfg,
+        )
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+register_backend("triton", TritonBackend)

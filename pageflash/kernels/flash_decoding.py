@@ -1,0 +1,245 @@
+"""Decode attention (one query per sequence) over the paged KV cache: Flash-Decoding in Triton.
+
+Kernel 1, grid ``(num_splits, Hkv, B)``: each program takes the G = Hq/Hkv query heads of one KV head
+of one sequence (one ``[BLOCK_H >= 16, D]`` Q tile, so the G heads share every K/V load) and one
+contiguous chunk of the sequence's keys, read BLOCK_N at a time through the block table with an online
+softmax. With ``num_splits == 1`` it writes the output directly; otherwise it writes an fp32 partial
+output (normalised within the chunk) and its log-sum-exp (base 2), and kernel 2, grid ``(Hq, B)``,
+rescales and sums the partials.
+
+CUDA-graph safe: ``num_splits`` is a static function of (batch, Hkv, block-table width, SM count),
+never of the lengths; the chunk bounds are computed on the device from ``seq_lens`` (equal chunks of
+the actual length, in multiples of BLOCK_N), and a program whose chunk is empty writes a zero partial
+with lse = -inf, which the combine weights by 0.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pageflash.layers.attention import _decode_batched_ref
+
+__all__ = ["flash_decode", "flash_decode_ref", "choose_num_splits", "decode_config"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KC, VC, O, PO, PLSE, BT, SEQ_LENS,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    stride_bt,
+    qk_scale,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    seq_len = tl.load(SEQ_LENS + b)
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = seq_len
+    else:
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < GROUP
+    d_ok = offs_d < HEAD_DIM
+    head = kvh * GROUP + offs_h
+    q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    bt_row = BT + b64 * stride_bt
+    k_base = KC + kvh * stride_kch
+    v_base = VC + kvh * stride_vch
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        j = start_n + offs_n
+        kv_ok = j < hi
+        blk = tl.load(bt_row + j // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        slot = (j % PAGE_SIZE)[:, None]
+        if BLOCK_D != HEAD_DIM:
+            ld_mask = kv_ok[:, None] & d_ok[None, :]
+        else:
+            ld_mask = kv_ok[:, None]
+        k = tl.load(k_base + blk[:, None] * stride_kcb + slot * stride_kcs + offs_d[None, :], mask=ld_mask, other=0.0)
+        v = tl.load(v_base + blk[:, None] * stride_vcb + slot * stride_vcs + offs_d[None, :], mask=ld_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        qk = tl.where(kv_ok[None, :], qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_ij
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    mask = h_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(O + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=mask)
+    else:
+        # partials: PO [B, Hq, NUM_SPLITS, D] fp32, PLSE [B, Hq, NUM_SPLITS] fp32 (contiguous)
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        row = (b64 * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(PO + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
+        tl.store(PLSE + row, lse, mask=h_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    O, PO, PLSE, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    d_ok = offs_d < HEAD_DIM
+    row0 = (b * NUM_HEADS + h) * NUM_SPLITS
+    lse = tl.load(PLSE + row0 + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.math.exp2(lse - m)  # split 0 is never empty (seq_len >= 1), so m is finite
+    w = w / tl.sum(w, 0)
+    po = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                 other=0.0)
+    out = tl.sum(po * w[:, None], 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """BLOCK_N, num_warps, num_stages of the split kernel (static: CUDA-graph friendly)."""
+    if device.type != "cuda":
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    d = triton.next_power_of_2(head_dim)
+    if dtype == torch.float32 or d > 128:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int, min_chunk: int = 256, waves: float = 2.0,
+    max_splits: int = 64,
+) -> int:
+    """Splits per sequence: enough (batch x Hkv x splits) programs for ``waves`` programs per SM, chunks
+    of at least ``min_chunk`` keys of the static length bound ``max_kv_len``; 1 when the batch fills
+    the GPU. Depends on static quantities only (CUDA graphs)."""
+    programs = max(1, batch * num_kv_heads)
+    want = int(waves * num_sms)
+    if programs >= want:
+        return 1
+    splits = triton.cdiv(want, programs)
+    splits = min(splits, max(1, triton.cdiv(max_kv_len, min_chunk)), max_splits)
+    return max(1, splits)
+
+
+def flash_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int = 1,
+    config: Optional[dict] = None,
+) -> torch.Tensor:
+    """Decode attention: q [B, Hq, D] (one query per sequence, its K/V already stored), caches
+    [num_blocks, block_size, Hkv, D], block_tables int32 [B, W], seq_lens int32 [B] (>= 1).
+    Returns [B, Hq, D]. No host synchronisation."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"flash_decode: q must be [B, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    b, hq, d = q.shape
+    _, page, hkv, dk = k_cache.shape
+    if dk != d or hq % hkv:
+        raise ValueError(f"flash_decode: q heads/dim {(hq, d)} incompatible with cache heads/dim {(hkv, dk)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"flash_decode: dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("flash_decode: q and caches must be contiguous in head_dim")
+    if seq_lens.shape != (b,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"flash_decode: seq_lens must be int32 [{b}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] < b or block_tables.dtype != torch.int32 \
+            or block_tables.stride(1) != 1:
+        raise ValueError(
+            f"flash_decode: block_tables must be int32 [B, W] row-major, got {block_tables.dtype} "
+            f"{tuple(block_tables.shape)}"
+        )
+    if num_splits < 1:
+        raise ValueError(f"flash_decode: num_splits must be >= 1, got {num_splits}")
+    o = torch.empty_like(q)
+    if b == 0:
+        return o
+    group = hq // hkv
+    cfg = dict(decode_config(d, q.dtype, q.device))
+    cfg.update(config or {})
+    block_d = max(16, triton.next_power_of_2(d))
+    if num_splits > 1:
+        po = torch.empty((b, hq, num_splits, d), device=q.device, dtype=torch.float32)
+        plse = torch.empty((b, hq, num_splits), device=q.device, dtype=torch.float32)
+    else:
+        po = plse = o
+    _decode_split_kernel[(num_splits, hkv, b)](
+        q, k_cache, v_cache, o, po, plse, block_tables, seq_lens,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        scale * LOG2E,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, NUM_SPLITS=num_splits,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _decode_combine_kernel[(hq, b)](
+            o, po, plse, o.stride(0), o.stride(1),
+            NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if d >= 128 else 2,
+        )
+    return o
+
+
+def flash_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference (float32 math, q's dtype out): the batched decode of pageflash.layers.attention."""
+    from pageflash.layers.attention import AttentionMetadata
+
+    b = q.shape[0]
+    lens = seq_lens.tolist()
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=q.device),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        slot_mapping=torch.full((b,), -1, dtype=torch.int64, device=q.device),
+        query_lens_cpu=[1] * b,
+        seq_lens_cpu=lens,
+        block_size=k_cache.shape[1],
+    )
+    return _decode_batched_ref(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,273 @@
+"""Attention of a step's new queries over the paged KV cache: prefill, chunked prefill, prefix-cache
+hits and multi-token (speculative / tree) decode, in one Triton kernel.
+
+The new tokens' K/V are already in the cache (``store_kv``); every key is read through the block
+table. Sequence ``i`` has ``query_len_i`` new queries (rows ``query_start_loc[i]:query_start_loc[i+1]``
+of q) and ``seq_len_i`` keys; new query ``j`` sits at position ``ctx_i + j`` with
+``ctx_i = seq_len_i - query_len_i`` and sees every context key plus new keys ``0..j`` (causal), or the
+new keys ``t`` with ``tree_mask[row, t]``.
+
+Tiling (GQA packing): one program handles BQ consecutive queries of one sequence for all ``G = Hq/Hkv``
+query heads of one KV head: the M dimension of the tile is ``BLOCK_M = BQ * G_pad`` rows, row
+``r = qi * G_pad + g`` (query ``qi``, head ``g`` of the group; the heads of a group are adjacent in q,
+so the Q tile is one strided block). Each K/V tile of BLOCK_N keys is loaded once for the G heads.
+The keys are streamed with an online softmax; the keys that every row of the tile sees (context and
+new keys left of the tile's first query) run without masks, the rest with the causal/tree mask.
+
+Grid: ``(num_tiles, Hkv)``; the tile list (sequence, query block) is built once per step on the host
+by :func:`build_tiles` (``TritonBackend.plan``), heaviest tiles first.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from pageflash.layers.attention import paged_attention_ref
+
+__all__ = ["paged_attention", "paged_attention_ref", "build_tiles", "prefill_config"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
+                 stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+                 lo, hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale, offs_n, offs_d,
+                 MASKED: tl.constexpr, USE_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PREC: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        j = start_n + offs_n
+        if MASKED:
+            kv_ok = j < seq_len
+            blk = tl.load(bt_row + j // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + j // PAGE_SIZE).to(tl.int64)
+        k_ptrs = KC + blk[:, None] * stride_kcb + (j % PAGE_SIZE)[:, None] * stride_kcs + kv_off_k + offs_d[None, :]
+        v_ptrs = VC + blk[:, None] * stride_vcb + (j % PAGE_SIZE)[:, None] * stride_vcs + kv_off_v + offs_d[None, :]
+        if MASKED:
+            if BLOCK_D != HEAD_DIM:
+                ld_mask = kv_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+            else:
+                ld_mask = kv_ok[:, None]
+            k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+        else:
+            if BLOCK_D != HEAD_DIM:
+                k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if MASKED:
+            ok = kv_ok[None, :]
+            if USE_TREE:
+                t = j - ctx
+                in_tree = (t >= 0) & kv_ok
+                tm = tl.load(TREE + q_row[:, None] * stride_tree + t[None, :],
+                             mask=row_ok[:, None] & in_tree[None, :], other=0)
+                ok = ok & ((t[None, :] < 0) | (tm != 0))
+            else:
+                ok = ok & (j[None, :] <= qpos[:, None])
+            qk = tl.where(ok, qk * qk_scale, float("-inf"))
+        else:
+            qk = qk * qk_scale
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
+        else:
+            if BLOCK_D != HEAD_DIM:
+                v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    Q, KC, VC, O, BT, SEQ_LENS, QSL, TILE_SEQ, TILE_QB, TREE,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    stride_bt, stride_tree,
+    qk_scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    USE_TREE: tl.constexpr, PREC: tl.constexpr,
+):
+    BQ: tl.constexpr = BLOCK_M // GROUP_PAD
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(TILE_SEQ + tile)
+    qb = tl.load(TILE_QB + tile)
+    q_start = tl.load(QSL + seq)
+    q_len = tl.load(QSL + seq + 1) - q_start
+    seq_len = tl.load(SEQ_LENS + seq)
+    ctx = seq_len - q_len
+
+    r = tl.arange(0, BLOCK_M)
+    qi = qb * BQ + r // GROUP_PAD
+    g = r % GROUP_PAD
+    row_ok = (qi < q_len) & (g < GROUP)
+    head = kvh * GROUP + g
+    q_row = (q_start + qi).to(tl.int64)
+    qpos = ctx + qi
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    bt_row = BT + seq.to(tl.int64) * stride_bt
+    kv_off_k = kvh * stride_kch
+    kv_off_v = kvh * stride_vch
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # keys every row of the tile may see: all context keys (tree), or every key left of the tile's
+    # first query (causal)
+    if USE_TREE:
+        shared_end = ctx
+        kv_end = seq_len
+    else:
+        shared_end = ctx + qb * BQ
+        kv_end = tl.minimum(seq_len, ctx + qb * BQ + BQ)
+    full = shared_end - shared_end % BLOCK_N
+    acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
+                                 stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+                                 0, full, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale,
+                                 offs_n, offs_d, False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC)
+    acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
+                                 stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+                                 full, kv_end, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale,
+                                 offs_n, offs_d, True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    o_ptrs = O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """BLOCK_M (= queries per tile x padded group), BLOCK_N, num_warps, num_stages for the paged kernel."""
+    group_pad = triton.next_power_of_2(group)
+    rows = triton.next_power_of_2(max(1, max_query_len) * group_pad)
+    d = triton.next_power_of_2(head_dim)
+    if device.type != "cuda":
+        return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1)
+    big = dtype == torch.float32 or d > 128
+    cap = 64 if big else 128
+    block_m = max(16, min(rows, cap), group_pad)
+    block_n = 32 if big else 64
+    if big:
+        warps, stages = 4, 1 if d > 128 and dtype == torch.float32 else 2
+    else:
+        warps, stages = (8 if block_m >= 128 and d >= 128 else 4), 3
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+
+def build_tiles(
+    query_lens: Sequence[int], seq_lens: Sequence[int], queries_per_tile: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host-side work list: (tile_seq, tile_qblock), int32 [num_tiles] on device, heaviest tile first
+    (a tile's work is the number of keys it reads)."""
+    work = []
+    for i, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+        ctx = sl - ql
+        for qb in range((ql + queries_per_tile - 1) // queries_per_tile):
+            work.append((min(sl, ctx + (qb + 1) * queries_per_tile), i, qb))
+    work.sort(key=lambda w: -w[0])
+    t = torch.tensor([[w[1] for w in work], [w[2] for w in work]], dtype=torch.int32)
+    t = t.to(device, non_blocking=True)
+    return t[0], t[1]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    query_lens_cpu: Sequence[int],
+    seq_lens_cpu: Sequence[int],
+    tree_mask: Optional[torch.Tensor] = None,
+    tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    config: Optional[dict] = None,
+) -> torch.Tensor:
+    """Attention of the new queries over the paged cache (their K/V already stored).
+
+    q: [T, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D]; query_start_loc int32 [S+1];
+    seq_lens int32 [S]; block_tables int32 [S, W]; tree_mask bool/uint8 [T, >= max_query_len] or None
+    (causal). query_lens_cpu/seq_lens_cpu: host lists (tile sizing, no sync). tiles: a work list from
+    :func:`build_tiles` for the config's queries per tile (built here when None). Returns [T, Hq, D].
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"paged_attention: q must be [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    t, hq, d = q.shape
+    _, page, hkv, dk = k_cache.shape
+    if dk != d or hq % hkv:
+        raise ValueError(f"paged_attention: q heads/dim {(hq, d)} incompatible with cache heads/dim {(hkv, dk)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"paged_attention: dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention: q and caches must be contiguous in head_dim")
+    s = len(seq_lens_cpu)
+    if len(query_lens_cpu) != s or query_start_loc.shape != (s + 1,) or seq_lens.shape != (s,):
+        raise ValueError(
+            f"paged_attention: {s} sequences but query_start_loc {tuple(query_start_loc.shape)}, seq_lens "
+            f"{tuple(seq_lens.shape)}, {len(query_lens_cpu)} query lengths"
+        )
+    for name, x in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if x.dtype != torch.int32:
+            raise TypeError(f"paged_attention: {name} must be int32, got {x.dtype}")
+    if block_tables.dim() != 2 or block_tables.shape[0] < s or block_tables.stride(1) != 1:
+        raise ValueError(f"paged_attention: block_tables must be [S, W] row-major, got {tuple(block_tables.shape)}")
+    o = torch.empty_like(q)
+    if t == 0 or s == 0:
+        return o
+    group = hq // hkv
+    cfg = dict(prefill_config(d, group, max(query_lens_cpu), q.dtype, q.device))
+    cfg.update(config or {})
+    group_pad = triton.next_power_of_2(group)
+    if cfg["BLOCK_M"] % group_pad:
+        raise ValueError(f"paged_attention: BLOCK_M {cfg['BLOCK_M']} must be a multiple of the padded group")
+    if tiles is None:
+        tiles = build_tiles(query_lens_cpu, seq_lens_cpu, cfg["BLOCK_M"] // group_pad, q.device)
+    tile_seq, tile_qb = tiles
+    if tile_seq.numel() == 0:
+        return o
+    if tree_mask is not None:
+        if tree_mask.dim() != 2 or tree_mask.shape[0] != t or tree_mask.shape[1] < max(query_lens_cpu):
+            raise ValueError(
+                f"paged_attention: tree_mask must be [T={t}, >= {max(query_lens_cpu)}], got {tuple(tree_mask.shape)}"
+            )
+        if tree_mask.dtype == torch.bool:
+            tree_mask = tree_mask.view(torch.uint8)
+        if tree_mask.stride(1) != 1:
+            tree_mask = tree_mask.contiguous()
+    _paged_prefill_kernel[(tile_seq.numel(), hkv)](
+        q, k_cache, v_cache, o, block_tables, seq_lens, query_start_loc, tile_seq, tile_qb,
+        tree_mask if tree_mask is not None else q,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), tree_mask.stride(0) if tree_mask is not None else 0,
+        scale * LOG2E,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page,
+        USE_TREE=tree_mask is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return o
+

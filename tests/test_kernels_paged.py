@@ -1,0 +1,183 @@
+"""Paged attention kernels (prefill / chunked / prefix hit / tree, Flash-Decoding) and the Triton backend
+against the PyTorch references, under the Triton interpreter on CPU (tiny shapes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pageflash.kernels.backend import TritonBackend
+from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode, flash_decode_ref
+from pageflash.kernels.paged_attention import paged_attention, paged_attention_ref
+from pageflash.layers.attention import AttentionMetadata, TorchBackend, get_backend
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+_empty, _empty_like = torch.empty, torch.empty_like
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Every buffer the launchers allocate starts as NaN (ints: -12345): unwritten outputs show."""
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: _poison(_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _poison(_empty_like(*a, **kw)))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any(), "NaN in output (unwritten or poisoned rows)"
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def make_case(specs, hq, hkv, d, page, dtype, tree=False, seed=0, extra_blocks=3, pad_width=1):
+    """specs: [(context_len, query_len)] per sequence. Returns (q, k, v, k_cache, v_cache, meta) with
+    random cache contents (context filled, new slots random too), shuffled physical blocks."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    seq_lens = [c + n for c, n in specs]
+    nblk = [(s + page - 1) // page for s in seq_lens]
+    total = sum(nblk) + extra_blocks
+    perm = torch.randperm(total, generator=g).tolist()
+    width = max(nblk) + pad_width
+    bt = torch.zeros(len(specs), width, dtype=torch.int32)
+    it = iter(perm)
+    for i, nb in enumerate(nblk):
+        for j in range(nb):
+            bt[i, j] = next(it)
+    k_cache = torch.randn(total, page, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(total, page, hkv, d, generator=g).to(dtype)
+    qlens = [n for _, n in specs]
+    t = sum(qlens)
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    k = torch.randn(t, hkv, d, generator=g).to(dtype)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype)
+    slots = []
+    for i, (c, n) in enumerate(specs):
+        for p in range(c, c + n):
+            slots.append(int(bt[i, p // page]) * page + p % page)
+    qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32)
+    tree_mask = None
+    if tree:
+        tm = torch.zeros(t, max(qlens), dtype=torch.bool)
+        row = 0
+        for c, n in specs:
+            parents = [-1] + [rnd.randrange(0, j) for j in range(1, n)]  # random token tree
+            for j in range(n):
+                a = j
+                while a >= 0:
+                    tm[row + j, a] = True
+                    a = parents[a]
+            row += n
+        tree_mask = tm
+    meta = AttentionMetadata(
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=bt,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_lens_cpu=qlens,
+        seq_lens_cpu=seq_lens,
+        block_size=page,
+        tree_mask=tree_mask,
+    )
+    return q, k, v, k_cache, v_cache, meta
+
+
+# (context, query) per sequence: prefill, ragged lengths, length 1, block_size +- 1, chunked prefill
+# with context in the cache, prefix hits, multi-token decode
+PREFILL_CASES = {
+    "prefill_ragged": [(0, 1), (0, 15), (0, 17), (0, 16), (0, 40)],
+    "chunked": [(33, 9), (16, 16), (5, 1), (47, 20)],
+    "spec_decode": [(30, 4), (1, 3), (64, 5)],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "case,heads,d",
+    [
+        ("prefill_ragged", (4, 1), 64),
+        ("chunked", (4, 4), 80),
+        ("chunked", (8, 1), 64),
+        ("spec_decode", (6, 2), 32),
+    ],
+)
+def test_paged_prefill(case, heads, d, dtype):
+    hq, hkv = heads
+    q, k, v, kc, vc, meta = make_case(PREFILL_CASES[case], hq, hkv, d, 16, dtype, seed=hash(case) % 1000)
+    TorchBackend().forward(q, k, v, kc, vc, meta, 0.0)  # store the new K/V with the reference
+    ref = paged_attention_ref(q, kc, vc, meta, d**-0.5)
+    out = paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, d**-0.5,
+                          meta.query_lens_cpu, meta.seq_lens_cpu)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,d", [((4, 2), 64), ((3, 1), 96)])
+def test_paged_tree_mask(heads, d, dtype):
+    hq, hkv = heads
+    q, k, v, kc, vc, meta = make_case([(21, 6), (0, 5), (15, 7)], hq, hkv, d, 8, dtype, tree=True, seed=3)
+    TorchBackend().forward(q, k, v, kc, vc, meta, 0.0)
+    ref = paged_attention_ref(q, kc, vc, meta, 0.3)
+    out = paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.3,
+                          meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 32), (64, 16)])
+def test_paged_prefill_tiles(block_m, block_n):
+    """Other tilings: BLOCK_N larger than a page, several queries per tile with GQA packing."""
+    q, k, v, kc, vc, meta = make_case([(19, 13), (0, 33), (40, 2)], 8, 2, 64, 8, torch.float32, seed=block_m)
+    TorchBackend().forward(q, k, v, kc, vc, meta, 0.0)
+    ref = paged_attention_ref(q, kc, vc, meta, 0.125)
+    out = paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125,
+                          meta.query_lens_cpu, meta.seq_lens_cpu,
+                          config=dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1))
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,d,splits", [((4, 1), 64, 1), ((8, 2), 80, 3), ((2, 2), 64, 4), ((8, 1), 32, 2)])
+def test_flash_decode(heads, d, splits, dtype):
+    hq, hkv = heads
+    # lengths 1, block_size +- 1, a block boundary, longer: some splits are empty
+    specs = [(0, 1), (14, 1), (15, 1), (16, 1), (52, 1)]
+    q, k, v, kc, vc, meta = make_case(specs, hq, hkv, d, 16, dtype, seed=splits)
+    ref = flash_decode_ref(q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5)
+    out = flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, num_splits=splits)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(256, 8, 1024, 132) == 1  # batch fills the GPU
+    assert choose_num_splits(64, 8, 2048, 132) == 1
+    assert choose_num_splits(1, 8, 32768, 132) > 8
+    assert choose_num_splits(1, 8, 64, 132) == 1  # short bound: one chunk
+    assert choose_num_splits(8, 8, 8192, 132) >= 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "specs,tree",
+    [
+        ([(0, 1), (16, 1), (30, 1)], False),  # decode-only: Flash-Decoding
+        ([(0, 9), (17, 1), (3, 16)], False),  # mixed prefill + decode
+        ([(12, 4), (0, 3)], True),  # tree decode
+    ],
+)
+def test_backend_vs_torch(specs, tree, dtype):
+    q, k, v, kc, vc, meta = make_case(specs, 4, 2, 64, 16, dtype, tree=tree, seed=len(specs))
+    be = get_backend("triton", torch.device("cpu"))
+    assert isinstance(be, TritonBackend) and be.name == "triton"
+    kc2, vc2 = kc.clone(), vc.clone()
+    ref = TorchBackend().forward(q, k, v, kc, vc, TorchBackend().plan(meta), 0.125)
+    plan = be.plan(meta)
+    out1 = be.forward(q, k, v, kc2, vc2, plan, 0.125)
+    out2 = be.forward(q, k, v, kc2, vc2, plan, 0.125)  # second layer: cached plan pieces
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    assert rel_err(out1, ref) < TOL[dtype]
+    assert torch.equal(out1, out2)
