@@ -263,7 +263,7 @@ class LLMEngine:
             return list(touched)
         batch = SamplingBatch.build(
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sample_reqs],
-            vocab_size=self.vocab_size, device=self.device, eos_token_id=sorted(self.eos_token_ids),
+            vocab_size=self.vocab_size, device=self.device, eos_token_ids=sorted(self.eos_token_ids),
         )
         out = self.sampler(logits[torch.tensor(sample_rows, device=logits.device)], batch)
         token_ids = out.token_ids.tolist()

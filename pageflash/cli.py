@@ -1,0 +1,228 @@
+"""pageflash command line: generate (streams), chat (interactive), serve, bench.
+
+  pageflash generate "prompt" [--chat] [sampling options]
+  pageflash generate --input prompts.jsonl --output out.jsonl
+  pageflash chat
+  pageflash serve --model smollm2-135m --port 8000
+  pageflash bench {latency,throughput,kernels} ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from pageflash.model.registry import DEFAULT_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder or .gguf file (default: %(default)s)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "gguf", "safetensors", "pt"])
+    g.add_argument("--attention-backend", default="auto")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(
+        model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, block_size=a.block_size,
+        num_kv_blocks=a.num_kv_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
+        load_format=a.load_format, attention_backend=a.attention_backend,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("-n", type=int, default=1)
+
+
+def sampling_params(a: argparse.Namespace):
+    from pageflash.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=a.n, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        min_p=a.min_p, repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty, seed=a.sample_seed, stop=a.stop, ignore_eos=a.ignore_eos,
+    )
+
+
+def _stream(engine, prompt, params, out=sys.stdout) -> str:
+    """Add one request and print its text as it grows (first sample only); returns the final text."""
+    rid = engine.add_request(None, prompt, params)
+    printed = 0
+    text = ""
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id != rid:
+                    continue
+                text = o.outputs[0].text
+                if len(text) > printed:
+                    out.write(text[printed:])
+                    out.flush()
+                    printed = len(text)
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+        raise
+    out.write("\n")
+    return text
+
+
+def _chat_prompt(engine, messages: list[dict]) -> dict:
+    tok = engine.tokenizer
+    if tok is None:
+        raise ValueError("this model has no tokenizer, so no chat template")
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from pageflash.llm import LLM
+
+    if (a.prompt is None) == (a.input is None):
+        print("error: give a prompt or --input FILE (one of them)", file=sys.stderr)
+        return 2
+    llm = LLM(**engine_kwargs(a))
+    params = sampling_params(a)
+    if a.input is None:
+        eng = llm.llm_engine
+        prompt = _chat_prompt(eng, [{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+        _stream(eng, prompt, params)
+        return 0
+    rows = []
+    with open(a.input) as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                print(f"error: {a.input}:{ln}: not JSON ({e})", file=sys.stderr)
+                return 2
+    prompts, plist = [], []
+    for i, r in enumerate(rows):
+        if isinstance(r, str):
+            r = {"prompt": r}
+        if "messages" in r:
+            prompts.append(_chat_prompt(llm.llm_engine, r["messages"]))
+        elif "prompt" in r or "prompt_token_ids" in r:
+            prompts.append({k: r[k] for k in ("prompt", "prompt_token_ids") if k in r})
+        else:
+            print(f"error: {a.input}: row {i + 1} needs 'prompt', 'prompt_token_ids' or 'messages'", file=sys.stderr)
+            return 2
+        plist.append(params)
+    outs = llm.generate(prompts, plist, use_tqdm=True)
+    dst = open(a.output, "w") if a.output else sys.stdout
+    try:
+        for r, o in zip(rows, outs):
+            rec = {"prompt": o.prompt, "outputs": [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason} for c in o.outputs]}
+            if isinstance(r, dict) and "id" in r:
+                rec["id"] = r["id"]
+            dst.write(json.dumps(rec) + "\n")
+    finally:
+        if dst is not sys.stdout:
+            dst.close()
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from pageflash.llm import LLM
+
+    llm = LLM(**engine_kwargs(a))
+    eng = llm.llm_engine
+    params = sampling_params(a)
+    history: list[dict] = []
+    if a.system:
+        history.append({"role": "system", "content": a.system})
+    print("pageflash chat: empty line or Ctrl-D to quit, /reset to forget the conversation.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        if line.strip() == "/reset":
+            history = history[:1] if a.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            reply = _stream(eng, _chat_prompt(eng, history), params)
+        except ValueError as e:  # e.g. the conversation outgrew the context
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "serve":
+        from pageflash.server.app import main as serve_main
+
+        return serve_main(argv[1:]) or 0
+    if argv and argv[0] == "bench":
+        kinds = ("latency", "throughput", "kernels")
+        if len(argv) < 2 or argv[1] not in kinds:
+            print(f"usage: pageflash bench {{{','.join(kinds)}}} [options]", file=sys.stderr)
+            return 2
+        import importlib
+
+        return importlib.import_module(f"pageflash.bench.{argv[1]}").main(argv[2:]) or 0
+    if argv and argv[0] == "train-medusa":
+        from pageflash.spec.train_medusa import main as train_main
+
+        return train_main(argv[1:]) or 0
+
+    p = argparse.ArgumentParser(prog="pageflash", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate from a prompt (streams) or a JSONL file")
+    g.add_argument("prompt", nargs="?")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--input", help="JSONL: one {'prompt'|'prompt_token_ids'|'messages', 'id'?} per line")
+    g.add_argument("--output", help="JSONL results (default: stdout)")
+    add_engine_args(g)
+    add_sampling_args(g)
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    c.add_argument("--system", default=None, help="system message")
+    add_engine_args(c)
+    add_sampling_args(c)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `pageflash serve --help`)")
+    sub.add_parser("bench", help="benchmarks: latency, throughput, kernels")
+    a = p.parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "chat": cmd_chat}[a.cmd](a)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

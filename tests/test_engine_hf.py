@@ -1,0 +1,130 @@
+"""Greedy output of the engine equals HF transformers token for token, on the same weights.
+
+The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized by both sides) on raw and chat
+prompts in one batch; small random Llama / Qwen2 / MQA / GQA models in float32; again with a KV
+pool so small that preemption must happen, and with prefix-cache hits.
+"""
+
+import pytest
+import torch
+
+from hf_ref import hf_greedy, hf_model_from_gguf, make_random_hf_folder
+from pageflash import LLM, SamplingParams
+
+NEW = 48
+RAW = [
+    "The history of the printing press begins",
+    "def quicksort(arr):\n    \"\"\"Sort a list.\"\"\"\n",
+    "Paris, London and Berlin are all capital cities. The largest of them",
+    "Q: What is 17 times 3?\nA:",
+]
+CHATS = [
+    [{"role": "user", "content": "Give me three tips for learning to play the guitar."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Why do cats purr?"}],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def real():
+    llm = LLM(max_model_len=512, num_kv_blocks=256)
+    return llm, hf_model_from_gguf()
+
+
+def _prompts(tok):
+    prompts = [tok.encode(p) for p in RAW]
+    for c in CHATS:
+        text = tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+        prompts.append(tok.encode(text, add_special_tokens=False))
+    return prompts
+
+
+def _check(llm, hf, prompts, new=NEW):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY if new == NEW else
+                        SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, new), f"prompt {p[:8]}..."
+
+
+def test_real_model_batch_matches_hf(real):
+    llm, hf = real
+    prompts = _prompts(llm.get_tokenizer())
+    assert len({len(p) for p in prompts}) > 1
+    _check(llm, hf, prompts)
+    assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.kv.pool.num_blocks  # nothing leaked
+
+
+def test_real_model_text_and_chat_api(real):
+    llm, hf = real
+    tok = llm.get_tokenizer()
+    out = llm.chat(CHATS[0], GREEDY, use_tqdm=False)[0]
+    text = tok.apply_chat_template(CHATS[0], tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == hf_greedy(hf, ids, NEW)
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_real_model_with_preemption_matches_hf(real):
+    _, hf = real
+    # 4 prompts x ~60 tokens need ~20 blocks of 16; 12 blocks force preemption and recompute.
+    llm = LLM(max_model_len=160, num_kv_blocks=12, block_size=16)
+    prompts = _prompts(llm.get_tokenizer())[:4]
+    _check(llm, hf, prompts)
+    eng = llm.llm_engine
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.kv.num_free_blocks == 12
+
+
+def test_real_model_with_prefix_hits_matches_hf(real):
+    llm, hf = real
+    eng = llm.llm_engine
+    tok = llm.get_tokenizer()
+    shared = tok.encode("You are reading a long shared system preamble about the history of astronomy, "
+                        "from Babylonian star catalogues to Kepler's laws and the telescopes of Galileo. ")
+    prompts = [shared + tok.encode(s) for s in ("Question one:", "Another question here:", "Third:")]
+    hits0 = eng.get_stats()["prefix_cache_hits"]
+    _check(llm, hf, prompts[:1], new=8)
+    _check(llm, hf, prompts[1:], new=8)  # these hit the blocks of the first
+    assert eng.get_stats()["prefix_cache_hits"] - hits0 >= 2 * 16 * (len(shared) // 16 - 1)
+
+
+BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+CONFIGS = {
+    "llama-gqa": dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"], num_attention_heads=8,
+                      num_key_value_heads=2, rope_theta=10000.0),
+    "llama-mqa-tied": dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"], num_attention_heads=4,
+                           num_key_value_heads=1, tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-mha-rope-scaling": dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"],
+                                   num_attention_heads=4, num_key_value_heads=4, rope_theta=500000.0,
+                                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                     high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "qwen2-bias": dict(BASE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_attention_heads=4,
+                       num_key_value_heads=2, rope_theta=1000000.0),
+    "mistral": dict(BASE, model_type="mistral", architectures=["MistralForCausalLM"], num_attention_heads=4,
+                    num_key_value_heads=2, rope_theta=1000000.0, sliding_window=None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_random_models_match_hf(tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS[name])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 5, 16, 17, 33, 40)]
+    # block size 4 and a small token budget: many blocks per sequence, chunked prefill
+    llm = LLM(folder, block_size=4, max_num_batched_tokens=24, max_model_len=128, num_kv_blocks=96)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 20)
+    # tiny pool: preemption, same tokens
+    small = LLM(folder, block_size=4, max_num_batched_tokens=24, max_model_len=64, num_kv_blocks=20)
+    outs2 = small.generate([{"prompt_token_ids": p} for p in prompts[:4]],
+                           SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs2] == [o.outputs[0].token_ids for o in outs[:4]]

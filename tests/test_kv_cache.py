@@ -1,0 +1,144 @@
+"""Block manager: exact behaviours and hypothesis property tests (no leak, exact ref counts)."""
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pageflash.engine.kv_cache import KVCacheManager
+
+
+def check_invariants(kv: KVCacheManager) -> None:
+    refs = Counter(b for sb in kv.seqs.values() for b in sb.block_ids)
+    for blk in kv.pool.blocks:
+        assert blk.ref_cnt == refs.get(blk.block_id, 0), f"block {blk.block_id}: ref_cnt {blk.ref_cnt} != {refs.get(blk.block_id, 0)}"
+        assert (blk.block_id in kv.pool.free_queue) == (blk.ref_cnt == 0)
+    for h, bid in kv.pool.cached.items():
+        assert kv.pool.blocks[bid].block_hash == h
+    assert kv.pool.num_free + len(refs) == kv.pool.num_blocks
+
+
+def test_allocate_on_demand_and_free_order():
+    kv = KVCacheManager(8, 4)
+    assert kv.allocate("a", 0, 5)  # 2 blocks
+    assert kv.block_ids("a") == [0, 1]
+    assert kv.allocate("a", 5, 3)  # fills block 1: no new block
+    assert kv.block_ids("a") == [0, 1]
+    assert kv.allocate("a", 8, 1)
+    assert kv.block_ids("a") == [0, 1, 2]
+    kv.free("a")
+    # tail first: the last block is evicted first
+    assert list(kv.pool.free_queue)[-3:] == [2, 1, 0]
+    check_invariants(kv)
+
+
+def test_allocation_fails_without_side_effects():
+    kv = KVCacheManager(2, 4)
+    assert kv.allocate("a", 0, 8)
+    assert not kv.allocate("b", 0, 1)
+    assert "b" not in kv.seqs
+    check_invariants(kv)
+
+
+def test_prefix_hit_reuses_blocks_and_survives_free():
+    kv = KVCacheManager(8, 4)
+    toks = list(range(10))
+    assert kv.allocate("a", 0, 10)
+    kv.cache_full_blocks("a", toks, 10)  # 2 full blocks published
+    hits = kv.find_cached_prefix(toks + [99])
+    assert hits == kv.block_ids("a")[:2]
+    kv.free("a")
+    # freed blocks keep their hash: a later request still hits them
+    hits = kv.find_cached_prefix(toks[:8] + [7, 7])
+    assert hits == [0, 1]
+    assert kv.allocate("b", 8, 2, hits)
+    assert kv.block_ids("b")[:2] == [0, 1]
+    check_invariants(kv)
+
+
+def test_last_token_never_cached():
+    kv = KVCacheManager(8, 4)
+    toks = list(range(8))
+    kv.allocate("a", 0, 8)
+    kv.cache_full_blocks("a", toks, 8)
+    # the whole prompt is cached, but its last token must be computed: only block 0 is a hit
+    assert kv.find_cached_prefix(toks) == [kv.block_ids("a")[0]]
+
+
+def test_lru_eviction_drops_hash():
+    kv = KVCacheManager(3, 2)
+    kv.allocate("a", 0, 2)
+    kv.cache_full_blocks("a", [1, 2], 2)
+    kv.free("a")
+    kv.allocate("b", 0, 6)  # needs every block, evicts the cached one
+    assert kv.pool.cached == {}
+    assert kv.find_cached_prefix([1, 2, 3]) == []
+    check_invariants(kv)
+
+
+def test_fork_copy_on_write():
+    kv = KVCacheManager(8, 4)
+    kv.allocate("p", 0, 6)  # block 0 full, block 1 partial (2 tokens)
+    kv.fork("p", "c")
+    assert kv.block_ids("c") == kv.block_ids("p")
+    assert kv.pool.blocks[kv.block_ids("p")[1]].ref_cnt == 2
+    assert kv.allocate("c", 6, 1)  # writes into the shared partial block: copy it
+    copies = kv.take_pending_copies()
+    assert len(copies) == 1 and copies[0][0] == kv.block_ids("p")[1]
+    assert kv.block_ids("c")[1] == copies[0][1]
+    assert kv.block_ids("c")[0] == kv.block_ids("p")[0]  # full block still shared
+    assert kv.allocate("p", 6, 1)  # parent now owns block 1 alone: no copy
+    assert kv.take_pending_copies() == []
+    check_invariants(kv)
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["new", "append", "fork", "free", "preempt"]), st.integers(0, 7), st.integers(1, 9)),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.integers(1, 4), st.integers(4, 24), st.booleans())
+def test_random_operation_sequences_keep_invariants(seq, block_size, num_blocks, caching):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    tokens: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    counter = 0
+    for op, k, n in seq:
+        live = sorted(tokens)
+        if op == "new":
+            sid = f"s{counter}"
+            counter += 1
+            toks = [k % 3] * (n + 1)  # few distinct tokens: many prefix hits
+            hits = kv.find_cached_prefix(toks)
+            c = len(hits) * block_size
+            if kv.allocate(sid, c, len(toks) - c, hits):
+                tokens[sid], computed[sid] = toks, len(toks)
+                kv.cache_full_blocks(sid, toks, len(toks))
+        elif not live:
+            continue
+        else:
+            sid = live[k % len(live)]
+            if op == "append":
+                if kv.allocate(sid, computed[sid], n):
+                    tokens[sid] += [k] * n
+                    computed[sid] += n
+                    kv.cache_full_blocks(sid, tokens[sid], computed[sid])
+            elif op == "fork":
+                child = f"s{counter}"
+                counter += 1
+                kv.fork(sid, child)
+                tokens[child], computed[child] = list(tokens[sid]), computed[sid]
+            elif op in ("free", "preempt"):
+                kv.free(sid)
+                del tokens[sid], computed[sid]
+        kv.take_pending_copies()
+        check_invariants(kv)
+        # no block is handed to two sequences unless it is shared on purpose (ref_cnt counts it)
+        for sid in tokens:
+            assert len(kv.block_ids(sid)) == kv.blocks_needed(computed[sid])
+    for sid in list(tokens):
+        kv.free(sid)
+    check_invariants(kv)
+    assert kv.pool.num_free == num_blocks
