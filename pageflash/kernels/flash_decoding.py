@@ -35,22 +35,22 @@ def _decode_split_kernel(
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
     stride_bt,
-    qk_scale,
+    qk_scale, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
     seq_len = tl.load(SEQ_LENS + b)
-    if NUM_SPLITS == 1:
-        lo = 0
-        hi = seq_len
-    else:
-        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, seq_len)
+    else:
+        lo = 0
+        hi = seq_len
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
@@ -91,30 +91,29 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     mask = h_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(O + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=mask)
     else:
-        # partials: PO [B, Hq, NUM_SPLITS, D] fp32, PLSE [B, Hq, NUM_SPLITS] fp32 (contiguous)
+        # partials: PO [B, Hq, num_splits, D] fp32, PLSE [B, Hq, num_splits] fp32 (contiguous)
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        row = (b64 * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        row = (b64 * (GROUP * tl.num_programs(1)) + head) * num_splits + split
         tl.store(PO + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
         tl.store(PLSE + row, lse, mask=h_ok)
 
 
 @triton.jit
 def _decode_combine_kernel(
-    O, PO, PLSE, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    O, PO, PLSE, stride_ob, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < NUM_SPLITS
+    s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
-    row0 = (b * NUM_HEADS + h) * NUM_SPLITS
+    row0 = (b * NUM_HEADS + h) * num_splits
     lse = tl.load(PLSE + row0 + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.math.exp2(lse - m)  # split 0 is never empty (seq_len >= 1), so m is finite
@@ -205,16 +204,16 @@ def flash_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        scale * LOG2E,
+        scale * LOG2E, num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-        BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, NUM_SPLITS=num_splits,
+        BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
         _decode_combine_kernel[(hq, b)](
-            o, po, plse, o.stride(0), o.stride(1),
-            NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            o, po, plse, o.stride(0), o.stride(1), num_splits,
+            NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
             BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if d >= 128 else 2,
         )
     return o

@@ -103,7 +103,6 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_TREE: tl.constexpr, PREC: tl.constexpr,
 ):
-    BQ: tl.constexpr = BLOCK_M // GROUP_PAD
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.load(TILE_SEQ + tile)
@@ -114,7 +113,7 @@ def _paged_prefill_kernel(
     ctx = seq_len - q_len
 
     r = tl.arange(0, BLOCK_M)
-    qi = qb * BQ + r // GROUP_PAD
+    qi = qb * (BLOCK_M // GROUP_PAD) + r // GROUP_PAD
     g = r % GROUP_PAD
     row_ok = (qi < q_len) & (g < GROUP)
     head = kvh * GROUP + g
@@ -137,8 +136,8 @@ def _paged_prefill_kernel(
         shared_end = ctx
         kv_end = seq_len
     else:
-        shared_end = ctx + qb * BQ
-        kv_end = tl.minimum(seq_len, ctx + qb * BQ + BQ)
+        shared_end = ctx + qb * (BLOCK_M // GROUP_PAD)
+        kv_end = tl.minimum(seq_len, shared_end + BLOCK_M // GROUP_PAD)
     full = shared_end - shared_end % BLOCK_N
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,

@@ -1,0 +1,345 @@
+"""Attention kernel benchmarks: ``pageflash bench kernels [--prefill] [--decode] [--backward] [--json F]``.
+
+- prefill (W-attn-prefill): causal bf16 (B, H, N, D) in {(4,32,4096,128), (16,16,2048,64),
+  (1,32,16384,128)}; our FlashAttention-2 kernel (and the paged prefill kernel over a block-size-16
+  cache holding the same K/V) vs torch SDPA's FLASH_ATTENTION, CUDNN_ATTENTION and EFFICIENT_ATTENTION
+  backends, TFLOP/s with FLOPs = 4*B*H*N*N*D/2.
+- decode (W-attn-decode): one query per sequence, 32 query heads over 8 KV heads, D 128, bf16, block
+  size 16 (pages shuffled), (B, L) in {(1,32768), (8,8192), (64,2048), (1,131072), (256,1024)}; K+V
+  bytes / time vs a measured device-to-device copy bandwidth and vs SDPA on contiguous KV. Timed as
+  CUDA-graph replays (both sides), which also checks that the decode path is graph-safe.
+- backward: the prefill shapes, TFLOP/s with FLOPs = 2.5 x forward, vs SDPA's backward.
+
+Timing: ``triton.testing.do_bench`` (median); random inputs. ``--sweep`` also times a few tile
+configs per kernel (used to set the static config tables). Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+PREFILL_SHAPES = [(4, 32, 4096, 128), (16, 16, 2048, 64), (1, 32, 16384, 128)]
+DECODE_SHAPES = [(1, 32768), (8, 8192), (64, 2048), (1, 131072), (256, 1024)]
+DECODE_HEADS = (32, 8, 128)  # Hq, Hkv, D
+PAGE = 16
+SDPA_BACKENDS = ["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"]
+
+
+def _bench(fn: Callable[[], object], graph: bool = False) -> float:
+    """Median milliseconds of fn (graph: CUDA-graph replays)."""
+    import triton.testing
+
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _try(fn: Callable[[], float]) -> Optional[float]:
+    try:
+        return fn()
+    except Exception as e:  # a backend missing on this build/GPU: reported as n/a
+        print(f"    (n/a: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})", file=sys.stderr)
+        return None
+
+
+def _sdpa(backend: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, backend))
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------------
+
+
+def _paged_from_contiguous(k: torch.Tensor, v: torch.Tensor, page: int = PAGE):
+    """(B, H, N, D) K/V -> shuffled paged caches + metadata for the paged prefill kernel."""
+    b, h, n, d = k.shape
+    nb = (n + page - 1) // page
+    perm = torch.randperm(b * nb, device=k.device).to(torch.int32)
+    bt = perm.view(b, nb)
+    kc = torch.empty(b * nb, page, h, d, device=k.device, dtype=k.dtype)
+    vc = torch.empty_like(kc)
+    kt = k.transpose(1, 2).reshape(b, nb, page, h, d)  # assumes n % page == 0
+    kc[bt.long()] = kt
+    vc[bt.long()] = v.transpose(1, 2).reshape(b, nb, page, h, d)
+    return kc, vc, bt
+
+
+def bench_prefill(sweep: bool) -> list[dict]:
+    import torch.nn.functional as F
+
+    from pageflash.kernels.flash_attention import flash_attn_varlen_fwd, fwd_config
+    from pageflash.kernels.paged_attention import paged_attention
+
+    rows = []
+    for b, h, n, d in PREFILL_SHAPES:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * b * h * n * n * d / 2
+        tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+        row = {"shape": [b, h, n, d]}
+        # ours, SDPA layout (B, H, N, D): the varlen entry with batched strides
+        from pageflash.kernels.flash_attention import _fwd
+
+        def ours(cfg=None):
+            return _fwd(q, k, v, None, n, True, d**-0.5, False, cfg)
+
+        row["ours"] = tf(_bench(ours))
+        if sweep:
+            base = fwd_config(d, q.dtype, q.device)
+            res = {}
+            for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+                                 (128, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3)]:
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+                r = _try(lambda: tf(_bench(lambda: ours(cfg))))
+                res[f"{bm}x{bn} w{w} s{s}"] = r
+            row["sweep"] = res
+            row["config"] = base
+        # the paged prefill kernel over the same K/V (prefill of B sequences of N tokens)
+        kc, vc, bt = _paged_from_contiguous(k, v)
+        qf = q.transpose(1, 2).reshape(b * n, h, d)
+        qsl = torch.arange(0, (b + 1) * n, n, device="cuda", dtype=torch.int32)
+        sl = torch.full((b,), n, device="cuda", dtype=torch.int32)
+        from pageflash.kernels.paged_attention import build_tiles, prefill_config
+
+        pcfg = prefill_config(d, 1, n, q.dtype, q.device)
+        tiles = build_tiles([n] * b, [n] * b, pcfg["BLOCK_M"], q.device)
+        row["ours_paged"] = tf(_bench(lambda: paged_attention(qf, kc, vc, qsl, sl, bt, d**-0.5, [n] * b, [n] * b,
+                                                              tiles=tiles)))
+        # ours varlen entry (tokens-major [B*N, H, D])
+        kf, vf = k.transpose(1, 2).reshape(b * n, h, d), v.transpose(1, 2).reshape(b * n, h, d)
+        row["ours_varlen"] = tf(_bench(lambda: flash_attn_varlen_fwd(qf, kf, vf, qsl, n, causal=True)))
+        del kc, vc, kf, vf, qf
+        for be in SDPA_BACKENDS:
+
+            def run(be=be):
+                with _sdpa(be):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    torch.cuda.synchronize()
+                    return tf(_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+
+            row[be] = _try(run)
+        rows.append(row)
+        print(f"prefill {row['shape']}: " + ", ".join(
+            f"{key} {val:.0f}" for key, val in row.items() if isinstance(val, float)), flush=True)
+        if sweep:
+            print("   sweep: " + ", ".join(f"{kk}: {vv:.0f}" if vv else f"{kk}: n/a" for kk, vv in row["sweep"].items()),
+                  flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------
+
+
+def bench_decode(sweep: bool, bw: float) -> list[dict]:
+    import torch.nn.functional as F
+
+    from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode
+
+    hq, hkv, d = DECODE_HEADS
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for b, L in DECODE_SHAPES:
+        torch.manual_seed(0)
+        nb = L // PAGE
+        kc = torch.randn(b * nb + 1, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        bt = torch.randperm(b * nb + 1, device="cuda")[: b * nb].to(torch.int32).view(b, nb)
+        sl = torch.full((b,), L, device="cuda", dtype=torch.int32)
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+        nbytes = 2 * b * L * hkv * d * 2
+        gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
+        splits = choose_num_splits(b, hkv, nb * PAGE, sms)
+        row = {"shape": [b, L], "splits": splits}
+        ms = _bench(lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits), graph=True)
+        row["ours_us"] = ms * 1e3
+        row["ours_GBs"] = gbs(ms)
+        row["ours_pct_copy"] = 100 * gbs(ms) / bw
+        if sweep:
+            res = {}
+            for bn, w, s in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 3)]:
+                cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=s)
+                for sp in sorted({splits, max(1, splits // 2), splits * 2}):
+                    r = _try(lambda: gbs(_bench(lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=sp,
+                                                                     config=cfg), graph=True)))
+                    res[f"n{bn} w{w} s{s} sp{sp}"] = r
+            row["sweep"] = res
+        # SDPA on contiguous KV, GQA handled by SDPA
+        kk = kc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
+        vv = vc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
+        del kc, vc
+        q4 = q.view(b, hq, 1, d)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q4, kk, vv, enable_gqa=True)
+
+        sdpa()
+        ms = _try(lambda: _bench(sdpa, graph=True))
+        row["sdpa_us"] = ms * 1e3 if ms else None
+        row["sdpa_GBs"] = gbs(ms) if ms else None
+        for be in ["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"]:
+
+            def run(be=be):
+                with _sdpa(be):
+                    sdpa()
+                    return _bench(sdpa, graph=True) * 1e3
+
+            row[f"sdpa_{be}_us"] = _try(run)
+        rows.append(row)
+        print(f"decode B{b} L{L}: splits {splits}, ours {row['ours_us']:.1f} us {row['ours_GBs']:.0f} GB/s "
+              f"({row['ours_pct_copy']:.0f}% of copy), sdpa {row['sdpa_us'] or float('nan'):.1f} us; "
+              + ", ".join(f"{k_} {v_:.1f}" for k_, v_ in row.items() if k_.startswith("sdpa_") and k_.endswith("_us")
+                          and k_ != "sdpa_us" and v_),
+              flush=True)
+        if sweep:
+            best = sorted(((v_, k_) for k_, v_ in row["sweep"].items() if v_), reverse=True)[:6]
+            print("   sweep best: " + ", ".join(f"{k_}: {v_:.0f} GB/s" for v_, k_ in best), flush=True)
+        del kk, vv, q
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+
+
+def bench_backward(sweep: bool) -> list[dict]:
+    import torch.nn.functional as F
+
+    from pageflash.kernels.flash_attention import _bwd, _fwd
+
+    rows = []
+    for b, h, n, d in PREFILL_SHAPES:
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        flops = 2.5 * 4 * b * h * n * n * d / 2
+        tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+        row = {"shape": [b, h, n, d]}
+        o, lse = _fwd(q, k, v, None, n, True, d**-0.5, False)
+        row["ours"] = tf(_bench(lambda: _bwd(do, q, k, v, o, lse, None, n, True, d**-0.5, False)))
+        if sweep:
+            res = {}
+            for m1, n1, m2, n2, w, s in [(32, 128, 128, 32, 4, 3), (32, 128, 128, 32, 4, 4), (64, 128, 128, 64, 8, 3),
+                                         (32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 4, 3), (32, 128, 128, 32, 8, 3)]:
+                cfg = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, num_warps=w, num_stages=s)
+                res[f"{m1}x{n1}/{m2}x{n2} w{w} s{s}"] = _try(
+                    lambda: tf(_bench(lambda: _bwd(do, q, k, v, o, lse, None, n, True, d**-0.5, False, cfg))))
+            row["sweep"] = res
+        del o, lse
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        for be in SDPA_BACKENDS:
+
+            def run(be=be):
+                with _sdpa(be):
+                    out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+                    return tf(_bench(lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)))
+
+            row[be] = _try(run)
+        rows.append(row)
+        print(f"backward {row['shape']}: " + ", ".join(
+            f"{key} {val:.0f}" for key, val in row.items() if isinstance(val, float)), flush=True)
+        if sweep:
+            print("   sweep: " + ", ".join(f"{kk}: {vv:.0f}" if vv else f"{kk}: n/a" for kk, vv in row["sweep"].items()),
+                  flush=True)
+        del q, k, v, do, qg, kg, vg
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+
+
+def _fmt(x: Optional[float], nd: int = 0) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def print_tables(result: dict) -> None:
+    if result.get("prefill"):
+        print("\nW-attn-prefill (causal bf16, TFLOP/s)")
+        print(f"{'B,H,N,D':<18}{'ours':>7}{'paged':>7}{'varlen':>7}{'FA2':>7}{'cuDNN':>7}{'effic':>7}{'ours/FA2':>10}")
+        for r in result["prefill"]:
+            fa = r.get("FLASH_ATTENTION")
+            print(f"{','.join(map(str, r['shape'])):<18}{_fmt(r['ours']):>7}{_fmt(r['ours_paged']):>7}"
+                  f"{_fmt(r['ours_varlen']):>7}{_fmt(fa):>7}{_fmt(r.get('CUDNN_ATTENTION')):>7}"
+                  f"{_fmt(r.get('EFFICIENT_ATTENTION')):>7}{_fmt(r['ours'] / fa * 100 if fa else None):>9}%")
+    if result.get("decode"):
+        print(f"\nW-attn-decode (bf16, Hq 32 / Hkv 8, D 128, page 16; copy {result['copy_GBs']:.0f} GB/s)")
+        print(f"{'B,L':<12}{'splits':>7}{'ours us':>9}{'GB/s':>7}{'%copy':>7}{'sdpa us':>9}{'sdpa/ours':>10}")
+        for r in result["decode"]:
+            su = r.get("sdpa_us")
+            print(f"{','.join(map(str, r['shape'])):<12}{r['splits']:>7}{r['ours_us']:>9.1f}{r['ours_GBs']:>7.0f}"
+                  f"{r['ours_pct_copy']:>6.0f}%{_fmt(su, 1):>9}{_fmt(su / r['ours_us'] if su else None, 2):>10}")
+    if result.get("backward"):
+        print("\nBackward (causal bf16, TFLOP/s, FLOPs = 2.5 x forward)")
+        print(f"{'B,H,N,D':<18}{'ours':>7}{'FA2':>7}{'cuDNN':>7}{'effic':>7}{'ours/FA2':>10}")
+        for r in result["backward"]:
+            fa = r.get("FLASH_ATTENTION")
+            print(f"{','.join(map(str, r['shape'])):<18}{_fmt(r['ours']):>7}{_fmt(fa):>7}"
+                  f"{_fmt(r.get('CUDNN_ATTENTION')):>7}{_fmt(r.get('EFFICIENT_ATTENTION')):>7}"
+                  f"{_fmt(r['ours'] / fa * 100 if fa else None):>9}%")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="pageflash bench kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefill", action="store_true", help="W-attn-prefill: forward TFLOP/s vs SDPA")
+    p.add_argument("--decode", action="store_true", help="W-attn-decode: paged decode GB/s vs copy and SDPA")
+    p.add_argument("--backward", action="store_true", help="backward TFLOP/s vs SDPA")
+    p.add_argument("--sweep", action="store_true", help="also time a few tile configs per kernel")
+    p.add_argument("--json", metavar="PATH", help="write all numbers to this JSON file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("pageflash bench kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if not (args.prefill or args.decode or args.backward):
+        args.prefill = args.decode = args.backward = True
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    result: dict = {
+        "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}",
+          flush=True)
+    result["copy_GBs"] = copy_bandwidth()
+    print(f"device-to-device copy: {result['copy_GBs']:.0f} GB/s (read + write)", flush=True)
+    if args.prefill:
+        result["prefill"] = bench_prefill(args.sweep)
+    if args.decode:
+        result["decode"] = bench_decode(args.sweep, result["copy_GBs"])
+    if args.backward:
+        result["backward"] = bench_backward(args.sweep)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
+    print_tables(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
