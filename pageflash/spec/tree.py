@@ -109,6 +109,16 @@ class DraftTree:
         return self._children.get(node, ())
 
     @cached_property
+    def sibling_ranks(self) -> tuple[int, ...]:
+        """Position of each node among its parent's children (0 = tried first)."""
+        seen: dict[int, int] = {}
+        ranks = []
+        for p in self.parents:
+            ranks.append(seen.get(p, 0))
+            seen[p] = ranks[-1] + 1
+        return tuple(ranks)
+
+    @cached_property
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, len(self.tokens) - 1))
 
@@ -285,7 +295,9 @@ def build_trees(
     """
     toks: list[list[int]] = [[] for _ in range(num_requests)]
     pars: list[list[int]] = [[] for _ in range(num_requests)]
-    qrows: list[list[torch.Tensor]] = [[] for _ in range(num_requests)]
+    qrows: list[list[int]] = [[] for _ in range(num_requests)]  # rows into cat(level_conds)
+    level_conds: list[torch.Tensor] = []
+    qbase = 0
     paths: list[list[list[int]]] = [[] for _ in range(num_requests)]  # token path of each node
     frontier: list[tuple[int, int]] = [(r, -1) for r in range(num_requests)]  # (request, node)
     for d in range(config.depth):
@@ -299,30 +311,32 @@ def build_trees(
         b = min(config.branching[d], q.shape[1])
         if sample:
             chosen, cond = _sample_without_replacement(q, b, generator)  # [m, b], [m, b, V]
+            valid = torch.gather(cond, 2, chosen[:, :, None]).squeeze(2) > 0
+            level_conds.append(cond.flatten(0, 1))
         else:
             chosen = torch.topk(q, b, dim=-1).indices
-            cond = None
-        # Tokens of zero probability are never proposed (a row ran out of support).
-        if cond is None:
             valid = torch.gather(q, 1, chosen) > 0
-        else:
-            valid = torch.gather(cond, 2, chosen[:, :, None]).squeeze(2) > 0
+        # Tokens of zero probability are never proposed (a row ran out of support).
         chosen_l, valid_l = chosen.tolist(), valid.tolist()
         nxt: list[tuple[int, int]] = []
         for i, (r, j) in enumerate(frontier):
             for c in range(b):
                 if not valid_l[i][c]:
                     continue
+                t = chosen_l[i][c]
                 pars[r].append(j)
-                toks[r].append(chosen_l[i][c])
-                paths[r].append(fpaths[i] + [chosen_l[i][c]])
-                if cond is not None:
-                    qrows[r].append(cond[i, c])
+                toks[r].append(t)
+                paths[r].append(fpaths[i] + [t])
+                qrows[r].append(qbase + i * b + c)
                 nxt.append((r, len(toks[r]) - 1))
+        qbase += len(frontier) * b
         frontier = nxt
+    all_q = torch.cat(level_conds) if sample and level_conds else None
     trees = []
     for r in range(num_requests):
-        probs = torch.stack(qrows[r]) if sample and qrows[r] else None
+        probs = None
+        if all_q is not None and qrows[r]:
+            probs = all_q[torch.tensor(qrows[r], dtype=torch.long, device=all_q.device)]
         trees.append(DraftTree(tuple(toks[r]), tuple(pars[r]), probs))
     return trees
 
