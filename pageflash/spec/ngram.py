@@ -1,0 +1,72 @@
+"""N-gram (prompt lookup) proposer: copy what followed the last earlier occurrence of the suffix.
+
+No model, no probabilities: the draft is deterministic, so verification treats it as one-hot, which
+keeps sampling lossless. It shines where outputs quote their inputs (summaries, code edits, RAG).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from pageflash.spec.proposer import ProposalRequest
+from pageflash.spec.tree import DraftTree
+
+
+def ngram_lookup(tokens: Union[Sequence[int], np.ndarray], n_min: int, n_max: int, k: int) -> Optional[np.ndarray]:
+    """The up to k tokens that followed the most recent earlier match of the longest suffix n-gram.
+
+    Tries n = n_max down to n_min: the last n tokens are matched against every earlier window (a
+    match may overlap the suffix, but is never the suffix itself); among the matches of the longest
+    n that has any, the most recent wins, and the tokens after it are proposed (fewer than k when
+    the match sits near the end). Returns int64 [<= k] or None.
+
+    O(L) vectorized: one comparison pass finds the 1-gram matches, then each longer n only filters
+    the survivors, so long contexts cost one numpy pass, not one per n.
+    """
+    arr = np.asarray(tokens, dtype=np.int64)
+    length = arr.shape[0]
+    if k <= 0 or length < 2 or n_max < 1:
+        return None
+    # End positions j (< L - 1, so something follows) of earlier windows matching the suffix.
+    cand = np.flatnonzero(arr[:-1] == arr[-1])
+    if cand.size == 0:
+        return None
+    best_n, best = 1, cand
+    for m in range(1, min(n_max, length - 1)):
+        c = best[best >= m]
+        c = c[arr[c - m] == arr[length - 1 - m]]
+        if c.size == 0:
+            break
+        best_n, best = m + 1, c
+    if best_n < n_min:
+        return None
+    j = int(best[-1])  # flatnonzero is ascending: the last one is the most recent
+    return arr[j + 1 : j + 1 + k]
+
+
+class NgramProposer:
+    """Prompt-lookup decoding over prompt + output.
+
+    n_max / n_min: longest and shortest suffix n-gram to match (n_max tried first).
+    k: upper bound on the draft length; each request's num_speculative_tokens may lower it.
+    """
+
+    def __init__(self, n_max: int = 4, n_min: int = 1, k: int = 5, name: str = "ngram") -> None:
+        if n_min < 1:
+            raise ValueError(f"NgramProposer: n_min must be >= 1, got {n_min}")
+        if n_max < n_min:
+            raise ValueError(f"NgramProposer: n_max ({n_max}) must be >= n_min ({n_min})")
+        if k < 1:
+            raise ValueError(f"NgramProposer: k must be >= 1, got {k}")
+        self.name = name
+        self.n_max, self.n_min, self.k = n_max, n_min, k
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Optional[DraftTree]]:
+        out: list[Optional[DraftTree]] = []
+        for r in requests:
+            k = min(self.k, r.num_speculative_tokens)
+            toks = ngram_lookup(r.token_ids, self.n_min, self.n_max, k)
+            out.append(DraftTree.chain(toks.tolist()) if toks is not None and toks.size else None)
+        return out
