@@ -1,0 +1,340 @@
+"""Adaptive speculation: pick each request's k (0 = off) to maximize tokens per second.
+
+Speculation pays when the tokens a verify step emits outweigh what it costs over a plain decode
+step. With per-token acceptance rate alpha (drafts accepted i.i.d., the usual model), a chain of k
+drafts emits ``E(k) = (1 - alpha^(k+1)) / (1 - alpha)`` tokens per step, and the step costs
+``T(B, N)`` for a batch of B sequences feeding N query tokens in all (N = B for plain decode). The
+controller maximizes ``sum_r E_r(k_r) / T(B, B + sum_r k_r)`` over the k_r and speculates when the
+predicted speedup over ``B / T(B, B)`` clears a threshold.
+
+What it measures, all on the host and cheap (plain Python and numpy):
+- acceptance, per proposer and per request: exponential moving averages of accepted tokens and of
+  acceptance trials (a step with k drafts and a accepted is a successes and, if a < k, one failure:
+  the maximum-likelihood estimate of alpha under the truncated geometric model);
+- step cost: an EMA of measured step time per (batch-size bucket, query-token count), interpolated
+  piecewise-linearly in the token count (so the flat memory-bound region and the compute-bound slope
+  both show), plus each proposer's own drafting time per batch bucket.
+
+Hysteresis keeps it from flapping: off -> on needs a predicted speedup >= ``on_threshold``; on -> off
+happens below ``off_threshold``. While off, every ``probe_interval`` steps it speculates for
+``probe_steps`` steps with ``probe_k`` to refresh the acceptance estimate, so it can come back when
+the text becomes predictable; while on, a step of plain decode every ``probe_interval`` steps keeps
+the baseline cost fresh, and requests left at k = 0 get a probe as well.
+
+The engine calls, per step: ``choose`` before proposing, ``observe_propose`` / ``observe_step`` with
+wall times of decode-or-verify-only steps (a step carrying prefill chunks says nothing about
+verify cost and should not be reported), and ``observe_acceptance`` per request after verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens emitted per verify step of a k-draft chain with i.i.d. acceptance alpha (bonus included)."""
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    """Knobs of :class:`SpecController`.
+
+    k_max:            largest k per request.
+    ema:              weight of a new observation in every moving average.
+    on_threshold:     predicted speedup needed to turn speculation on.
+    off_threshold:    predicted speedup under which it turns off (< on_threshold: hysteresis).
+    probe_interval:   steps between probes (speculation while off, plain decode while on).
+    probe_steps:      speculative steps per probe while off.
+    probe_k:          k used while probing.
+    prior_alpha:      acceptance assumed before any observation.
+    prior_token_cost: cost of one extra query token per sequence, relative to a decode step, used
+                      until two token counts of a batch bucket have been measured.
+    """
+
+    k_max: int = 5
+    ema: float = 0.1
+    on_threshold: float = 1.10
+    off_threshold: float = 1.02
+    probe_interval: int = 64
+    probe_steps: int = 4
+    probe_k: int = 2
+    prior_alpha: float = 0.5
+    prior_token_cost: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.k_max < 1:
+            raise ValueError(f"AdaptiveConfig.k_max must be >= 1, got {self.k_max}")
+        if not 0.0 < self.ema <= 1.0:
+            raise ValueError(f"AdaptiveConfig.ema must be in (0, 1], got {self.ema}")
+        if self.off_threshold > self.on_threshold:
+            raise ValueError(
+                f"AdaptiveConfig.off_threshold ({self.off_threshold}) must be <= on_threshold ({self.on_threshold})"
+            )
+        if self.probe_interval < 1 or self.probe_steps < 1:
+            raise ValueError("AdaptiveConfig.probe_interval and probe_steps must be >= 1")
+        if not 1 <= self.probe_k <= self.k_max:
+            raise ValueError(f"AdaptiveConfig.probe_k must be in [1, k_max={self.k_max}], got {self.probe_k}")
+        if not 0.0 <= self.prior_alpha < 1.0:
+            raise ValueError(f"AdaptiveConfig.prior_alpha must be in [0, 1), got {self.prior_alpha}")
+        if self.prior_token_cost < 0:
+            raise ValueError(f"AdaptiveConfig.prior_token_cost must be >= 0, got {self.prior_token_cost}")
+
+
+class AcceptanceEMA:
+    """Per-token acceptance rate from (proposed, accepted) observations, smoothed by an EMA.
+
+    Starts from a prior worth one trial, so the first observations move it quickly.
+    """
+
+    def __init__(self, ema: float, prior_alpha: float) -> None:
+        self.ema = ema
+        self.successes = prior_alpha
+        self.trials = 1.0
+        self.accepted_per_step = 0.0
+        self.num_observations = 0
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        """num_proposed: positions that could be accepted (chain length, or tree depth)."""
+        if num_proposed <= 0:
+            return
+        a = min(num_accepted, num_proposed)
+        w = self.ema
+        self.successes = (1 - w) * self.successes + w * a
+        self.trials = (1 - w) * self.trials + w * (a + (1 if a < num_proposed else 0))
+        self.accepted_per_step = (1 - w) * self.accepted_per_step + w * a if self.num_observations else float(a)
+        self.num_observations += 1
+
+    @property
+    def alpha(self) -> float:
+        # Capped below 1 so that E(k) stays finite-sloped and k_max still binds.
+        return min(self.successes / max(self.trials, 1e-9), 0.999)
+
+
+def _bucket(num_seqs: int) -> int:
+    """Batch-size bucket: the next power of two (1, 2, 4, ...)."""
+    return 1 << max(0, (num_seqs - 1).bit_length())
+
+
+class StepCostModel:
+    """Measured step time as a function of (batch size, query tokens).
+
+    Per batch bucket, an EMA of seconds per exact query-token count; predictions interpolate
+    piecewise-linearly between measured counts and extrapolate along the nearest segment. With a
+    single measured count the slope comes from ``prior_token_cost``.
+    """
+
+    def __init__(self, ema: float = 0.1, prior_token_cost: float = 0.05, max_cells: int = 64) -> None:
+        self.ema = ema
+        self.prior_token_cost = prior_token_cost
+        self.max_cells = max_cells
+        self._cells: dict[int, dict[int, float]] = {}  # bucket -> {num_tokens: seconds}
+        self._has_decode: set[int] = set()
+
+    def observe(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        if num_seqs <= 0 or num_tokens < num_seqs or seconds <= 0:
+            return
+        b = _bucket(num_seqs)
+        cells = self._cells.setdefault(b, {})
+        old = cells.pop(num_tokens, None)  # re-insert: dict order is recency order, for eviction
+        cells[num_tokens] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        if len(cells) > self.max_cells:
+            del cells[next(iter(cells))]
+        if num_tokens == num_seqs:
+            self._has_decode.add(b)
+
+    def has_baseline(self, num_seqs: int) -> bool:
+        """Whether a plain decode step of this batch bucket has been measured."""
+        return _bucket(num_seqs) in self._has_decode
+
+    def predict(self, num_seqs: int, num_tokens: np.ndarray | int) -> np.ndarray | float | None:
+        """Predicted seconds for num_tokens (scalar or array); None before any measurement."""
+        cells = self._cells.get(_bucket(num_seqs))
+        if not cells:
+            return None
+        xs = np.array(sorted(cells), dtype=np.float64)
+        ys = np.array([cells[int(x)] for x in xs])
+        n = np.asarray(num_tokens, dtype=np.float64)
+        if len(xs) == 1:
+            # Decode-equivalent time from the one point, then the prior slope per token per sequence.
+            base = ys[0] / (1 + self.prior_token_cost * (xs[0] - num_seqs) / num_seqs)
+            out = base * (1 + self.prior_token_cost * (n - num_seqs) / num_seqs)
+        else:
+            out = np.interp(n, xs, ys)
+            lo_slope = max((ys[1] - ys[0]) / (xs[1] - xs[0]), 0.0)
+            hi_slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+            out = np.where(n < xs[0], ys[0] - lo_slope * (xs[0] - n), out)
+            out = np.where(n > xs[-1], ys[-1] + hi_slope * (n - xs[-1]), out)
+        out = np.maximum(out, 1e-9)
+        return float(out) if np.ndim(out) == 0 else out
+
+    def ratio(self, num_seqs: int, k: int) -> float:
+        """T(B, B (k + 1)) / T(B, B): the cost of a verify step with k drafts per sequence."""
+        t = self.predict(num_seqs, np.array([num_seqs, num_seqs * (k + 1)]))
+        if t is None:
+            return 1.0 + self.prior_token_cost * k
+        return float(t[1] / t[0])
+
+
+@dataclass
+class _ProposerState:
+    acceptance: AcceptanceEMA
+    requests: dict[str, AcceptanceEMA] = field(default_factory=dict)
+    idle: dict[str, int] = field(default_factory=dict)  # steps since a request last speculated
+    on: bool = False
+    steps_in_mode: int = 0
+    probing: int = 0  # speculative probe steps left
+    propose_cost: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per step
+    last_speedup: float = 0.0
+
+
+class SpecController:
+    """Chooses k per request per step, per proposer, from measured acceptance and step costs."""
+
+    def __init__(self, config: Optional[AdaptiveConfig] = None) -> None:
+        self.config = config or AdaptiveConfig()
+        self.costs = StepCostModel(self.config.ema, self.config.prior_token_cost)
+        self._states: dict[str, _ProposerState] = {}
+
+    def _state(self, proposer: str) -> _ProposerState:
+        st = self._states.get(proposer)
+        if st is None:
+            st = _ProposerState(AcceptanceEMA(self.config.ema, self.config.prior_alpha))
+            self._states[proposer] = st
+        return st
+
+    # -- observations ---------------------------------------------------------------------------
+
+    def observe_step(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        """Wall time of a decode or verify step (model forward + sampling/verification)."""
+        self.costs.observe(num_seqs, num_tokens, seconds)
+
+    def observe_propose(self, proposer: str, num_seqs: int, seconds: float) -> None:
+        """Wall time the proposer spent drafting for a batch of num_seqs (draft models cost real time)."""
+        st = self._state(proposer)
+        b = _bucket(num_seqs)
+        old = st.propose_cost.get(b)
+        st.propose_cost[b] = seconds if old is None else (1 - self.config.ema) * old + self.config.ema * seconds
+
+    def observe_acceptance(self, proposer: str, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """After verification: the request had num_proposed draft positions and num_accepted were kept."""
+        st = self._state(proposer)
+        st.acceptance.observe(num_proposed, num_accepted)
+        req = st.requests.get(request_id)
+        if req is None:
+            # A new request starts from what the proposer does on average.
+            req = st.requests[request_id] = AcceptanceEMA(self.config.ema, st.acceptance.alpha)
+        req.observe(num_proposed, num_accepted)
+
+    def remove_request(self, request_id: str) -> None:
+        for st in self._states.values():
+            st.requests.pop(request_id, None)
+            st.idle.pop(request_id, None)
+
+    # -- decisions ------------------------------------------------------------------------------
+
+    def alpha(self, proposer: str, request_id: Optional[str] = None) -> float:
+        st = self._state(proposer)
+        req = st.requests.get(request_id) if request_id is not None else None
+        return (req or st.acceptance).alpha
+
+    def is_on(self, proposer: str) -> bool:
+        return self._state(proposer).on
+
+    def allocate(
+        self, proposer: str, alphas: Sequence[float], max_k: Optional[Sequence[int]] = None
+    ) -> tuple[list[int], float]:
+        """The k per request maximizing predicted tokens per second, and its speedup over decode.
+
+        The gain of request r's j-th draft is alpha_r^j (decreasing in j), so adding drafts in
+        decreasing order of gain gives the best allocation for every total; the total is then
+        chosen by evaluating the cost model at each one.
+        """
+        cfg = self.config
+        bsz = len(alphas)
+        if bsz == 0:
+            return [], 1.0
+        caps = [cfg.k_max] * bsz if max_k is None else [max(0, min(cfg.k_max, m)) for m in max_k]
+        a = np.asarray(alphas, dtype=np.float64)[:, None]
+        j = np.arange(1, cfg.k_max + 1, dtype=np.float64)[None, :]
+        gains = a**j  # [B, k_max]
+        gains[j.astype(int).repeat(bsz, 0) > np.asarray(caps)[:, None]] = -1.0
+        flat = gains.ravel()
+        order = np.argsort(-flat, kind="stable")
+        order = order[flat[order] > 0]
+        tokens = bsz + np.concatenate([[0.0], np.cumsum(flat[order])])  # [n + 1]
+        counts = bsz + np.arange(len(order) + 1)
+        cost = self.costs.predict(bsz, counts)
+        if cost is None:
+            cost = 1.0 + cfg.prior_token_cost * (counts - bsz) / bsz
+        cost = cost + np.where(counts > bsz, self._state(proposer).propose_cost.get(_bucket(bsz), 0.0), 0.0)
+        tput = tokens / cost
+        best = int(np.argmax(tput))
+        ks = np.bincount(order[:best] // cfg.k_max, minlength=bsz)
+        return [int(k) for k in ks], float(tput[best] / tput[0])
+
+    def choose(
+        self, request_ids: Sequence[str], proposer: str = "default", max_k: Optional[Sequence[int]] = None
+    ) -> list[int]:
+        """k for each request this step (0 = no drafts). max_k optionally caps each request
+        (remaining max_tokens, room left in the context window)."""
+        cfg = self.config
+        st = self._state(proposer)
+        bsz = len(request_ids)
+        if bsz == 0:
+            return []
+        zeros = [0] * bsz
+        caps = [cfg.k_max] * bsz if max_k is None else [max(0, min(cfg.k_max, m)) for m in max_k]
+        for r in request_ids:
+            st.idle[r] = st.idle.get(r, 0) + 1
+        if not self.costs.has_baseline(bsz):
+            return zeros  # measure plain decode at this batch size first: every decision needs it
+        ks, speedup = self.allocate(proposer, [self.alpha(proposer, r) for r in request_ids], caps)
+        st.last_speedup = speedup
+        st.steps_in_mode += 1
+
+        if st.probing > 0:
+            st.probing -= 1
+            ks = [min(cfg.probe_k, c) for c in caps]
+        elif st.on:
+            if speedup < cfg.off_threshold:
+                st.on, st.steps_in_mode = False, 0
+                return zeros
+            if st.steps_in_mode % cfg.probe_interval == 0:
+                return zeros  # refresh the decode baseline now and then
+            for i, r in enumerate(request_ids):
+                if ks[i] == 0 and caps[i] > 0 and st.idle[r] >= cfg.probe_interval:
+                    ks[i] = min(cfg.probe_k, caps[i])  # give a request left out a fresh look
+        else:
+            if speedup >= cfg.on_threshold:
+                st.on, st.steps_in_mode = True, 0
+            elif st.steps_in_mode >= cfg.probe_interval:
+                st.steps_in_mode = 0
+                st.probing = cfg.probe_steps - 1
+                ks = [min(cfg.probe_k, c) for c in caps]
+            else:
+                return zeros
+        for r, k in zip(request_ids, ks):
+            if k > 0:
+                st.idle[r] = 0
+        return ks
+
+    def as_dict(self) -> dict:
+        """Controller state for logs and the metrics endpoint."""
+        return {
+            name: {
+                "on": st.on,
+                "alpha": round(st.acceptance.alpha, 4),
+                "accepted_per_step": round(st.acceptance.accepted_per_step, 4),
+                "predicted_speedup": round(st.last_speedup, 4),
+                "probing": st.probing > 0,
+            }
+            for name, st in self._states.items()
+        }

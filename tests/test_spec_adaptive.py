@@ -1,0 +1,201 @@
+"""Adaptive k controller (pageflash/spec/adaptive.py) and SpecMetrics, with synthetic costs.
+
+The engine is simulated: step time comes from a cost function T(B, N) of batch size and query
+tokens, and each request accepts each draft with a fixed probability (seeded, so deterministic).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import pytest
+
+from pageflash.spec.adaptive import AcceptanceEMA, AdaptiveConfig, SpecController, StepCostModel, expected_tokens
+from pageflash.spec.metrics import SpecMetrics
+
+CostFn = Callable[[int, int], float]
+
+# Memory bound: weights dominate, extra query tokens are nearly free.
+CHEAP: CostFn = lambda b, n: 0.010 + 0.00002 * n  # noqa: E731
+# Compute bound: time proportional to tokens, so speculation can never pay.
+PROPORTIONAL: CostFn = lambda b, n: 0.001 * n  # noqa: E731
+
+
+def simulate(
+    ctrl: SpecController, steps: int, bsz: int, alpha: float, cost: CostFn, rng: random.Random, metrics=None
+) -> list[list[int]]:
+    ids = [f"r{i}" for i in range(bsz)]
+    history = []
+    for _ in range(steps):
+        ks = ctrl.choose(ids, "ngram")
+        n = sum(k + 1 for k in ks)
+        ctrl.observe_step(bsz, n, cost(bsz, n))
+        for r, k in zip(ids, ks):
+            if k == 0:
+                continue
+            a = 0
+            while a < k and rng.random() < alpha:
+                a += 1
+            ctrl.observe_acceptance("ngram", r, k, a)
+            if metrics is not None:
+                metrics.record("ngram", k, a)
+        history.append(ks)
+    return history
+
+
+def spec_fraction(history: list[list[int]]) -> float:
+    return sum(any(ks) for ks in history) / len(history)
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 4) == 1.0
+
+
+def test_acceptance_ema_recovers_alpha() -> None:
+    rng = random.Random(0)
+    est = AcceptanceEMA(ema=0.02, prior_alpha=0.5)
+    for _ in range(3000):
+        a = 0
+        while a < 4 and rng.random() < 0.8:
+            a += 1
+        est.observe(4, a)
+    assert est.alpha == pytest.approx(0.8, abs=0.05)
+
+
+def test_cost_model_interpolates_and_extrapolates() -> None:
+    m = StepCostModel(ema=1.0, prior_token_cost=0.1)
+    assert m.predict(4, 4) is None and m.ratio(4, 3) == pytest.approx(1.3)
+    m.observe(4, 4, 0.010)
+    assert m.has_baseline(3) and not m.has_baseline(5)  # buckets: {3, 4} -> 4, 5 -> 8
+    assert m.ratio(4, 2) == pytest.approx(1.2)  # one point: the prior slope
+    m.observe(4, 12, 0.014)
+    assert m.predict(4, 8) == pytest.approx(0.012)
+    assert m.predict(4, 20) == pytest.approx(0.018)  # along the last segment
+    assert m.ratio(4, 2) == pytest.approx(1.4)
+
+
+def test_turns_on_when_verification_is_cheap_and_drafts_are_good() -> None:
+    ctrl = SpecController(AdaptiveConfig(k_max=6))
+    hist = simulate(ctrl, 200, 8, 0.85, CHEAP, random.Random(1))
+    assert hist[0] == [0] * 8  # baseline decode first
+    assert ctrl.is_on("ngram")
+    assert spec_fraction(hist[-100:]) > 0.95
+    assert sum(hist[-1]) / 8 >= 5  # cheap verification and good drafts: long chains
+
+
+def test_stays_off_when_verification_costs_proportional_time() -> None:
+    ctrl = SpecController()
+    hist = simulate(ctrl, 400, 8, 0.9, PROPORTIONAL, random.Random(2))
+    assert not ctrl.is_on("ngram")
+    # Only probes speculate: at most probe_steps out of every probe_interval steps.
+    cfg = ctrl.config
+    assert spec_fraction(hist[-256:]) <= cfg.probe_steps / cfg.probe_interval + 0.02
+
+
+def test_turns_off_at_low_acceptance_and_back_on_when_it_improves() -> None:
+    cfg = AdaptiveConfig(probe_interval=32)
+    ctrl = SpecController(cfg)
+    rng = random.Random(3)
+    moderate: CostFn = lambda b, n: 0.010 + 0.0004 * n  # noqa: E731
+    simulate(ctrl, 100, 4, 0.9, moderate, rng)
+    assert ctrl.is_on("ngram")
+    hist = simulate(ctrl, 300, 4, 0.02, moderate, rng)
+    assert not ctrl.is_on("ngram")
+    assert spec_fraction(hist[-200:]) < 0.15  # probes only
+    hist = simulate(ctrl, 300, 4, 0.9, moderate, rng)
+    assert ctrl.is_on("ngram")
+    assert spec_fraction(hist[-100:]) > 0.9
+
+
+def test_turns_back_on_when_costs_improve() -> None:
+    # Same batch bucket, the hardware gets cheaper per token (e.g. a faster kernel or less load).
+    ctrl = SpecController(AdaptiveConfig(probe_interval=32))
+    rng = random.Random(4)
+    simulate(ctrl, 300, 8, 0.8, PROPORTIONAL, rng)
+    assert not ctrl.is_on("ngram")
+    hist = simulate(ctrl, 300, 8, 0.8, CHEAP, rng)
+    assert ctrl.is_on("ngram") and spec_fraction(hist[-100:]) > 0.9
+
+
+def test_batch_size_matters() -> None:
+    # Memory bound at small batches, compute bound at large ones (a roofline knee at 64 tokens).
+    knee: CostFn = lambda b, n: 0.010 * max(1.0, n / 64)  # noqa: E731
+    small, large = SpecController(), SpecController()
+    simulate(small, 200, 4, 0.7, knee, random.Random(5))
+    simulate(large, 200, 64, 0.7, knee, random.Random(6))
+    assert small.is_on("ngram") and not large.is_on("ngram")
+
+
+def test_hysteresis_no_flapping_in_the_dead_band() -> None:
+    # Predicted speedup between off_threshold and on_threshold: the mode never changes.
+    cfg = AdaptiveConfig(k_max=1, probe_k=1, on_threshold=1.3, off_threshold=1.0, prior_alpha=0.2)
+    flat: CostFn = lambda b, n: 0.010 * (1 + 0.05 * (n - b) / b)  # noqa: E731
+    for start_on in (False, True):
+        ctrl = SpecController(cfg)
+        ctrl._state("ngram").on = start_on
+        hist = simulate(ctrl, 200, 4, 0.2, flat, random.Random(7))
+        # E(1) = 1.2 tokens for 1.05x the time: speedup ~1.14, inside (1.0, 1.3).
+        assert 1.0 < ctrl._state("ngram").last_speedup < 1.3
+        assert ctrl.is_on("ngram") == start_on
+        if start_on:
+            assert spec_fraction(hist[1:]) > 0.9
+
+
+def test_per_request_allocation_favors_predictable_requests() -> None:
+    ctrl = SpecController(AdaptiveConfig(k_max=4))
+    ctrl.observe_step(4, 4, 0.010)
+    ctrl.observe_step(4, 20, 0.0104)
+    ks, speedup = ctrl.allocate("ngram", [0.95, 0.9, 0.3, 0.01])
+    assert ks[0] >= ks[1] >= ks[2] >= ks[3] and ks[0] == 4 and ks[3] == 0
+    assert speedup > 1.5
+    ks, _ = ctrl.allocate("ngram", [0.95, 0.95, 0.95, 0.95], max_k=[4, 1, 0, 2])
+    assert ks == [4, 1, 0, 2]
+
+
+def test_proposer_cost_counts() -> None:
+    ctrl = SpecController(AdaptiveConfig(k_max=3))
+    ctrl.observe_step(4, 4, 0.010)
+    ctrl.observe_step(4, 16, 0.0102)
+    assert ctrl.allocate("cheap", [0.6] * 4)[1] > 1.5
+    ctrl.observe_propose("draft-model", 4, 0.030)  # drafting costs 3 decode steps
+    ks, speedup = ctrl.allocate("draft-model", [0.6] * 4)
+    assert ks == [0] * 4 and speedup == 1.0
+
+
+def test_config_validation() -> None:
+    for bad in (dict(k_max=0), dict(ema=0.0), dict(on_threshold=1.0, off_threshold=1.1), dict(probe_k=9)):
+        with pytest.raises(ValueError):
+            AdaptiveConfig(**bad)
+
+
+def test_metrics_from_a_simulation() -> None:
+    ctrl, metrics = SpecController(AdaptiveConfig(k_max=4)), SpecMetrics()
+    simulate(ctrl, 200, 4, 0.8, CHEAP, random.Random(8), metrics)
+    metrics.record_no_draft("ngram", 3)
+    d = metrics.as_dict()["ngram"]
+    assert d["num_steps"] == sum(d["accepted_hist"]) > 0 and d["num_no_draft"] == 3
+    assert d["num_accepted_tokens"] == sum(a * c for a, c in enumerate(d["accepted_hist"]))
+    assert d["mean_emitted_per_step"] == pytest.approx(d["mean_accepted_per_step"] + 1)
+    assert 0.5 < d["acceptance_rate"] < 0.9
+    assert ctrl.as_dict()["ngram"]["on"] is True
+
+
+def test_metrics_basics() -> None:
+    m = SpecMetrics()
+    assert m.as_dict() == {}
+    m.record("a", 4, 2)
+    m.record("a", 4, 0)
+    m.record("b", 3, 3, num_emitted=2)
+    d = m.as_dict()
+    assert d["a"]["accepted_hist"] == [1, 0, 1] and d["a"]["acceptance_rate"] == 0.25
+    assert d["a"]["mean_accepted_per_step"] == 1.0 and d["a"]["mean_emitted_per_step"] == 2.0
+    assert d["b"]["num_emitted_tokens"] == 2 and d["b"]["accepted_hist"] == [0, 0, 0, 1]
+    with pytest.raises(ValueError):
+        m.record("a", 2, 3)
+    m.reset()
+    assert m.as_dict() == {}
