@@ -150,6 +150,13 @@ def test_flash_decode(heads, d, splits, dtype):
     ref = flash_decode_ref(q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5)
     out = flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, num_splits=splits)
     assert rel_err(out, ref) < TOL[dtype]
+    # fused combine: the last split program of each (sequence, KV head) combines; counters reset to 0
+    counters = torch.zeros(len(specs) * hkv + 3, dtype=torch.int32)
+    for _ in range(2):
+        out = flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, num_splits=splits,
+                           counters=counters)
+        assert rel_err(out, ref) < TOL[dtype]
+        assert not counters.any()
 
 
 def test_choose_num_splits():
@@ -165,6 +172,7 @@ def test_choose_num_splits():
     "specs,tree",
     [
         ([(0, 1), (16, 1), (30, 1)], False),  # decode-only: Flash-Decoding
+        ([(0, 9), (0, 1), (0, 20)], False),  # fresh prefill: contiguous varlen kernel
         ([(0, 9), (17, 1), (3, 16)], False),  # mixed prefill + decode
         ([(12, 4), (0, 3)], True),  # tree decode
     ],
@@ -176,6 +184,8 @@ def test_backend_vs_torch(specs, tree, dtype):
     kc2, vc2 = kc.clone(), vc.clone()
     ref = TorchBackend().forward(q, k, v, kc, vc, TorchBackend().plan(meta), 0.125)
     plan = be.plan(meta)
+    assert plan.decode == meta.is_decode_only
+    assert plan.fresh_prefill == (not plan.decode and not tree and all(c == 0 for c, _ in specs))
     out1 = be.forward(q, k, v, kc2, vc2, plan, 0.125)
     out2 = be.forward(q, k, v, kc2, vc2, plan, 0.125)  # second layer: cached plan pieces
     assert torch.equal(kc2, kc) and torch.equal(vc2, vc)

@@ -122,8 +122,18 @@ def bench_prefill(sweep: bool) -> list[dict]:
 
         pcfg = prefill_config(d, 1, n, q.dtype, q.device)
         tiles = build_tiles([n] * b, [n] * b, pcfg["BLOCK_M"], q.device)
+        torch.cuda.synchronize()
         row["ours_paged"] = tf(_bench(lambda: paged_attention(qf, kc, vc, qsl, sl, bt, d**-0.5, [n] * b, [n] * b,
                                                               tiles=tiles)))
+        if sweep:
+            res = {}
+            for bm, bn, w, s in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2),
+                                 (64, 64, 4, 3), (128, 64, 8, 4), (128, 64, 8, 2), (64, 32, 4, 4)]:
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+                tl_ = build_tiles([n] * b, [n] * b, bm, q.device)
+                res[f"{bm}x{bn} w{w} s{s}"] = _try(lambda: tf(_bench(lambda: paged_attention(
+                    qf, kc, vc, qsl, sl, bt, d**-0.5, [n] * b, [n] * b, tiles=tl_, config=cfg))))
+            row["sweep_paged"] = res
         # ours varlen entry (tokens-major [B*N, H, D])
         kf, vf = k.transpose(1, 2).reshape(b * n, h, d), v.transpose(1, 2).reshape(b * n, h, d)
         row["ours_varlen"] = tf(_bench(lambda: flash_attn_varlen_fwd(qf, kf, vf, qsl, n, causal=True)))
@@ -141,8 +151,9 @@ def bench_prefill(sweep: bool) -> list[dict]:
         print(f"prefill {row['shape']}: " + ", ".join(
             f"{key} {val:.0f}" for key, val in row.items() if isinstance(val, float)), flush=True)
         if sweep:
-            print("   sweep: " + ", ".join(f"{kk}: {vv:.0f}" if vv else f"{kk}: n/a" for kk, vv in row["sweep"].items()),
-                  flush=True)
+            for key in ("sweep", "sweep_paged"):
+                print(f"   {key}: " + ", ".join(f"{kk}: {vv:.0f}" if vv else f"{kk}: n/a"
+                                             for kk, vv in row[key].items()), flush=True)
         del q, k, v
         torch.cuda.empty_cache()
     return rows
@@ -173,17 +184,25 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
         gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
         splits = choose_num_splits(b, hkv, nb * PAGE, sms)
         row = {"shape": [b, L], "splits": splits}
-        ms = _bench(lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits), graph=True)
+        torch.cuda.synchronize()  # do_bench_cudagraph runs on a side stream: the inputs must be ready
+        counters = torch.zeros(b * hkv, device="cuda", dtype=torch.int32)
+        torch.cuda.synchronize()
+        ms = _bench(lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits, counters=counters),
+                    graph=True)
         row["ours_us"] = ms * 1e3
         row["ours_GBs"] = gbs(ms)
         row["ours_pct_copy"] = 100 * gbs(ms) / bw
+        if splits > 1:  # two-kernel combine
+            row["ours_2kernel_us"] = 1e3 * _bench(
+                lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits), graph=True)
         if sweep:
             res = {}
-            for bn, w, s in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 3)]:
+            for bn, w, s in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 3),
+                             (128, 4, 2), (32, 2, 4)]:
                 cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=s)
-                for sp in sorted({splits, max(1, splits // 2), splits * 2}):
+                for sp in sorted({splits, max(1, splits // 2), splits * 2, splits * 4}):
                     r = _try(lambda: gbs(_bench(lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=sp,
-                                                                     config=cfg), graph=True)))
+                                                                     config=cfg, counters=counters), graph=True)))
                     res[f"n{bn} w{w} s{s} sp{sp}"] = r
             row["sweep"] = res
         # SDPA on contiguous KV, GQA handled by SDPA
@@ -196,6 +215,7 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
             return F.scaled_dot_product_attention(q4, kk, vv, enable_gqa=True)
 
         sdpa()
+        torch.cuda.synchronize()
         ms = _try(lambda: _bench(sdpa, graph=True))
         row["sdpa_us"] = ms * 1e3 if ms else None
         row["sdpa_GBs"] = gbs(ms) if ms else None
@@ -209,7 +229,7 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
             row[f"sdpa_{be}_us"] = _try(run)
         rows.append(row)
         print(f"decode B{b} L{L}: splits {splits}, ours {row['ours_us']:.1f} us {row['ours_GBs']:.0f} GB/s "
-              f"({row['ours_pct_copy']:.0f}% of copy), sdpa {row['sdpa_us'] or float('nan'):.1f} us; "
+              f"({row['ours_pct_copy']:.0f}% of copy), 2-kernel combine {row.get('ours_2kernel_us', 0):.1f} us, sdpa {row['sdpa_us'] or float('nan'):.1f} us; "
               + ", ".join(f"{k_} {v_:.1f}" for k_, v_ in row.items() if k_.startswith("sdpa_") and k_.endswith("_us")
                           and k_ != "sdpa_us" and v_),
               flush=True)

@@ -1,6 +1,6 @@
-"""The Triton attention backend ("triton"): store K/V, then Flash-Decoding for decode-only steps and
-the paged prefill kernel for everything else (prefill, chunked prefill, prefix hits, multi-token and
-tree decode). Interface and conventions: pageflash.layers.attention.
+"""The Triton attention backend ("triton"): store K/V, then Flash-Decoding for decode-only steps,
+the contiguous varlen FlashAttention-2 kernel for prefills with nothing cached yet, and the paged
+prefill kernel for everything else (chunked prefill, prefix hits, multi-token and tree decode). Interface and conventions: pageflash.layers.attention.
 
 ``plan`` does the per-step index arithmetic once (host-side, from the metadata's CPU lists); the
 pieces that depend on the model's head counts (decode split count, prefill work list, which depends
@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from pageflash.kernels.flash_attention import flash_attn_varlen_fwd
 from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode
 from pageflash.kernels.kv_store import store_kv
 from pageflash.kernels.paged_attention import build_tiles, paged_attention, prefill_config
@@ -25,12 +26,14 @@ __all__ = ["TritonBackend", "TritonPlan"]
 
 @dataclass
 class TritonPlan:
-    """One step's plan. ``meta``: the step's metadata; ``decode``: decode-only step;
-    ``max_kv_len``: static bound of the KV length (block-table width x block size), which sizes the
+    """One step's plan. ``meta``: the step's metadata; ``decode``: decode-only step; ``fresh_prefill``:
+    causal prefill with no context in the cache (the new K/V are all there is: the contiguous varlen
+    FlashAttention kernel reads them directly, no block-table gathers); ``max_kv_len``: static bound of the KV length (block-table width x block size), which sizes the
     decode splits; the caches below are filled by the first forward of the step."""
 
     meta: AttentionMetadata
     decode: bool
+    fresh_prefill: bool
     max_kv_len: int
     num_sms: int
     num_splits: dict[int, int] = field(default_factory=dict)  # num_kv_heads -> splits
@@ -60,8 +63,22 @@ class TritonBackend:
 
     name = "triton"
 
-    def __init__(self, num_sms: Optional[int] = None) -> None:
+    def __init__(self, num_sms: Optional[int] = None, fused_combine: bool = True) -> None:
         self._num_sms = num_sms
+        self._fused_combine = fused_combine
+        self._counters: Optional[torch.Tensor] = None
+
+    def _decode_counters(self, device: torch.device, n: int) -> Optional[torch.Tensor]:
+        """Zeroed int32 counters for the fused split combine (kept at zero by the kernel itself);
+        None (two-kernel combine) when a new buffer would have to be made during graph capture."""
+        if not self._fused_combine:
+            return None
+        c = self._counters
+        if c is None or c.numel() < n or c.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            c = self._counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        return c
 
     def _sms(self, device: torch.device) -> int:
         if self._num_sms is None:
@@ -73,9 +90,16 @@ class TritonBackend:
 
     def plan(self, meta: AttentionMetadata) -> TritonPlan:
         dev = meta.seq_lens.device
+        decode = meta.is_decode_only
+        fresh = (
+            not decode
+            and meta.tree_mask is None
+            and all(q == s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
+        )
         return TritonPlan(
             meta=meta,
-            decode=meta.is_decode_only,
+            decode=decode,
+            fresh_prefill=fresh,
             max_kv_len=int(meta.block_tables.shape[1]) * meta.block_size,
             num_sms=self._sms(dev),
         )
@@ -95,9 +119,14 @@ class TritonBackend:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         hkv = k_cache.shape[2]
         if plan.decode:
+            splits = plan.splits_for(hkv)
+            counters = self._decode_counters(q.device, q.shape[0] * hkv) if splits > 1 else None
             return flash_decode(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=plan.splits_for(hkv)
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits, counters=counters
             )
+        if plan.fresh_prefill:
+            out, _ = flash_attn_varlen_fwd(q, k, v, meta.query_start_loc, meta.max_query_len, True, scale)
+            return out
         group = q.shape[1] // hkv
         cfg = prefill_config(q.shape[2], group, meta.max_query_len, q.dtype, q.device)
         per_tile = cfg["BLOCK_M"] // _pow2(group)

@@ -5,7 +5,8 @@ of one sequence (one ``[BLOCK_H >= 16, D]`` Q tile, so the G heads share every K
 contiguous chunk of the sequence's keys, read BLOCK_N at a time through the block table with an online
 softmax. With ``num_splits == 1`` it writes the output directly; otherwise it writes an fp32 partial
 output (normalised within the chunk) and its log-sum-exp (base 2), and kernel 2, grid ``(Hq, B)``,
-rescales and sums the partials.
+rescales and sums the partials -- or, given a counters buffer, the last program of each (sequence,
+KV head) to finish does that itself (an acq_rel atomic counter per (sequence, KV head)).
 
 CUDA-graph safe: ``num_splits`` is a static function of (batch, Hkv, block-table width, SM count),
 never of the lengths; the chunk bounds are computed on the device from ``seq_lens`` (equal chunks of
@@ -30,14 +31,15 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(
-    Q, KC, VC, O, PO, PLSE, BT, SEQ_LENS,
+    Q, KC, VC, O, PO, PLSE, BT, SEQ_LENS, COUNTERS,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
     stride_bt,
     qk_scale, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -100,6 +102,29 @@ def _decode_split_kernel(
         row = (b64 * (GROUP * tl.num_programs(1)) + head) * num_splits + split
         tl.store(PO + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
         tl.store(PLSE + row, lse, mask=h_ok)
+        if FUSED:
+            # the last program of this (sequence, KV head) to finish combines the partials: saves a launch.
+            # Barrier + acq_rel atomic: every thread's partial stores are visible before the count moves.
+            tl.debug_barrier()
+            cnt_ptr = COUNTERS + b64 * tl.num_programs(1) + kvh
+            done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                row0 = (b64 * (GROUP * tl.num_programs(1)) + head) * num_splits
+                m = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+                for s in range(num_splits):
+                    m = tl.maximum(m, tl.load(PLSE + row0 + s, mask=h_ok, other=float("-inf"), cache_modifier=".cg"))
+                den = tl.zeros([BLOCK_H], dtype=tl.float32)
+                tot = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+                for s in range(num_splits):
+                    w = tl.math.exp2(tl.load(PLSE + row0 + s, mask=h_ok, other=float("-inf"), cache_modifier=".cg") - m)
+                    po = tl.load(PO + (row0 + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+                    tot += w[:, None] * po
+                    den += w
+                den = tl.where(den > 0.0, den, 1.0)
+                tl.store(O + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                         (tot / den[:, None]).to(O.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # reset for the next launch
 
 
 @triton.jit
@@ -159,10 +184,15 @@ def flash_decode(
     scale: float,
     num_splits: int = 1,
     config: Optional[dict] = None,
+    counters: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its K/V already stored), caches
     [num_blocks, block_size, Hkv, D], block_tables int32 [B, W], seq_lens int32 [B] (>= 1).
-    Returns [B, Hq, D]. No host synchronisation."""
+    Returns [B, Hq, D]. No host synchronisation.
+
+    counters: optional int32 [>= B * Hkv] buffer of zeros, owned by the caller and used by one launch
+    at a time: with it (and num_splits > 1) the last split program of each (sequence, KV head) combines
+    the partials itself (and resets its counter to 0), instead of a second kernel."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"flash_decode: q must be [B, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
@@ -198,19 +228,23 @@ def flash_decode(
         plse = torch.empty((b, hq, num_splits), device=q.device, dtype=torch.float32)
     else:
         po = plse = o
+    fused = counters is not None and num_splits > 1
+    if fused and (counters.dtype != torch.int32 or counters.numel() < b * hkv or not counters.is_contiguous()):
+        raise ValueError(f"flash_decode: counters must be contiguous int32 [>= {b * hkv}], got "
+                         f"{counters.dtype} {tuple(counters.shape)}")
     _decode_split_kernel[(num_splits, hkv, b)](
-        q, k_cache, v_cache, o, po, plse, block_tables, seq_lens,
+        q, k_cache, v_cache, o, po, plse, block_tables, seq_lens, counters if fused else seq_lens,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         scale * LOG2E, num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-        BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1,
+        BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1, FUSED=fused,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _decode_combine_kernel[(hq, b)](
             o, po, plse, o.stride(0), o.stride(1), num_splits,
             NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,

@@ -228,6 +228,11 @@ def test_decode_workload_shapes(b, L):
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     if splits > 1:
         assert rel_err(flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=1), ref) < TOL[torch.bfloat16]
+        counters = torch.zeros(b * hkv, dtype=torch.int32, device=DEV)
+        for _ in range(3):
+            out = flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits, counters=counters)
+            assert rel_err(out, ref) < TOL[torch.bfloat16]
+            assert not counters.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -237,9 +242,11 @@ def test_decode_dtypes_dims(heads, d, dtype):
     q, k, v, kc, vc, meta = make_case([(c, 1) for c in (0, 15, 16, 4000, 255)], hq, hkv, d, 16, dtype=dtype)
     store_kv_ref(k, v, kc, vc, meta.slot_mapping)
     ref = flash_decode_ref(q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5)
-    for splits in (1, 7):
-        out = flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, num_splits=splits)
+    counters = torch.zeros(5 * hkv, dtype=torch.int32, device=DEV)
+    for splits, cnt in ((1, None), (7, None), (7, counters), (3, counters)):
+        out = flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, num_splits=splits, counters=cnt)
         assert rel_err(out, ref) < TOL[dtype]
+    assert not counters.any()
 
 
 def test_decode_cuda_graph_replay():
