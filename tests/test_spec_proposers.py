@@ -106,7 +106,8 @@ def _toy_draft(vocab: int = 8):
 
 def test_expansion_proposer_builds_trees_within_k() -> None:
     fn, table = _toy_draft()
-    prop = ExpansionProposer("draft", fn, ExpansionConfig([2, 2]), sample=True, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    prop = ExpansionProposer("draft", fn, ExpansionConfig([2, 2]), sample=True, generator=g)
     out = prop.propose([ProposalRequest("a", [3], 6), ProposalRequest("b", [5], 3), ProposalRequest("c", [1], 0)])
     assert len(out[0]) == 6 and len(out[1]) == 3 and out[2] is None
     assert out[0].draft_probs.shape == (6, 8)

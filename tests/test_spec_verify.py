@@ -197,7 +197,8 @@ def test_seeded_request_is_batch_independent() -> None:
         assert batch[1] == alone
     t = DraftTree([1, 2, 3], [-1, -1, 0])
     alone_t = verify_tree_stochastic(t, p[4:8], torch.Generator().manual_seed(3))
-    batch_t = verify_trees([chain([4]), t], torch.cat([p[:2], p[4:8]]), generators=[None, torch.Generator().manual_seed(3)])
+    gens = [None, torch.Generator().manual_seed(3)]
+    batch_t = verify_trees([chain([4]), t], torch.cat([p[:2], p[4:8]]), generators=gens)
     assert batch_t[1] == alone_t
 
 
@@ -267,45 +268,32 @@ def test_chi_square_harness_has_power() -> None:
     assert chi2_pvalue(first_two(emitted, target, g), joint_first_two(target)) < ALPHA
 
 
-def _tree_trials(config: ExpansionConfig, target: ToyLM, drafts: list[ToyLM], sample_children: bool, seed: int, n: int):
-    """n requests; each tree is built by every draft LM (sampled or top-k) and merged."""
-    g = torch.Generator().manual_seed(seed)
-    per_lm = [
-        build_trees(lambda _r, paths, lm=lm: lm.probs_of_paths(paths), n, config, sample=sample_children, generator=g)
-        for lm in drafts
-    ]
-    trees = [merge_trees([ts[i] for ts in per_lm]) if len(drafts) > 1 else per_lm[0][i] for i in range(n)]
-    paths = [[]]
-    rows = []
-    for t in trees:
-        rows.append([[]] + [t.path_tokens(j) for j in range(len(t))])
-    p_flat = target.probs_of_paths([p for r in rows for p in r])
+def _verify_trees_on(target: ToyLM, trees: list[DraftTree], g: torch.Generator) -> list[list[int]]:
+    """Target rows for every tree (root, then each node's path) in the flat layout; verify."""
+    p_flat = target.probs_of_paths([p for t in trees for p in [[]] + [t.path_tokens(j) for j in range(len(t))]])
     results = verify_trees(trees, p_flat, generator=g)
     for t, r in zip(trees, results):
         assert r.path == (t.path_to(r.path[-1]) if r.path else [])
-    return [r.tokens for r in results], trees, g
+    return [r.tokens for r in results]
 
 
 @pytest.mark.parametrize(
-    "branching, sample_children, num_drafts",
-    [([3, 2], True, 1), ([2, 2, 1], False, 1), ([2, 1], True, 2), ([4], True, 1), ([1, 1, 1], False, 1)],
+    "branching, how",
+    [([3, 2], "sampled"), ([2, 2, 1], "topk"), ([2, 1], "merged"), ([4], "sampled"), ([1, 1, 1], "topk")],
     ids=["sampled-3x2", "topk-2x2x1", "merged-sampled+topk", "sampled-wide", "greedy-chain-as-tree"],
 )
-def test_tree_is_lossless(branching: list[int], sample_children: bool, num_drafts: int) -> None:
-    target = ToyLM(V, 4, seed=1)
-    drafts = [ToyLM(V, 4, seed=2 + i) for i in range(num_drafts)]
-    if num_drafts == 2:
-        # Merge a sampled tree with a top-k tree: per-node q rows mix real and one-hot.
-        g = torch.Generator().manual_seed(99)
-        cfg = ExpansionConfig(branching)
-        a = build_trees(lambda _r, p: drafts[0].probs_of_paths(p), NT, cfg, sample=True, generator=g)
-        b = build_trees(lambda _r, p: drafts[1].probs_of_paths(p), NT, cfg, sample=False)
-        trees = [merge_trees([x, y]) for x, y in zip(a, b)]
-        assert any(t.draft_probs is not None and len(t) > len(x) for t, x in zip(trees, a))
-        p_flat = target.probs_of_paths([p for t in trees for p in [[]] + [t.path_tokens(j) for j in range(len(t))]])
-        emitted = [r.tokens for r in verify_trees(trees, p_flat, generator=g)]
-    else:
-        emitted, trees, g = _tree_trials(ExpansionConfig(branching), target, drafts, sample_children, seed=11, n=NT)
+def test_tree_is_lossless(branching: list[int], how: str) -> None:
+    target, draft, other = ToyLM(V, 4, seed=1), ToyLM(V, 4, seed=2), ToyLM(V, 4, seed=3)
+    g = torch.Generator().manual_seed(11)
+    cfg = ExpansionConfig(branching)
+    trees = build_trees(lambda _r, p: draft.probs_of_paths(p), NT, cfg, sample=how != "topk", generator=g)
+    if how == "merged":
+        # A sampled tree merged with another proposer's top-k tree: q rows mix real and one-hot.
+        b = build_trees(lambda _r, p: other.probs_of_paths(p), NT, cfg)
+        merged = [merge_trees([x, y]) for x, y in zip(trees, b)]
+        assert any(len(m) > len(x) for m, x in zip(merged, trees))
+        trees = merged
+    emitted = _verify_trees_on(target, trees, g)
     assert chi2_pvalue(first_two(emitted, target, g), joint_first_two(target)) > ALPHA
     assert sum(len(e) - 1 for e in emitted) > len(emitted) * 0.1
 
@@ -317,6 +305,5 @@ def test_mixed_chain_and_tree_batch_is_lossless() -> None:
     n = NT
     trees = build_trees(lambda _r, p: draft.probs_of_paths(p), n, ExpansionConfig([2, 1]), sample=True, generator=g)
     trees = [t if i % 2 else chain(t.path_tokens(t.children(-1)[0]) if len(t) else []) for i, t in enumerate(trees)]
-    p_flat = target.probs_of_paths([p for t in trees for p in [[]] + [t.path_tokens(j) for j in range(len(t))]])
-    emitted = [r.tokens for r in verify_trees(trees, p_flat, generator=g)]
+    emitted = _verify_trees_on(target, trees, g)
     assert chi2_pvalue(first_two(emitted, target, g), joint_first_two(target)) > ALPHA

@@ -63,7 +63,8 @@ class ExpansionProposer:
     next_probs(requests, request_indices, paths) -> float [m, V]: the draft distribution after
     ``requests[request_indices[i]]``'s tokens followed by ``paths[i]`` (a list of draft tokens, []
     at the root); a draft model runner implements it with one batched forward per level (its KV for
-    the paths is its own business).
+    the paths is its own business). With ``sample=True`` it should return the distribution the
+    draft samples from (the request's temperature applied), since that is the q verification uses.
     The tree shape comes from ``config``, cut at each request's k (levels beyond what k allows are
     dropped, and the tree is truncated to k nodes in topological order).
     """
@@ -89,7 +90,14 @@ class ExpansionProposer:
         if not active:
             return out
         batch = [requests[i] for i in active]
-        trees = build_trees(lambda idx, paths: self.next_probs(batch, idx, paths), len(active), self.config, sample=self.sample, generator=self.generator)
+        config = _trim(self.config, max(r.num_speculative_tokens for r in batch))
+        trees = build_trees(
+            lambda idx, paths: self.next_probs(batch, idx, paths),
+            len(active),
+            config,
+            sample=self.sample,
+            generator=self.generator,
+        )
         for i, t in zip(active, trees):
             t = truncate_tree(t, requests[i].num_speculative_tokens)
             out[i] = t if len(t) else None
@@ -99,7 +107,9 @@ class ExpansionProposer:
 class DraftNextProbs(Protocol):
     """A draft model's next-token distributions for (request, draft path) pairs: float [m, V]."""
 
-    def __call__(self, requests: list[ProposalRequest], request_indices: list[int], paths: list[list[int]]) -> torch.Tensor: ...
+    def __call__(
+        self, requests: list[ProposalRequest], request_indices: list[int], paths: list[list[int]]
+    ) -> torch.Tensor: ...
 
 
 class MergedProposer:
@@ -122,6 +132,19 @@ class MergedProposer:
             merged = merge_trees(trees, max_nodes=r.num_speculative_tokens)
             out.append(merged if len(merged) else None)
         return out
+
+
+def _trim(config: ExpansionConfig, max_nodes: int) -> ExpansionConfig:
+    """Drop the levels no request can reach: a level is kept only if fewer than max_nodes nodes
+    come before it, so a draft model is not run for nodes that truncation would discard."""
+    levels, before, width = [], 0, 1
+    for b in config.branching:
+        if before >= max_nodes:
+            break
+        levels.append(b)
+        width *= b
+        before += width
+    return ExpansionConfig(tuple(levels))
 
 
 def truncate_tree(tree: DraftTree, max_nodes: int) -> DraftTree:

@@ -124,7 +124,10 @@ def verify_chains(
     for k in ks:
         starts.append(s)
         s += k + 1
-    pad_tok = [[int(t) for t in (d.tolist() if isinstance(d, torch.Tensor) else d)] + [0] * (kmax - k) for d, k in zip(drafts, ks)]
+    pad_tok = [
+        [int(t) for t in (d.tolist() if isinstance(d, torch.Tensor) else d)] + [0] * (kmax - k)
+        for d, k in zip(drafts, ks)
+    ]
     if any(t >= target_probs.shape[1] for r in pad_tok for t in r):
         raise ValueError(f"verify_chains: a draft token is >= the vocab size {target_probs.shape[1]}")
     rows = [[st + min(i, k) for i in range(kmax + 1)] for st, k in zip(starts, ks)]
@@ -148,7 +151,9 @@ def verify_chains(
     if any(is_prob):
         for q, k, ip in zip(draft_probs, ks, is_prob):
             if ip and tuple(q.shape) != (k, target_probs.shape[1]):
-                raise ValueError(f"verify_chains: draft_probs of shape {tuple(q.shape)}, expected ({k}, {target_probs.shape[1]})")
+                raise ValueError(
+                    f"verify_chains: draft_probs of shape {tuple(q.shape)}, expected ({k}, {target_probs.shape[1]})"
+                )
         q_all = torch.cat([q.float() for q, ip in zip(draft_probs, is_prob) if ip]).to(dev)  # [sum k, V]
         qrow = torch.tensor(qstarts, dtype=torch.long, device=dev)[:, None] + pos[None, :kmax]
         qrow = torch.where(valid & is_prob_t[:, None], qrow, 0).clamp_max(max(q_all.shape[0] - 1, 0))
@@ -216,7 +221,7 @@ def verify_tree_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> TreeVeri
     a = target_argmax.tolist()
     if len(a) != tree.num_query_tokens:
         raise ValueError(f"verify_tree_greedy: target_argmax has {len(a)} entries, expected {tree.num_query_tokens}")
-    return _walk(tree, lambda j: tree.tokens[j] == a[1 + tree.parents[j]], lambda node: a[1 + node])
+    return _greedy_walk(tree, a, 0)
 
 
 def verify_tree_stochastic(
@@ -263,14 +268,9 @@ def verify_trees(
         offsets.append(o)
         o += t.num_query_tokens
 
-    amax_l: list[int] = []
-    if any(greedy_l):
-        amax_l = target_probs.argmax(-1).tolist()
     if all(greedy_l):
-        return [
-            _walk(t, lambda j, t=t, o=o: t.tokens[j] == amax_l[o + 1 + t.parents[j]], lambda nd, o=o: amax_l[o + 1 + nd])
-            for t, o in zip(trees, offsets)
-        ]
+        amax_l = target_probs.argmax(-1).tolist()
+        return [_greedy_walk(t, amax_l, o) for t, o in zip(trees, offsets)]
 
     # Flat host arrays over the stochastic trees' nodes. Row of node j of tree b: off_b + 1 + j.
     sto = [b for b in range(bsz) if not greedy_l[b]]
@@ -325,22 +325,35 @@ def verify_trees(
     # Randomness: per stochastic tree, its nodes' uniforms and a sample from each of its rows.
     counts = [len(t) if not greedy_l[b] else 0 for b, t in enumerate(trees)]
     u = _uniform_flat(counts, gens, generator, dev)
-    accept = (u < acc_prob).tolist()
-    final = _sample_rows(res, _expand_gens(gens, [t.num_query_tokens for t in trees]), generator).tolist()
+    final = _sample_rows(res, _expand_gens(gens, [t.num_query_tokens for t in trees]), generator)
+    parts = [(u < acc_prob).long(), final]
+    if any(greedy_l):
+        parts.append(target_probs.argmax(-1))
+    host = torch.cat(parts).tolist()  # the one device -> host transfer
+    accept, final_l, amax_l = host[: len(u)], host[len(u) : len(u) + nrows], host[len(u) + nrows :]
 
     out = []
     a_i = 0
     for b, (t, off) in enumerate(zip(trees, offsets)):
         if greedy_l[b]:
-            out.append(_walk(t, lambda j, t=t, o=off: t.tokens[j] == amax_l[o + 1 + t.parents[j]], lambda nd, o=off: amax_l[o + 1 + nd]))
+            out.append(_greedy_walk(t, amax_l, off))
             continue
         acc = accept[a_i : a_i + len(t)]
         a_i += len(t)
-        out.append(_walk(t, lambda j, acc=acc: acc[j], lambda nd, o=off: final[o + 1 + nd]))
+        out.append(_walk(t, lambda j, acc=acc: bool(acc[j]), lambda nd, o=off: final_l[o + 1 + nd]))
     return out
 
 
-def _walk(tree: DraftTree, accepted: Callable[[int], bool], final_token: Callable[[int], int]) -> TreeVerifyResult:
+def _greedy_walk(tree: DraftTree, amax: list[int], offset: int) -> TreeVerifyResult:
+    """Greedy walk with the target's argmax of every row (amax) and the tree's first row offset."""
+    return _walk(
+        tree, lambda j: tree.tokens[j] == amax[offset + 1 + tree.parents[j]], lambda node: amax[offset + 1 + node]
+    )
+
+
+def _walk(
+    tree: DraftTree, accepted: Callable[[int], bool], final_token: Callable[[int], int]
+) -> TreeVerifyResult:
     """Descend from the root: at each node take its first child (in sibling order) with
     ``accepted(child)``; stop at a node with none and emit ``final_token(node)`` (-1 = root).
 
@@ -368,7 +381,9 @@ def _uniform(
 ) -> torch.Tensor:
     """Uniforms [B, K]; rows with their own generator draw exactly lens[b] values from it, so a
     seeded request's stream does not depend on the rest of the batch."""
-    u = torch.empty(shape, device=dev).uniform_(generator=generator) if shape[0] * shape[1] else torch.empty(shape, device=dev)
+    u = torch.empty(shape, device=dev)
+    if u.numel():
+        u.uniform_(generator=generator)
     for b, g in enumerate(gens):
         if g is not None and lens[b]:
             u[b, : lens[b]].uniform_(generator=g)
