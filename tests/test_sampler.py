@@ -134,6 +134,40 @@ def test_filters_match_definitions(case):
         torch.testing.assert_close(probs[i].double(), ref, atol=1e-5, rtol=1e-4)
 
 
+def test_top_p_on_top_k_candidates_equals_full_sort():
+    # every top-p row also has a small top-k: top-p runs on torch.topk's candidates, no full sort
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(12, 300, generator=g) * 2
+    params = [
+        SamplingParams(temperature=0.5 + 0.1 * i, top_k=[3, 40, 150][i % 3], top_p=[0.3, 0.8, 0.95][i % 3])
+        for i in range(10)
+    ] + [SamplingParams(min_p=0.1), SamplingParams(temperature=0)]
+    batch = build(params, 300)
+    assert batch.top_p_candidates == 150
+    fast = compute_probs(logits, batch)
+    batch.top_p_candidates = None  # force the full-sort path
+    full = compute_probs(logits, batch)
+    torch.testing.assert_close(fast, full)
+    for i, p in enumerate(params[:-1]):
+        assert torch.equal(fast[i] > 0, reference_probs(logits[i], p) > 0)
+    assert build([SamplingParams(top_p=0.9), SamplingParams(top_k=5)], 300).top_p_candidates is None
+
+
+def test_ties_at_the_cutoff_are_kept_on_every_path():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 1.0]] * 3)
+    params = [SamplingParams(top_k=3), SamplingParams(top_k=3, top_p=0.99), SamplingParams(top_p=0.3)]
+    batch = build(params, 6)
+    probs = compute_probs(logits, batch)
+    assert (probs[0] > 0).tolist() == [True] * 5 + [False]
+    assert (probs[1] > 0).tolist() == [True] * 5 + [False]
+    # top-p 0.3: the most likely token alone holds 0.55 of the mass
+    assert (probs[2] > 0).tolist() == [True] + [False] * 5
+    assert batch.top_p_candidates is None  # row 2 has top-p without top-k: full sort
+    fast = build(params[:2], 6)
+    assert fast.top_p_candidates == 3
+    torch.testing.assert_close(compute_probs(logits[:2], fast), probs[:2])
+
+
 def test_top_p_tiny_keeps_one_token_and_top_k_one_is_argmax():
     torch.manual_seed(2)
     logits = torch.randn(4, 40)

@@ -10,7 +10,9 @@ host, so that sampling itself needs no host sync), and calls :class:`Sampler`::
 Processing order (as vLLM): penalties (repetition HF-style over prompt + output tokens; presence and
 frequency OpenAI-style over output tokens), min_tokens (EOS and stop_token_ids masked while the row
 has fewer than min_tokens outputs), then -- for random rows only -- temperature, top-k, top-p
-(over the top-k renormalized distribution), min-p, and a draw. Greedy rows take the argmax of the
+(over the top-k renormalized distribution), min-p, and a draw. top-k and top-p become a threshold
+on the logit values, so tokens tied with the last kept one are kept too and the kept set does not
+depend on a device's tie order. Greedy rows take the argmax of the
 penalized logits. The draw is ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. per token (the
 exponential-race form of categorical sampling, as in gpt-fast): no ``multinomial``, no host sync.
 A row with its own ``torch.Generator`` draws its noise from it, so a seeded request gets the same
@@ -33,6 +35,8 @@ from pageflash.sampling_params import SamplingParams
 # Packed per-row float parameters: one host->device copy per step instead of one per parameter.
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _PRES, _FREQ, _REP = range(7)
 _NUM_PARAMS = 7
+# Largest top_k for which top-p works on torch.topk's candidates rather than a full sort.
+_TOP_P_CANDIDATES = 1024
 
 
 @dataclass
@@ -94,14 +98,17 @@ class SamplingBatch:
     greedy_mask: bool [B], rows that take the argmax.
     top_k: int64 [B] or None; rows without top-k hold vocab_size. max_top_k: the largest active k.
     top_p: float32 [B] or None; rows without top-p hold 2.0 (never reached by a cumulative sum).
+    top_p_candidates: when every top-p row also has top_k <= 1024, max_top_k: top-p then needs
+        only the max_top_k largest logits (topk) instead of a sort of the whole vocabulary.
     min_p: float32 [B] or None (0.0 = off).
     presence_penalty / frequency_penalty / repetition_penalty: float32 [B] or None.
     output_counts: float32 [B, V] or None, occurrences of each token among the row's outputs
         (built when presence or frequency penalties are used; rows without them hold zeros).
     repetition_mask: bool [B, V] or None, tokens seen in the row's prompt or outputs (built when
         a repetition penalty is used).
-    min_tokens_rows / min_tokens_ids: int64 [M] or None, the (row, token) pairs to mask with -inf
-        because the row has not reached min_tokens yet.
+    min_tokens_index: int64 [M] or None, flat indices ``row * V + token`` into the logits of the
+        tokens to mask with -inf because their row has not reached min_tokens yet (flat, so that
+        masking is one index_fill_, which unlike advanced-index assignment does not sync).
     generators: (row, generator) of every random row with its own generator.
     max_num_logprobs: K, the largest logprobs request in the batch, or None.
     """
@@ -118,14 +125,14 @@ class SamplingBatch:
     top_k: Optional[torch.Tensor] = None
     max_top_k: int = 0
     top_p: Optional[torch.Tensor] = None
+    top_p_candidates: Optional[int] = None
     min_p: Optional[torch.Tensor] = None
     presence_penalty: Optional[torch.Tensor] = None
     frequency_penalty: Optional[torch.Tensor] = None
     repetition_penalty: Optional[torch.Tensor] = None
     output_counts: Optional[torch.Tensor] = None
     repetition_mask: Optional[torch.Tensor] = None
-    min_tokens_rows: Optional[torch.Tensor] = None
-    min_tokens_ids: Optional[torch.Tensor] = None
+    min_tokens_index: Optional[torch.Tensor] = None
     generators: list[tuple[int, torch.Generator]] = field(default_factory=list)
     max_num_logprobs: Optional[int] = None
 
@@ -139,7 +146,7 @@ class SamplingBatch:
         return (
             self.output_counts is not None
             or self.repetition_mask is not None
-            or self.min_tokens_rows is not None
+            or self.min_tokens_index is not None
         )
 
     @classmethod
@@ -172,8 +179,14 @@ class SamplingBatch:
         all_greedy = all(greedy)
         all_random = not any(greedy)
 
-        use_top_k = any(p.top_k > 0 and p.top_k < vocab_size and not g for p, g in zip(ps, greedy))
+        use_top_k = any(0 < p.top_k < vocab_size and not g for p, g in zip(ps, greedy))
         use_top_p = any(p.top_p < 1.0 and not g for p, g in zip(ps, greedy))
+        # top-p rows that all have a small top-k need no full sort (a common generation config).
+        top_p_within_top_k = all(
+            0 < p.top_k <= min(_TOP_P_CANDIDATES, vocab_size - 1)
+            for p, g in zip(ps, greedy)
+            if p.top_p < 1.0 and not g
+        )
         use_min_p = any(p.min_p > 0.0 and not g for p, g in zip(ps, greedy))
         use_pres_freq = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in ps)
         use_rep = any(p.repetition_penalty != 1.0 for p in ps)
@@ -228,18 +241,16 @@ class SamplingBatch:
             repetition_mask.scatter_(1, ids, True)
             repetition_mask = repetition_mask[:, :vocab_size]
 
-        mt_rows: list[int] = []
-        mt_ids: list[int] = []
-        for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens:
-                for t in sorted(r.params.all_stop_token_ids(eos)):
-                    if t < vocab_size:
-                        mt_rows.append(i)
-                        mt_ids.append(t)
-        min_tokens_rows = min_tokens_ids = None
-        if mt_rows:
-            min_tokens_rows = torch.tensor(mt_rows, dtype=torch.int64).to(device, non_blocking=True)
-            min_tokens_ids = torch.tensor(mt_ids, dtype=torch.int64).to(device, non_blocking=True)
+        masked = [
+            i * vocab_size + t
+            for i, r in enumerate(rows)
+            if len(r.output_token_ids) < r.params.min_tokens
+            for t in sorted(r.params.all_stop_token_ids(eos))
+            if t < vocab_size
+        ]
+        min_tokens_index = None
+        if masked:
+            min_tokens_index = torch.tensor(masked, dtype=torch.int64).to(device, non_blocking=True)
 
         asked = [p.logprobs for p in ps if p.logprobs is not None]
         return cls(
@@ -255,14 +266,14 @@ class SamplingBatch:
             top_k=packed[:, _TOP_K].long() if use_top_k else None,
             max_top_k=max_top_k,
             top_p=packed[:, _TOP_P] if use_top_p else None,
+            top_p_candidates=max_top_k if use_top_p and top_p_within_top_k else None,
             min_p=packed[:, _MIN_P] if use_min_p else None,
             presence_penalty=packed[:, _PRES] if use_pres_freq else None,
             frequency_penalty=packed[:, _FREQ] if use_pres_freq else None,
             repetition_penalty=packed[:, _REP] if use_rep else None,
             output_counts=output_counts,
             repetition_mask=repetition_mask,
-            min_tokens_rows=min_tokens_rows,
-            min_tokens_ids=min_tokens_ids,
+            min_tokens_index=min_tokens_index,
             generators=[
                 (i, r.generator)
                 for i, (r, g) in enumerate(zip(rows, greedy))
@@ -384,7 +395,7 @@ def _check_shapes(logits: torch.Tensor, batch: SamplingBatch) -> None:
 def apply_penalties_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Penalties, then the min_tokens mask. logits [B, V] any float -> new float32 [B, V]."""
     # float32 copy: processing happens in place on it, never on the model's buffer.
-    x = logits.to(torch.float32, copy=True)
+    x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if batch.repetition_mask is not None:
         pen = batch.repetition_penalty[:, None]
         # HF/CTRL: divide positive logits, multiply negative ones, so > 1 always discourages.
@@ -394,8 +405,8 @@ def apply_penalties_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -
         counts = batch.output_counts
         x -= batch.frequency_penalty[:, None] * counts
         x -= batch.presence_penalty[:, None] * (counts > 0).to(torch.float32)
-    if batch.min_tokens_rows is not None:
-        x[batch.min_tokens_rows, batch.min_tokens_ids] = float("-inf")
+    if batch.min_tokens_index is not None:
+        x.view(-1).index_fill_(0, batch.min_tokens_index, float("-inf"))
     return x
 
 
@@ -406,7 +417,7 @@ def _probs_from_processed(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     """
     x.div_(batch.temperature[:, None])
     if batch.top_p is not None:
-        x = _top_k_top_p_sorted(x, batch.top_k, batch.top_p)
+        x = _top_k_top_p(x, batch.top_k, batch.top_p, batch.top_p_candidates)
     elif batch.top_k is not None:
         x = _top_k_only(x, batch.top_k, batch.max_top_k)
     probs = torch.softmax(x, dim=-1)
@@ -420,36 +431,52 @@ def _probs_from_processed(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 
 def _top_k_only(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """Keep each row's top_k largest logits (topk of the largest k, no full sort).
+    """Keep each row's top_k largest logits (a topk of width max_top_k, no full sort).
 
-    x: float32 [B, V]; top_k: int64 [B] (V = off). Ties at the k-th value are all kept.
+    x: float32 [B, V]; top_k: int64 [B] (V = off). Tokens tied with the k-th value are all kept,
+    so the kept set depends on values only, not on a device's tie order.
     """
     values = torch.topk(x, max_top_k, dim=-1).values  # [B, max_top_k], descending
     kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
-    off = top_k[:, None] >= x.shape[-1]
-    kth = kth.masked_fill(off, float("-inf"))
+    kth = kth.masked_fill(top_k[:, None] >= x.shape[-1], float("-inf"))
     return x.masked_fill(x < kth, float("-inf"))
 
 
-def _top_k_top_p_sorted(
-    x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: torch.Tensor
+def _top_k_top_p(
+    x: torch.Tensor,
+    top_k: Optional[torch.Tensor],
+    top_p: torch.Tensor,
+    candidates: Optional[int],
 ) -> torch.Tensor:
-    """top-k then top-p (top-p over the top-k renormalized distribution), with one sort.
+    """top-k, then top-p over the top-k renormalized distribution, as one value threshold per row.
 
-    x: float32 [B, V]; top_k: int64 [B] or None (V = off); top_p: float32 [B] (2.0 = off).
-    Keeps sorted position i iff i < k and the probability mass before i is < top_p: the smallest
-    prefix of most likely tokens reaching top_p, never empty.
+    x: float32 [B, V] (temperature applied); top_k: int64 [B] or None (V = off);
+    top_p: float32 [B] (2.0 = off).
+    candidates: when every top-p row also has a top-k of at most this many tokens, only the
+        ``candidates`` largest logits are sorted (torch.topk) instead of the whole vocabulary.
+    Sorted position i is kept iff the mass of positions before it is < top_p: the smallest prefix
+    of most likely tokens reaching top_p (never empty). The result is turned into a threshold on
+    the values (the logit of the last kept position), so tokens tied with it are kept too.
     """
-    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    vocab = x.shape[-1]
+    if candidates is not None:
+        sorted_x = torch.topk(x, candidates, dim=-1).values
+    else:
+        sorted_x = torch.sort(x, dim=-1, descending=True).values
+    width = sorted_x.shape[-1]
+    neg_inf = torch.tensor(float("-inf"), device=x.device)
     if top_k is not None:
-        pos = torch.arange(x.shape[-1], device=x.device)
-        sorted_x.masked_fill_(pos[None, :] >= top_k[:, None], float("-inf"))
+        kth = sorted_x.gather(1, (top_k.clamp(max=width) - 1)[:, None])
+        kth = torch.where(top_k[:, None] >= vocab, neg_inf, kth)
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
     probs = torch.softmax(sorted_x, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop = mass_before >= top_p[:, None]
-    drop[:, 0] = False
-    sorted_x.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, sorted_x)
+    num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
+    threshold = sorted_x.gather(1, num_kept - 1)
+    threshold = torch.where(top_p[:, None] > 1.0, neg_inf, threshold)
+    if top_k is not None:
+        threshold = torch.maximum(threshold, kth)
+    return x.masked_fill(x < threshold, float("-inf"))
 
 
 def _exponential_race(
