@@ -123,8 +123,10 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, body: AsyncIterator[str]) -> None:
-        super().__init__(content=None, status_code=200, media_type=self.media_type,
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        # Not Response.__init__: that would render a body and declare its Content-Length.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.body_iter = body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
