@@ -197,13 +197,14 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
                 lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits), graph=True)
         if sweep:
             res = {}
-            for bn, w, s in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 3),
-                             (128, 4, 2), (32, 2, 4)]:
+            for bn, w, s in [(128, 4, 2), (64, 4, 3), (128, 4, 3), (64, 4, 4)]:
                 cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=s)
-                for sp in sorted({splits, max(1, splits // 2), splits * 2, splits * 4}):
-                    r = _try(lambda: gbs(_bench(lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=sp,
-                                                                     config=cfg, counters=counters), graph=True)))
-                    res[f"n{bn} w{w} s{s} sp{sp}"] = r
+                for sp in sorted({splits, splits * 2}):
+                    for fused in (True, False):
+                        r = _try(lambda: gbs(_bench(lambda: flash_decode(
+                            q, kc, vc, bt, sl, d**-0.5, num_splits=sp, config=cfg,
+                            counters=counters if fused else None), graph=True)))
+                        res[f"n{bn} w{w} s{s} sp{sp}{' fused' if fused and sp > 1 else ''}"] = r
             row["sweep"] = res
         # SDPA on contiguous KV, GQA handled by SDPA
         kk = kc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()  # [B, Hkv, L, D]

@@ -394,7 +394,7 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
     if d <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     if d <= 128:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
@@ -407,7 +407,9 @@ def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
     d = triton.next_power_of_2(head_dim)
     if dtype == torch.float32 or d > 128:
         return dict(BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, num_warps=4, num_stages=3)
+    if d <= 64:
+        return dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, num_warps=4, num_stages=3)
+    return dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, num_warps=8, num_stages=3)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def _decode_split_kernel(
     qk_scale, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-    PREC: tl.constexpr,
+    BLOCK_S: tl.constexpr, PREC: tl.constexpr,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -109,21 +109,18 @@ def _decode_split_kernel(
             cnt_ptr = COUNTERS + b64 * tl.num_programs(1) + kvh
             done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
-                row0 = (b64 * (GROUP * tl.num_programs(1)) + head) * num_splits
-                m = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-                for s in range(num_splits):
-                    m = tl.maximum(m, tl.load(PLSE + row0 + s, mask=h_ok, other=float("-inf"), cache_modifier=".cg"))
-                den = tl.zeros([BLOCK_H], dtype=tl.float32)
-                tot = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-                for s in range(num_splits):
-                    w = tl.math.exp2(tl.load(PLSE + row0 + s, mask=h_ok, other=float("-inf"), cache_modifier=".cg") - m)
-                    po = tl.load(PO + (row0 + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
-                                 cache_modifier=".cg")
-                    tot += w[:, None] * po
-                    den += w
-                den = tl.where(den > 0.0, den, 1.0)
-                tl.store(O + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
-                         (tot / den[:, None]).to(O.dtype.element_ty), mask=mask)
+                offs_s = tl.arange(0, BLOCK_S)
+                s_ok = offs_s < num_splits
+                for g in tl.static_range(GROUP):
+                    hg = kvh * GROUP + g
+                    row0 = (b64 * (GROUP * tl.num_programs(1)) + hg) * num_splits
+                    lse_s = tl.load(PLSE + row0 + offs_s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                    w = tl.math.exp2(lse_s - tl.max(lse_s, 0))  # split 0 is never empty: finite max
+                    w = w / tl.sum(w, 0)
+                    po = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                                 mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+                    tl.store(O + b64 * stride_ob + hg * stride_oh + offs_d,
+                             tl.sum(po * w[:, None], 0).to(O.dtype.element_ty), mask=d_ok)
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # reset for the next launch
 
 
@@ -156,7 +153,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> di
     d = triton.next_power_of_2(head_dim)
     if dtype == torch.float32 or d > 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=128, num_warps=4, num_stages=2)
 
 
 def choose_num_splits(
@@ -228,7 +225,8 @@ def flash_decode(
         plse = torch.empty((b, hq, num_splits), device=q.device, dtype=torch.float32)
     else:
         po = plse = o
-    fused = counters is not None and num_splits > 1
+    # the fused combine unrolls over the group's heads and holds [splits, D] fp32 tiles: keep it small
+    fused = counters is not None and 1 < num_splits <= 64 and group <= 16
     if fused and (counters.dtype != torch.int32 or counters.numel() < b * hkv or not counters.is_contiguous()):
         raise ValueError(f"flash_decode: counters must be contiguous int32 [>= {b * hkv}], got "
                          f"{counters.dtype} {tuple(counters.shape)}")
@@ -241,6 +239,7 @@ def flash_decode(
         scale * LOG2E, num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1, FUSED=fused,
+        BLOCK_S=triton.next_power_of_2(num_splits) if fused else 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

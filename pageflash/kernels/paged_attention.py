@@ -163,12 +163,11 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.d
     big = dtype == torch.float32 or d > 128
     cap = 64 if big else 128
     block_m = max(16, min(rows, cap), group_pad)
-    block_n = 32 if big else 64
     if big:
-        warps, stages = 4, 1 if d > 128 and dtype == torch.float32 else 2
-    else:
-        warps, stages = (8 if block_m >= 128 and d >= 128 else 4), 3
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=1 if d > 128 and dtype == torch.float32 else 2)
+    if block_m >= 128:  # H100 sweep: 128x128 w8 s2 (D 128), 128x64 w8 s2 (D 64)
+        return dict(BLOCK_M=block_m, BLOCK_N=128 if d >= 128 else 64, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def build_tiles(
