@@ -25,9 +25,11 @@ Logprobs are ``log_softmax`` of the raw logits, before penalties and temperature
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from pageflash.sampling_params import SamplingParams
@@ -76,14 +78,15 @@ class SamplerOutput:
     sampled_ranks: Optional[torch.Tensor] = None
 
 
-def _pad_rows(lists: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
-    """int64 [len(lists), max_len] on the host, right-padded with ``pad``."""
-    width = max((len(x) for x in lists), default=0)
-    out = torch.full((len(lists), width), pad, dtype=torch.int64)
-    for i, x in enumerate(lists):
-        if x:
-            out[i, : len(x)] = torch.as_tensor(x, dtype=torch.int64)
-    return out
+def _flat_token_index(rows: Sequence[Sequence[Sequence[int]]], vocab_size: int) -> torch.Tensor:
+    """int64 [N] on the host: ``row * vocab_size + token`` for every token of every row, i.e.
+    indices into a flattened [B, V] tensor. Row i's tokens are those of the sequences rows[i]
+    (e.g. prompt and outputs, without concatenating them). One numpy pass, no padding."""
+    lengths = [sum(len(part) for part in parts) for parts in rows]
+    flat = itertools.chain.from_iterable(itertools.chain.from_iterable(rows))
+    tokens = np.fromiter(flat, dtype=np.int64, count=sum(lengths))
+    row_ids = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+    return torch.from_numpy(row_ids * vocab_size + tokens)
 
 
 @dataclass
@@ -217,29 +220,29 @@ class SamplingBatch:
         if use_pres_freq:
             # Only rows that use the penalties pay for their outputs' transfer.
             outs = [
-                r.output_token_ids
+                (r.output_token_ids,)
                 if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
                 else ()
                 for r in rows
             ]
-            ids = _pad_rows(outs, vocab_size).to(device, non_blocking=True)
-            # Column V collects the padding and is dropped.
-            output_counts = torch.zeros(n, vocab_size + 1, dtype=torch.float32, device=device)
-            output_counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-            output_counts = output_counts[:, :vocab_size]
+            index = _flat_token_index(outs, vocab_size).to(device, non_blocking=True)
+            output_counts = torch.zeros(n * vocab_size, dtype=torch.float32, device=device)
+            # Sums of ones are exact in float32 whatever the order of the atomic adds.
+            output_counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+            output_counts = output_counts.view(n, vocab_size)
 
         repetition_mask = None
         if use_rep:
             seen = [
-                list(r.prompt_token_ids) + list(r.output_token_ids)
+                (r.prompt_token_ids, r.output_token_ids)
                 if r.params.repetition_penalty != 1.0
                 else ()
                 for r in rows
             ]
-            ids = _pad_rows(seen, vocab_size).to(device, non_blocking=True)
-            repetition_mask = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
-            repetition_mask.scatter_(1, ids, True)
-            repetition_mask = repetition_mask[:, :vocab_size]
+            index = _flat_token_index(seen, vocab_size).to(device, non_blocking=True)
+            repetition_mask = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
+            repetition_mask.index_fill_(0, index, True)
+            repetition_mask = repetition_mask.view(n, vocab_size)
 
         masked = [
             i * vocab_size + t
@@ -464,16 +467,15 @@ def _top_k_top_p(
     else:
         sorted_x = torch.sort(x, dim=-1, descending=True).values
     width = sorted_x.shape[-1]
-    neg_inf = torch.tensor(float("-inf"), device=x.device)
     if top_k is not None:
         kth = sorted_x.gather(1, (top_k.clamp(max=width) - 1)[:, None])
-        kth = torch.where(top_k[:, None] >= vocab, neg_inf, kth)
+        kth = kth.masked_fill(top_k[:, None] >= vocab, float("-inf"))
         sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
     probs = torch.softmax(sorted_x, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
     threshold = sorted_x.gather(1, num_kept - 1)
-    threshold = torch.where(top_p[:, None] > 1.0, neg_inf, threshold)
+    threshold = threshold.masked_fill(top_p[:, None] > 1.0, float("-inf"))
     if top_k is not None:
         threshold = torch.maximum(threshold, kth)
     return x.masked_fill(x < threshold, float("-inf"))
