@@ -50,7 +50,8 @@ class SamplingRow:
     output_token_ids: tokens generated so far (penalties, min_tokens).
     generator: the request's own RNG when it has a seed, else None. The engine creates it once per
         request, on the logits' device: ``torch.Generator(device).manual_seed(params.seed)``, and
-        keeps it for the request's life (its state advances by one noise draw per sampled row).
+        keeps it for the request's life. Each non-greedy row draws V exponentials from it per call;
+        greedy rows leave it untouched.
     """
 
     params: SamplingParams
