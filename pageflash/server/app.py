@@ -168,11 +168,11 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()
-    try:
-        return task.result()
-    except asyncio.CancelledError:
-        raise APIError(499, "client disconnected", code="client_disconnected") from None
+            task.cancel()  # its `finally` closes the streams, which aborts the requests
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise APIError(499, "client disconnected", code="client_disconnected")
+    return task.result()
 
 
 # --------------------------------------------------------------------------- one generation
@@ -303,7 +303,8 @@ class OpenAIServing:
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics(engine, model_names[0])
         tok = engine.tokenizer
-        self.vocab_size = len(tok) if tok is not None else None
+        vocab = getattr(engine.engine, "vocab_size", None)
+        self.vocab_size: int | None = vocab if isinstance(vocab, int) else (len(tok) if tok is not None else None)
 
     # ---- parsing and checks
     async def read_json(self, request: Request, cls: type[pydantic.BaseModel]) -> Any:

@@ -1,0 +1,489 @@
+"""The OpenAI-compatible server over the real engine (default model, CPU), through real sockets.
+
+One engine for the module, served by uvicorn on 127.0.0.1 (a free port) in a thread. Covers the
+`openai` client on both endpoints streaming and not, greedy equality with LLM.generate/LLM.chat,
+n/logprobs/echo/stop/usage, every bad input of issue 5 (400/401/404/413, never 500, never a hang),
+KV blocks freed at once when a client disconnects, /metrics, and 32 concurrent streaming clients.
+max_tokens stay small: the whole file runs in about a minute on 2 CPU cores after the model loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from pageflash import LLM, SamplingParams
+from pageflash.engine.async_engine import AsyncLLMEngine
+from pageflash.server import app as server_app
+from pageflash.server.app import build_app
+
+MODEL = "smollm2-135m"
+MAX_MODEL_LEN = 256
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name a color."}]
+LOAD_PROMPTS = ["Once upon a time", "The best way to learn", "In 1492,", "My favourite food is"]
+
+
+@contextlib.contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """Run `app` under uvicorn on a free loopback port in a thread; yield its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+class Srv:
+    def __init__(self, base: str, aeng: AsyncLLMEngine, refs: dict[str, Any]) -> None:
+        self.base = base
+        self.aeng = aeng
+        self.refs = refs
+        self.http = httpx.Client(base_url=base, timeout=60)
+        self.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def post(self, path: str, body: Any, **kw: Any) -> httpx.Response:
+        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return self.http.post(path, content=content, headers={"content-type": "application/json"}, **kw)
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Wait until no request holds KV blocks; return the engine's stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.aeng.get_stats()
+            if s["num_free_blocks"] == s["num_total_blocks"] and s["num_running"] == 0 and not self.aeng.num_in_flight:
+                return s
+            assert time.monotonic() < deadline, f"blocks not freed in {timeout}s: {s}"
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[Srv]:
+    llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    # Offline references, computed before the engine thread owns the engine.
+    refs = {
+        "completion": llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0],
+        "chat": llm.chat(CHAT, greedy, use_tqdm=False)[0],
+        "load": [
+            o.outputs[0].text
+            for o in llm.generate(LOAD_PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                                  use_tqdm=False)
+        ],
+    }
+    aeng = AsyncLLMEngine(llm.llm_engine)
+    try:
+        with serve(build_app(aeng, MODEL)) as base:
+            s = Srv(base, aeng, refs)
+            yield s
+            s.http.close()
+    finally:
+        aeng.shutdown()
+
+
+def assert_error(r: httpx.Response, status: int, *, param: str | None = None, contains: tuple[str, ...] = ()) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    for text in contains:
+        assert text in err["message"], err
+    return err
+
+
+# --------------------------------------------------------------------------- plain endpoints
+def test_health_models_version(srv: Srv) -> None:
+    assert srv.http.get("/health").status_code == 200
+    assert srv.http.get("/version").json()["version"]
+    models = srv.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+# --------------------------------------------------------------------------- completions
+def test_completion_greedy_equals_llm_generate(srv: Srv) -> None:
+    ref = srv.refs["completion"]
+    r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_stream_equals_llm_generate(srv: Srv) -> None:
+    ref = srv.refs["completion"]
+    stream = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ref.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [ref.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_raw_sse_format(srv: Srv) -> None:
+    with srv.http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for e in events[:-2]:
+        assert e.startswith("data: ")
+        json.loads(e[len("data: "):])
+
+
+def test_completion_token_ids_batch_echo_and_logprobs(srv: Srv) -> None:
+    tok = srv.aeng.tokenizer
+    ids = tok.encode(PROMPT)
+    r = srv.client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=8, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [srv.refs["completion"].text] * 2
+    assert r.usage.prompt_tokens == 2 * len(ids)
+
+    r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    assert r.choices[0].text.startswith(PROMPT) and len(r.choices[0].text) > len(PROMPT)
+
+    r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for tok_s, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert tok_lp <= 0 and 3 <= len(top) <= 4
+        assert max(top.values()) == pytest.approx(tok_lp, abs=1e-4)  # greedy: the sampled token is the best
+
+
+def test_completion_n_seed_and_stop(srv: Srv) -> None:
+    client = srv.client.with_options(timeout=20)  # bounded: a stuck request is aborted on timeout
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7)
+    r1 = client.completions.create(n=3, **kw)
+    assert sorted(c.index for c in r1.choices) == [0, 1, 2]
+    r2 = client.completions.create(n=3, **kw)
+    assert [c.text for c in r1.choices] == [c.text for c in r2.choices]  # the seed makes it reproducible
+    chunks = list(client.completions.create(n=2, stream=True, **kw))
+    assert {c.choices[0].index for c in chunks} == {0, 1}
+    assert sum(1 for c in chunks if c.choices[0].finish_reason) == 2
+
+    ref = srv.refs["completion"].text
+    stop = ref.strip().split()[1]  # a word the greedy text contains
+    r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert ref.startswith(r.choices[0].text)
+
+
+# --------------------------------------------------------------------------- chat
+def test_chat_greedy_equals_llm_chat(srv: Srv) -> None:
+    ref = srv.refs["chat"]
+    r = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content == ref.outputs[0].text
+    assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+
+def test_chat_stream(srv: Srv) -> None:
+    ref = srv.refs["chat"].outputs[0]
+    chunks = list(srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [ref.finish_reason]
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_chat_logprobs_n_and_content_parts(srv: Srv) -> None:
+    r = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.bytes == list(t.token.encode()) and len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
+
+    parts = [{"role": "system", "content": "You are terse."},
+             {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]}]
+    r = srv.client.with_options(timeout=20).chat.completions.create(model=MODEL, messages=parts, max_tokens=3,
+                                                                    temperature=0.7, n=2, seed=1)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert 2 <= r.usage.completion_tokens <= 6
+
+
+# --------------------------------------------------------------------------- bad input
+BAD_COMPLETIONS = [
+    ("{not json", None, ("Malformed JSON",)),
+    ("", None, ("Malformed JSON",)),
+    ("[1, 2]", None, ()),
+    ({}, "prompt", ("Field required",)),
+    ({"prompt": 5}, "prompt", ()),
+    ({"prompt": []}, "prompt", ()),
+    ({"prompt": ""}, "prompt", ()),
+    ({"prompt": [1, "a"]}, "prompt", ()),
+    ({"prompt": [-1, 2]}, "prompt", ("outside the vocabulary",)),
+    ({"prompt": "hi", "max_tokens": "5"}, "max_tokens", ("valid integer",)),
+    ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens", ()),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ("greater than or equal to 1",)),
+    ({"prompt": "hi", "max_tokens": -3}, "max_tokens", ()),
+    ({"prompt": "hi", "temperature": -0.5}, "temperature", ()),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature", ()),
+    ({"prompt": "hi", "top_p": 0}, "top_p", ()),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p", ()),
+    ({"prompt": "hi", "n": 0}, "n", ()),
+    ({"prompt": "hi", "n": True}, "n", ()),
+    ({"prompt": "hi", "top_k": -5}, "top_k", ()),
+    ({"prompt": "hi", "logprobs": 50}, "logprobs", ()),
+    ({"prompt": "hi", "stop": [""]}, "stop", ()),
+    ({"prompt": "hi", "stream": "yes"}, "stream", ()),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, ("stream",)),
+    ({"prompt": "hi", "max_tokens": 400}, None, ("400", str(MAX_MODEL_LEN))),
+    ({"prompt": "hi " * 300, "max_tokens": 1}, None, (str(MAX_MODEL_LEN),)),
+]
+
+
+@pytest.mark.parametrize("body,param,contains", BAD_COMPLETIONS, ids=lambda x: str(x)[:40])
+def test_bad_completion_requests_get_400(srv: Srv, body: Any, param: str | None, contains: tuple) -> None:
+    assert_error(srv.post("/v1/completions", body), 400, param=param, contains=contains)
+
+
+BAD_CHATS = [
+    ({}, "messages", ("Field required",)),
+    ({"messages": []}, "messages", ("at least 1",)),
+    ({"messages": {"role": "user", "content": "hi"}}, "messages", ()),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]", ("unknown role",)),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role", ()),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", ()),
+    ({"messages": [{"role": "user"}]}, "messages[0]", ("needs content",)),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None, ()),
+    ({"messages": CHAT, "max_tokens": 0}, "max_tokens", ()),
+    ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", ()),
+    ({"messages": CHAT, "temperature": -1}, "temperature", ()),
+    ({"messages": CHAT, "top_p": 0.0}, "top_p", ()),
+    ({"messages": CHAT, "n": 0}, "n", ()),
+    ({"messages": CHAT, "top_logprobs": 2}, None, ("logprobs",)),
+    ({"messages": CHAT, "max_tokens": 1000}, None, ("1000", str(MAX_MODEL_LEN))),
+]
+
+
+@pytest.mark.parametrize("body,param,contains", BAD_CHATS, ids=lambda x: str(x)[:40])
+def test_bad_chat_requests_get_400(srv: Srv, body: Any, param: str | None, contains: tuple) -> None:
+    assert_error(srv.post("/v1/chat/completions", body), 400, param=param, contains=contains)
+
+
+def test_unknown_model_404_and_unknown_route(srv: Srv) -> None:
+    assert_error(srv.post("/v1/completions", {"model": "gpt-4", "prompt": "hi"}), 404, param="model",
+                 contains=("gpt-4",))
+    assert_error(srv.post("/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}), 404, param="model")
+    assert_error(srv.http.get("/v1/nothing"), 404)
+    assert_error(srv.http.get("/v1/completions"), 405)
+    with pytest.raises(openai.NotFoundError):
+        srv.client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+
+
+def test_openai_client_sees_bad_request(srv: Srv) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client.completions.create(model=MODEL, prompt="hi", max_tokens=400)
+    assert str(MAX_MODEL_LEN) in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        srv.client.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
+    with pytest.raises(openai.BadRequestError):  # a bad streaming request fails before the stream starts
+        srv.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1, stream=True)
+
+
+def test_bad_input_leaves_engine_clean(srv: Srv) -> None:
+    s = srv.wait_idle()
+    assert s["num_waiting"] == 0
+    metrics = srv.http.get("/metrics").text
+    assert 'pageflash:request_errors_total{model_name="smollm2-135m",status="400"}' in metrics
+    assert 'status="500"' not in metrics
+
+
+def test_api_key_and_body_limit() -> None:
+    # A second app over a stub engine: auth and size checks come before any generation.
+    from types import SimpleNamespace
+
+    stub = SimpleNamespace(tokenizer=None, model_name="stub", max_model_len=64, get_stats=lambda: {},
+                           has_unfinished_requests=lambda: False)
+    aeng = AsyncLLMEngine(stub)  # type: ignore[arg-type]
+    try:
+        with serve(build_app(aeng, "stub", api_key="sekret", max_body_bytes=2048)) as base, \
+                httpx.Client(base_url=base) as http:
+            assert_error(http.get("/v1/models"), 401, contains=("API key",))
+            assert_error(http.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+            assert_error(http.get("/v1/models", headers={"Authorization": "sekret"}), 401)
+            assert_error(http.post("/v1/completions", json={"prompt": "hi"}), 401)
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+            ok = openai.OpenAI(base_url=base + "/v1", api_key="sekret", max_retries=0).models.list()
+            assert [m.id for m in ok.data] == ["stub"]
+            assert http.get("/health").status_code == 200  # open, like /metrics
+            auth = {"Authorization": "Bearer sekret"}
+            big = json.dumps({"prompt": "x" * 5000})
+            assert_error(http.post("/v1/completions", content=big, headers=auth), 413, contains=("2048",))
+
+            def chunks() -> Iterator[bytes]:  # no Content-Length: counted while reading
+                for _ in range(10):
+                    yield b" " * 1000
+
+            assert_error(http.post("/v1/completions", content=chunks(), headers=auth), 413)
+    finally:
+        aeng.shutdown()
+
+
+# --------------------------------------------------------------------------- disconnects
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_stream_disconnect_frees_blocks_at_once(srv: Srv) -> None:
+    srv.wait_idle()
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with srv.http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+                if got == 2:
+                    break
+        assert srv.aeng.get_stats()["num_free_blocks"] < srv.aeng.get_stats()["num_total_blocks"]
+    t0 = time.monotonic()
+    srv.wait_idle(timeout=5)
+    assert time.monotonic() - t0 < 5  # far less than the ~200 steps the request had left
+    m = srv.http.get("/metrics").text
+    assert _metric(m, "pageflash:num_kv_blocks_free") == _metric(m, "pageflash:num_kv_blocks_total")
+    assert _metric(m, "pageflash:num_requests_running") == 0
+    assert 'finished_reason="abort"' in m
+
+
+def test_chat_stream_disconnect_through_openai_client(srv: Srv) -> None:
+    srv.wait_idle()
+    stream = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=200, stream=True,
+                                                extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    srv.wait_idle(timeout=5)
+
+
+def test_non_stream_disconnect_frees_blocks(srv: Srv) -> None:
+    srv.wait_idle()
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        srv.http.post("/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    srv.wait_idle(timeout=5)
+
+
+# --------------------------------------------------------------------------- load and metrics
+def test_32_concurrent_streaming_clients(srv: Srv) -> None:
+    srv.wait_idle()
+    n_clients = 32
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, str | None, int]:
+        prompt = LOAD_PROMPTS[i % len(LOAD_PROMPTS)]
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        text, finish, usage = "", None, 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return i, text, finish, usage
+
+    async def main() -> list:
+        async with openai.AsyncOpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+            return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(n_clients))), 150)
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    assert len(results) == n_clients
+    for i, text, finish, usage in results:
+        assert finish == "length" and usage == 4
+        assert text == srv.refs["load"][i % len(LOAD_PROMPTS)], i
+    srv.wait_idle()
+    assert elapsed < 150
+
+
+def test_metrics_exposition(srv: Srv) -> None:
+    m = srv.http.get("/metrics")
+    assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+    text = m.text
+    for name in [
+        "pageflash:num_requests_running", "pageflash:num_requests_waiting", "pageflash:kv_cache_usage_perc",
+        "pageflash:prefix_cache_queries_total", "pageflash:prefix_cache_hits_total",
+        "pageflash:prompt_tokens_total", "pageflash:generation_tokens_total",
+        "pageflash:time_to_first_token_seconds_bucket", "pageflash:time_per_output_token_seconds_bucket",
+        "pageflash:e2e_request_latency_seconds_bucket", "pageflash:request_success_total",
+    ]:
+        assert name in text, name
+    assert _metric(text, "pageflash:generation_tokens_total") > 0
+    assert _metric(text, "pageflash:time_to_first_token_seconds_count") > 0
+    assert 'finished_reason="length"' in text
+    assert _metric(text, "pageflash:prefix_cache_hits_total") > 0  # the load test repeats prompts
+
+
+# --------------------------------------------------------------------------- `pageflash serve`
+def test_main_wires_flags_to_llm_and_uvicorn(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    seen: dict[str, Any] = {}
+
+    class StubLLM:
+        def __init__(self, model: str, **kw: Any) -> None:
+            seen["model"], seen["kw"] = model, kw
+            self.llm_engine = SimpleNamespace(tokenizer=None, model_name=model, max_model_len=128,
+                                              get_stats=lambda: {}, has_unfinished_requests=lambda: False)
+
+    def fake_run(app: Any, **kw: Any) -> None:
+        seen["app"], seen["uvicorn"] = app, kw
+
+    monkeypatch.setattr("pageflash.llm.LLM", StubLLM)
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    server_app.main(["serve", "--model", MODEL, "--port", "8123", "--max-model-len", "128", "--dtype", "float32",
+                     "--num-kv-blocks", "64", "--seed", "3", "--served-model-name", "a", "b", "--api-key", "k"])
+    assert seen["model"] == MODEL
+    assert seen["kw"] == {"max_model_len": 128, "dtype": "float32", "num_kv_blocks": 64, "seed": 3}
+    assert seen["uvicorn"]["port"] == 8123 and seen["uvicorn"]["host"] == "127.0.0.1"
+    assert not seen["app"].state.engine.is_running  # main shut the engine down after uvicorn returned
+    assert seen["app"].state.serving.model_names == ["a", "b"]
