@@ -269,6 +269,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "stop": [""]}, "stop", ()),
     ({"prompt": "hi", "stream": "yes"}, "stream", ()),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, ("stream",)),
+    ({"prompt": "hi", "logit_bias": {"5": 10}}, None, ("logit_bias",)),
+    ({"prompt": "hi", "suffix": "x"}, None, ("suffix",)),
     ({"prompt": "hi", "max_tokens": 400}, None, ("400", str(MAX_MODEL_LEN))),
     ({"prompt": "hi " * 300, "max_tokens": 1}, None, (str(MAX_MODEL_LEN),)),
 ]
@@ -294,6 +296,8 @@ BAD_CHATS = [
     ({"messages": CHAT, "top_p": 0.0}, "top_p", ()),
     ({"messages": CHAT, "n": 0}, "n", ()),
     ({"messages": CHAT, "top_logprobs": 2}, None, ("logprobs",)),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None, ("tools",)),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, None, ("response_format",)),
     ({"messages": CHAT, "max_tokens": 1000}, None, ("1000", str(MAX_MODEL_LEN))),
 ]
 
@@ -480,10 +484,14 @@ def test_main_wires_flags_to_llm_and_uvicorn(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr("pageflash.llm.LLM", StubLLM)
     monkeypatch.setattr(uvicorn, "run", fake_run)
-    server_app.main(["serve", "--model", MODEL, "--port", "8123", "--max-model-len", "128", "--dtype", "float32",
+    server_app.main(["serve", MODEL, "--port", "8123", "--max-model-len", "128", "--dtype", "float32",
                      "--num-kv-blocks", "64", "--seed", "3", "--served-model-name", "a", "b", "--api-key", "k"])
     assert seen["model"] == MODEL
-    assert seen["kw"] == {"max_model_len": 128, "dtype": "float32", "num_kv_blocks": 64, "seed": 3}
+    kw = seen["kw"]
+    assert (kw["max_model_len"], kw["dtype"], kw["num_kv_blocks"], kw["seed"]) == (128, "float32", 64, 3)
     assert seen["uvicorn"]["port"] == 8123 and seen["uvicorn"]["host"] == "127.0.0.1"
     assert not seen["app"].state.engine.is_running  # main shut the engine down after uvicorn returned
     assert seen["app"].state.serving.model_names == ["a", "b"]
+    server_app.main(["--model", "other", "--max-num-seqs", "4"])
+    assert seen["model"] == "other" and seen["kw"]["max_num_seqs"] == 4
+    assert seen["app"].state.serving.model_names == ["other"]

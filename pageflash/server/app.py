@@ -659,28 +659,22 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
 
 
 # --------------------------------------------------------------------------- `pageflash serve`
-# Engine flags passed to LLM(...) when given (None = the engine's default).
-ENGINE_FLAGS: dict[str, type] = {
-    "dtype": str, "device": str, "max_model_len": int, "num_kv_blocks": int, "max_num_seqs": int,
-    "block_size": int, "gpu_memory_utilization": float, "seed": int,
-}  # fmt: skip
-
-
 def make_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pageflash serve", description="OpenAI-compatible server for pageflash.")
-    p.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
-    p.add_argument("--model", default=None, help="model name or path (default: smollm2-135m)")
-    p.add_argument("--host", default="127.0.0.1")
+    """Server flags plus the engine flags every pageflash command shares (pageflash.cli)."""
+    from pageflash.cli import add_engine_args
+
+    p = argparse.ArgumentParser(prog="pageflash serve", description="OpenAI-compatible HTTP server for pageflash.")
+    p.add_argument("model_tag", nargs="?", default=None, help="the model, as --model (vLLM's `serve MODEL`)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1 (default: $PAGEFLASH_API_KEY)")  # fmt: skip
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEFLASH_API_KEY)")  # fmt: skip
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) the API answers to (default: the --model value)")  # fmt: skip
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+                   help="name(s) the API answers to; the first is the default (default: the --model value)")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 (default: %(default)s)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    g = p.add_argument_group("engine")
-    for name, typ in ENGINE_FLAGS.items():
-        g.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
+    add_engine_args(p)
     return p
 
 
@@ -688,20 +682,25 @@ def main(argv: list[str] | None = None) -> None:
     """`pageflash serve ...`: load the model, start the engine thread, run uvicorn until stopped."""
     import uvicorn
 
+    from pageflash.cli import engine_kwargs
+
     if argv and argv[0] == "serve":
         argv = argv[1:]
     args = make_arg_parser().parse_args(argv)
-    model = args.model or args.model_tag or "smollm2-135m"
+    if args.model_tag is not None:
+        args.model = args.model_tag
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pageflash import LLM
 
-    engine_kw = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
-    llm = LLM(model=model, **engine_kw)
+    llm = LLM(**engine_kwargs(args))
     engine = AsyncLLMEngine(llm.llm_engine)
     api_key = args.api_key or os.environ.get("PAGEFLASH_API_KEY") or None
-    app = build_app(engine, args.served_model_name or [model], api_key=api_key, max_body_bytes=args.max_body_bytes)
+    names = args.served_model_name or [args.model]
+    app = build_app(engine, names, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    logger.info("serving %s as %s on http://%s:%d/v1", args.model, ", ".join(names), args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
+                    timeout_graceful_shutdown=5)  # open streams must not hold a shutdown forever
     finally:
         engine.shutdown()
 

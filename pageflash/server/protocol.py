@@ -64,11 +64,15 @@ class _SamplingFields(_Strict):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    # Accepted so that setting them is a clear 400, not silently ignored.
+    logit_bias: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -207,11 +211,18 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    # Not supported; present so that asking for them is a clear 400 rather than silently ignored.
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools (function calling) are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than {'type': 'text'} is not supported")
         return self
 
     @property
