@@ -194,11 +194,28 @@ def test_completion_n_seed_and_stop(srv: Srv) -> None:
     assert {c.choices[0].index for c in chunks} == {0, 1}
     assert sum(1 for c in chunks if c.choices[0].finish_reason) == 2
 
+
+
+def test_stop_strings_streamed_and_not(srv: Srv) -> None:
     ref = srv.refs["completion"].text
-    stop = ref.strip().split()[1]  # a word the greedy text contains
-    r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop])
-    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
-    assert ref.startswith(r.choices[0].text)
+    words = ref.split()
+    stop = " ".join(words[1:3])  # two words, so several tokens: the stream must hold back their start
+    expected = ref[: ref.index(stop)]
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=["@@@", stop])
+    r = srv.client.completions.create(**kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(srv.client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    chat_ref = srv.refs["chat"].outputs[0].text
+    chat_stop = chat_ref[2:6]
+    chat = list(srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                                   stream=True, stop=[chat_stop]))
+    text = "".join(c.choices[0].delta.content or "" for c in chat)
+    assert text == chat_ref[: chat_ref.index(chat_stop)] and chat[-1].choices[0].finish_reason == "stop"
+    r = srv.client.completions.create(**kw, extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == expected + stop
 
 
 # --------------------------------------------------------------------------- chat

@@ -189,6 +189,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_generated: int = 0
+    text: str = ""  # the latest cumulative text (the final one at the end)
 
 
 def _clamp(x: float) -> float:
@@ -240,10 +241,14 @@ OnDelta = Callable[[_Choice, str, list[int], "list[dict[int, Any]] | None"], Any
 class _Generation:
     """The engine requests behind one HTTP request (prompts x n choices) and what was sent of them."""
 
-    def __init__(self, streams: list[RequestStream], n: int, timer: RequestTimer) -> None:
+    def __init__(self, streams: list[RequestStream], params: Any, timer: RequestTimer) -> None:
         self.streams = streams
-        self.n = n
+        self.n = n = params.n
         self.timer = timer
+        # While unfinished, the text's tail may be the start of a stop string that the engine will
+        # cut off when it completes: hold back that many characters so no delta has to be taken back.
+        stops = [] if params.include_stop_str_in_output else list(params.stop or [])
+        self.holdback = max((len(x) for x in stops), default=1) - 1
         self.choices = [_Choice(index=i * n + j, prompt_idx=i) for i in range(len(streams)) for j in range(n)]
         self.prompt_tokens = [0] * len(streams)
 
@@ -256,7 +261,8 @@ class _Generation:
         """For each choice with news, yield on_delta(choice, new text, new token ids, their logprobs).
 
         Outputs carry cumulative text/token ids; a delta is what was not sent yet. A delta with
-        new tokens but no new text (a partial UTF-8 character held back) waits for the next one.
+        new tokens but no new text (a partial UTF-8 character or a possible stop string held back)
+        waits for the next one.
         """
         finished = False
         try:
@@ -268,15 +274,19 @@ class _Generation:
                     if ch.finish_reason is not None:
                         continue
                     ch.num_generated = len(comp.token_ids)
-                    delta = comp.text[ch.text_len :]
+                    ch.text = comp.text
                     if comp.finish_reason is not None:
                         ch.finish_reason, ch.stop_reason = comp.finish_reason, comp.stop_reason
-                    elif not delta:
-                        continue
+                        sendable = len(comp.text)
+                    else:
+                        sendable = len(comp.text) - self.holdback
+                        if sendable <= ch.text_len:
+                            continue
+                    delta = comp.text[ch.text_len : sendable]
                     new_ids = list(comp.token_ids[ch.num_tokens :])
                     new_lps = list(comp.logprobs[ch.num_tokens :]) if comp.logprobs is not None else None
                     item = on_delta(ch, delta, new_ids, new_lps)
-                    ch.text_len, ch.num_tokens, ch.started = len(comp.text), len(comp.token_ids), True
+                    ch.text_len, ch.num_tokens, ch.started = max(sendable, ch.text_len), len(comp.token_ids), True
                     if item is not None:
                         yield item
                 self.timer.on_tokens(sum(c.num_generated for c in self.choices))
@@ -449,7 +459,7 @@ class OpenAIServing:
         params = self.sampling_params(kw)
         rid = f"cmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
-        gen = _Generation(await self.add_all(rid, prompts, params), req.n, timer)
+        gen = _Generation(await self.add_all(rid, prompts, params), params, timer)
         created = int(time.time())
 
         def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any) -> P.CompletionChoice:
@@ -518,7 +528,7 @@ class OpenAIServing:
         params = self.sampling_params(kw)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
-        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params), req.n, timer)
+        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params), params, timer)
         created = int(time.time())
 
         def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any) -> P.ChatStreamChoice:
@@ -557,7 +567,7 @@ class OpenAIServing:
                 prev.message.content = (prev.message.content or "") + (c.delta.content or "")
                 prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
                 if prev.logprobs is not None and c.logprobs is not None:
-                    prev.logprobs.content = (prev.logprobs.content or []) + (c.logprobs.content or [])
+                    prev.logprobs.content = [*(prev.logprobs.content or []), *(c.logprobs.content or [])]
             return [merged[i] for i in sorted(merged)]
 
         choices = await _run_request(request, collect())
