@@ -89,6 +89,11 @@ def _deliver(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: An
         pass
 
 
+def _put_many(items: list[tuple["RequestStream", Any]]) -> None:
+    for stream, item in items:
+        stream._put(item)
+
+
 def _set_future(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
     if fut.done():  # the awaiting caller was cancelled meanwhile
         return
@@ -416,13 +421,17 @@ class AsyncLLMEngine:
             if self.engine_has_unfinished_safe():
                 time.sleep(0.05)  # a persistently failing engine must not spin the CPU
             return
+        # One wake-up per caller loop per step, not one per request.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted meanwhile
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            _deliver(stream._loop, stream._put, out)
+            batches.setdefault(stream._loop, []).append((stream, out))
+        for loop, items in batches.items():
+            _deliver(loop, _put_many, items)
 
     def engine_has_unfinished_safe(self) -> bool:
         try:
