@@ -327,7 +327,8 @@ def summarize(iters: list[dict[str, Any]], copy_gbps: float) -> dict[str, Any]:
 # ---- report ------------------------------------------------------------------------------------------
 
 
-def print_report(result: dict[str, Any], file=sys.stdout) -> None:
+def print_report(result: dict[str, Any], file=None) -> None:
+    file = sys.stdout if file is None else file
     rows = []
     for r in result["results"]:
         rows.append([

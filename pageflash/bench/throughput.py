@@ -101,7 +101,8 @@ def run_stats(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def print_report(result: dict[str, Any], file=sys.stdout) -> None:
+def print_report(result: dict[str, Any], file=None) -> None:
+    file = sys.stdout if file is None else file
     headers = ["model", "dtype", "device", "prompts", "in tok", "out tok", "wall s", "req/s", "TTFT ms",
                "out tok/s", "total tok/s", "TFLOP/s", "% compute"]
     row = [

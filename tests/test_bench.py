@@ -1,0 +1,212 @@
+"""pageflash bench latency / throughput on the CPU (tiny sizes) and the roofline cost model by hand."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import warnings
+
+import pytest
+
+from pageflash.bench import roofline
+from pageflash.bench.latency import llm_kwargs, resolve_load_format
+from pageflash.bench.latency import main as latency_main
+from pageflash.bench.throughput import load_dataset, w_offline_requests
+from pageflash.bench.throughput import main as throughput_main
+from pageflash.config import ModelConfig
+from pageflash.model.registry import NAMED_CONFIGS
+
+TINY_ENGINE = ["--model", "smollm2-135m", "--max-model-len", "64", "--max-num-seqs", "4", "--num-kv-blocks", "16",
+               "--disable-tqdm"]
+
+
+def tiny_cfg(tied: bool) -> ModelConfig:
+    return ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=4, tie_word_embeddings=tied)
+
+
+# ---- roofline by hand ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_roofline_bytes_and_flops_by_hand(tied):
+    cfg = tiny_cfg(tied)
+    # per layer: qkv 8*(8+4+4)=128, o 8*8=64, gate/up/down 3*8*16=384, two norms 16 -> 592
+    # 2 layers + final norm 8 = 1192; LM head 32*8 = 256 (untied: its own matrix; tied: the table, counted once)
+    assert roofline.matmul_params(cfg) == 2 * 592 + 8 + 256 == 1448
+    assert roofline.weight_bytes(cfg, 2) == 2896
+    # K and V, 2 layers, 1 KV head, head_dim 4, bf16: 2*2*1*4*2
+    assert roofline.kv_bytes_per_token(cfg, 2) == 32
+    assert roofline.decode_step_bytes(cfg, 10, 2, batch_size=3) == 2896 + 32 * 30
+    assert roofline.decode_step_bytes(cfg, [1, 2, 3], 2) == 2896 + 32 * 6
+    assert roofline.decode_step_bytes(cfg, [5], 2, kv_bytes_per_elem=1) == 2896 + 16 * 5  # an fp8 cache
+    # attention: 4 * layers * q heads * head_dim * L = 64 L
+    assert roofline.flops_per_token(cfg, 5) == 2 * 1448 + 64 * 5
+    # prompt 3 + 2 generated: 4 tokens fed, attending to 1, 2, 3, 4 keys
+    assert roofline.sequence_flops(cfg, 3, 2) == sum(roofline.flops_per_token(cfg, p + 1) for p in range(4))
+    assert roofline.sequence_flops(cfg, 3, 2) == 4 * 2896 + 64 * 10
+
+
+def test_roofline_named_configs():
+    for name, d in NAMED_CONFIGS.items():
+        cfg = ModelConfig.from_hf_dict(d)
+        emb = cfg.vocab_size * cfg.hidden_size
+        # all parameters but the embedding gather; a tied table is read once, as the LM head
+        assert roofline.matmul_params(cfg) == cfg.num_params(include_embedding=True) - (0 if cfg.tie_word_embeddings else emb), name
+    llama = ModelConfig.from_hf_dict(NAMED_CONFIGS["llama-3-8b"])
+    assert 15.0e9 < roofline.weight_bytes(llama, 2) < 15.02e9  # 7.505B non-embedding parameters in bf16
+    assert 15e9 < roofline.flops_per_token(llama, 800) < 16e9  # WORKLOADS.md: about 16 GFLOP per token
+
+
+def test_measured_ceilings_cpu():
+    bw = roofline.measure_copy_bandwidth("cpu", nbytes=8 << 20, iters=4)
+    tf = roofline.measure_gemm_tflops("cpu", n=128, iters=4)
+    assert math.isfinite(bw) and bw > 0.01
+    assert math.isfinite(tf) and tf > 0
+
+
+# ---- helpers -------------------------------------------------------------------------------------------
+
+
+def test_w_offline_requests_deterministic_and_in_range():
+    a = w_offline_requests()
+    assert a == w_offline_requests()
+    assert len(a) == 256 and all(m == 512 for _, m in a)
+    lens = [len(ids) for ids, _ in a]
+    assert min(lens) >= 100 and max(lens) <= 1024 and len(set(lens)) > 100
+    assert all(0 <= t < 10000 for ids, _ in a for t in ids)
+    assert w_offline_requests(seed=1) != a
+    fixed = w_offline_requests(num_prompts=3, input_len=7, output_len=2)
+    assert [len(ids) for ids, _ in fixed] == [7, 7, 7]
+
+
+def test_load_dataset(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt_token_ids": [1, 2, 3], "output_len": 5}\n\n{"prompt": "hi"}\n"bare"\n')
+    rows = load_dataset(str(p), 7, None)
+    assert rows == [({"prompt_token_ids": [1, 2, 3]}, 5), ("hi", 7), ("bare", 7)]
+    assert len(load_dataset(str(p), 7, 2)) == 2
+    (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        load_dataset(str(tmp_path / "bad.jsonl"), 7, None)
+
+
+def test_llm_kwargs_default_load_format_and_unknown_flags():
+    from pageflash.llm import LLM
+
+    assert resolve_load_format("llama-3-8b", None) == "dummy"
+    assert resolve_load_format("/some/folder", None) == "auto"
+    assert resolve_load_format("smollm2-135m", "auto") == "auto"
+    ns = argparse.Namespace(model="llama-3-8b", load_format=None, dtype="auto", max_model_len=None,
+                            enforce_eager=True, seed=0)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        kw = llm_kwargs(ns)
+    assert kw["load_format"] == "dummy" and "max_model_len" not in kw  # unset flags keep LLM's defaults
+    if "enforce_eager" in inspect.signature(LLM.__init__).parameters:
+        assert kw["enforce_eager"] is True
+    else:
+        assert "enforce_eager" not in kw and any("enforce_eager" in str(x.message) for x in w)
+
+
+def test_bad_flags_exit_2(capsys):
+    assert latency_main(["--output-len", "0"]) == 2
+    assert throughput_main(["--num-prompts", "0"]) == 2
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+# ---- the benchmarks end to end --------------------------------------------------------------------------
+
+
+def test_latency_smoke(tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    argv = ["--input-len", "8", "--output-len", "3", "--batch-size", "1", "2", "--num-iters-warmup", "0",
+            "--num-iters", "1", "--copy-bandwidth", "100", "--json", str(out), *TINY_ENGINE]
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(tmp_path / "lat.png")]
+    except ImportError:
+        pass
+    assert latency_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "% roofline" in text and "smollm2-135m" in text
+    d = json.loads(out.read_text())
+    assert d["model"] == "smollm2-135m" and d["load_format"] == "dummy" and d["device"] == "cpu"
+    assert d["dtype"] == "float32" and d["copy_bandwidth_gbps"] == 100 and d["copy_bandwidth_source"] == "given"
+    cs = d["cold_start"]
+    assert cs["engine_init_s"] > 0 and cs["first_token_s"] > 0
+    assert cs["total_s"] == pytest.approx(cs["engine_init_s"] + cs["first_token_s"])
+    cfg = ModelConfig.from_hf_dict(NAMED_CONFIGS["smollm2-135m"])
+    w, kv = roofline.weight_bytes(cfg, 4), roofline.kv_bytes_per_token(cfg, 4)
+    assert d["weight_bytes"] == w and d["kv_bytes_per_token"] == kv
+    assert [r["batch_size"] for r in d["results"]] == [1, 2]
+    for r in d["results"]:
+        b = r["batch_size"]
+        (it,) = r["iterations"]
+        # 3 tokens: the first comes from the prefill step, then 2 pure decode steps of b tokens each
+        assert it["decode_steps"] == 2 and it["decode_tokens"] == 2 * b
+        # those steps feed positions 8 and 9: contexts of 9 and 10 keys
+        assert r["bytes_per_step_mean"] == pytest.approx(w + kv * 9.5 * b)
+        assert r["ttft_ms"] > 0 and r["ttft_ms_max"] >= r["ttft_ms"]
+        assert r["step_ms_median"] > 0 and r["step_ms_p99"] >= r["step_ms_median"]
+        assert r["decode_tok_s_total"] == pytest.approx(2 * b / (r["step_ms_mean"] * 2 / 1e3))
+        assert 0 < r["decode_tok_s_per_seq"] <= r["decode_tok_s_total"] * 1.0001
+        assert r["achieved_gbps"] == pytest.approx(r["bytes_per_step_mean"] / (r["step_ms_mean"] / 1e3) / 1e9)
+        assert r["roofline_pct"] == pytest.approx(r["achieved_gbps"])  # of 100 GB/s
+        assert r["roofline_tok_s_total"] == pytest.approx(100e9 / r["bytes_per_step_mean"] * b)
+        assert r["latency_s_avg"] * 1e3 > r["ttft_ms"]
+    assert d["env"]["command"].startswith("pageflash bench latency --input-len 8")
+    if "--plot" in argv:
+        assert (tmp_path / "lat.png").stat().st_size > 1000
+
+
+def test_throughput_smoke(tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    argv = ["--input-len", "8", "--output-len", "4", "--num-prompts", "3", "--no-warmup", "--gemm-tflops", "2",
+            "--json", str(out), *TINY_ENGINE]
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(tmp_path / "tp.png")]
+    except ImportError:
+        pass
+    assert throughput_main(argv) == 0
+    assert "out tok/s" in capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert d["benchmark"] == "throughput" and d["num_prompts"] == 3
+    assert d["prompt_tokens"] == 24 and d["output_tokens"] == 12
+    assert d["output_tok_s"] == pytest.approx(12 / d["wall_s"])
+    assert d["total_tok_s"] == pytest.approx(36 / d["wall_s"])
+    assert d["requests_per_s"] == pytest.approx(3 / d["wall_s"])
+    cfg = ModelConfig.from_hf_dict(NAMED_CONFIGS["smollm2-135m"])
+    assert d["run_flops"] == pytest.approx(3 * roofline.sequence_flops(cfg, 8, 4))
+    assert d["achieved_tflops"] == pytest.approx(d["run_flops"] / d["wall_s"] / 1e12)
+    assert d["gemm_tflops"] == 2 and d["gemm_tflops_source"] == "given"
+    assert d["compute_ceiling_pct"] == pytest.approx(100 * d["achieved_tflops"] / 2)
+    assert d["ceiling_output_tok_s"] == pytest.approx(12 * 2e12 / d["run_flops"])
+    assert 0 < d["ttft_ms_mean"] <= d["wall_s"] * 1e3
+    assert d["engine_stats"]["generation_tokens_total"] == 12
+    if "--plot" in argv:
+        assert (tmp_path / "tp.png").stat().st_size > 1000
+
+
+def test_throughput_dataset_and_model_folder(tmp_path):
+    """A HF folder holding only config.json (random weights of its shape) and requests from a JSONL file."""
+    cfg = tiny_cfg(False).to_hf_dict()
+    cfg["max_position_embeddings"] = 64
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    ds = tmp_path / "d.jsonl"
+    ds.write_text("\n".join(json.dumps({"prompt_token_ids": list(range(1, 1 + n)), "output_len": m})
+                            for n, m in [(5, 2), (9, 3), (4, 1)]))
+    out = tmp_path / "tp.json"
+    argv = ["--model", str(tmp_path / "m"), "--load-format", "dummy", "--dataset", str(ds), "--num-prompts", "2",
+            "--json", str(out), "--disable-tqdm"]
+    assert throughput_main(argv) == 0
+    d = json.loads(out.read_text())
+    assert d["num_prompts"] == 2 and d["prompt_tokens"] == 14 and d["output_tokens"] == 5
+    assert d["compute_ceiling_pct"] is None  # CPU and no --gemm-tflops: no ceiling
+    assert d["run_flops"] == roofline.sequence_flops(tiny_cfg(False), 5, 2) + roofline.sequence_flops(tiny_cfg(False), 9, 3)
