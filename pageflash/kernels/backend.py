@@ -59,11 +59,14 @@ class TritonPlan:
 
 
 class TritonBackend:
-    """Triton kernels on CUDA (and under TRITON_INTERPRET=1 on CPU, for tests)."""
+    """Triton kernels on CUDA (and under TRITON_INTERPRET=1 on CPU, for tests).
+
+    fused_combine: let the last decode split program combine the partials (one launch instead of
+    two); off by default: on H100 it was no faster than the combine kernel (docs/KERNELS.md)."""
 
     name = "triton"
 
-    def __init__(self, num_sms: Optional[int] = None, fused_combine: bool = True) -> None:
+    def __init__(self, num_sms: Optional[int] = None, fused_combine: bool = False) -> None:
         self._num_sms = num_sms
         self._fused_combine = fused_combine
         self._counters: Optional[torch.Tensor] = None

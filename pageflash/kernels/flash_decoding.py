@@ -115,8 +115,10 @@ def _decode_split_kernel(
                     hg = kvh * GROUP + g
                     row0 = (b64 * (GROUP * tl.num_programs(1)) + hg) * num_splits
                     lse_s = tl.load(PLSE + row0 + offs_s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-                    w = tl.math.exp2(lse_s - tl.max(lse_s, 0))  # split 0 is never empty: finite max
-                    w = w / tl.sum(w, 0)
+                    m_s = tl.max(lse_s, 0)
+                    w = tl.math.exp2(lse_s - tl.where(m_s == float("-inf"), 0.0, m_s))
+                    den = tl.sum(w, 0)
+                    w = w / tl.where(den > 0.0, den, 1.0)
                     po = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                                  mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
                     tl.store(O + b64 * stride_ob + hg * stride_oh + offs_d,
@@ -138,8 +140,10 @@ def _decode_combine_kernel(
     row0 = (b * NUM_HEADS + h) * num_splits
     lse = tl.load(PLSE + row0 + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
-    w = tl.math.exp2(lse - m)  # split 0 is never empty (seq_len >= 1), so m is finite
-    w = w / tl.sum(w, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0 (a padded batch slot): every split empty -> 0
+    w = tl.math.exp2(lse - m)
+    den = tl.sum(w, 0)
+    w = w / tl.where(den > 0.0, den, 1.0)
     po = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                  other=0.0)
     out = tl.sum(po * w[:, None], 0)
@@ -153,21 +157,21 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> di
     d = triton.next_power_of_2(head_dim)
     if dtype == torch.float32 or d > 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_N=128, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=3)  # H100 sweep (docs/KERNELS.md)
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int, min_chunk: int = 256, waves: float = 2.0,
-    max_splits: int = 64,
+    batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int, min_chunk: int = 256, slots_per_sm: int = 4,
+    max_splits: int = 128,
 ) -> int:
-    """Splits per sequence: enough (batch x Hkv x splits) programs for ``waves`` programs per SM, chunks
-    of at least ``min_chunk`` keys of the static length bound ``max_kv_len``; 1 when the batch fills
-    the GPU. Depends on static quantities only (CUDA graphs)."""
+    """Splits per sequence, from static quantities only (CUDA graphs): 1 when batch x Hkv programs
+    already give every SM two; otherwise as many splits as fit one wave of ``slots_per_sm`` programs
+    per SM (more than one wave leaves a tail: measured on H100, docs/KERNELS.md), with chunks of at
+    least ``min_chunk`` keys of the length bound ``max_kv_len``."""
     programs = max(1, batch * num_kv_heads)
-    want = int(waves * num_sms)
-    if programs >= want:
+    if programs >= 2 * num_sms:
         return 1
-    splits = triton.cdiv(want, programs)
+    splits = max(1, (slots_per_sm * num_sms) // programs)
     splits = min(splits, max(1, triton.cdiv(max_kv_len, min_chunk)), max_splits)
     return max(1, splits)
 
