@@ -47,6 +47,7 @@ def test_roofline_bytes_and_flops_by_hand(tied):
     # prompt 3 + 2 generated: 4 tokens fed, attending to 1, 2, 3, 4 keys
     assert roofline.sequence_flops(cfg, 3, 2) == sum(roofline.flops_per_token(cfg, p + 1) for p in range(4))
     assert roofline.sequence_flops(cfg, 3, 2) == 4 * 2896 + 64 * 10
+    assert roofline.decode_step_flops(cfg, [3, 4]) == roofline.flops_per_token(cfg, 3) + roofline.flops_per_token(cfg, 4)
 
 
 def test_roofline_named_configs():
@@ -123,7 +124,7 @@ def test_bad_flags_exit_2(capsys):
 def test_latency_smoke(tmp_path, capsys):
     out = tmp_path / "lat.json"
     argv = ["--input-len", "8", "--output-len", "3", "--batch-size", "1", "2", "--num-iters-warmup", "0",
-            "--num-iters", "1", "--copy-bandwidth", "100", "--json", str(out), *TINY_ENGINE]
+            "--num-iters", "1", "--copy-bandwidth", "100", "--gemm-tflops", "2", "--json", str(out), *TINY_ENGINE]
     try:
         import matplotlib  # noqa: F401
 
@@ -158,6 +159,9 @@ def test_latency_smoke(tmp_path, capsys):
         assert r["roofline_pct"] == pytest.approx(r["achieved_gbps"])  # of 100 GB/s
         assert r["roofline_tok_s_total"] == pytest.approx(100e9 / r["bytes_per_step_mean"] * b)
         assert r["latency_s_avg"] * 1e3 > r["ttft_ms"]
+        step_flops = roofline.decode_step_flops(cfg, [9] * b) + roofline.decode_step_flops(cfg, [10] * b)
+        assert r["achieved_tflops"] == pytest.approx(step_flops / (2 * r["step_ms_mean"] / 1e3) / 1e12)
+        assert r["compute_pct"] == pytest.approx(100 * r["achieved_tflops"] / 2)
     assert d["env"]["command"].startswith("pageflash bench latency --input-len 8")
     if "--plot" in argv:
         assert (tmp_path / "lat.png").stat().st_size > 1000

@@ -38,8 +38,8 @@ TOKEN_ID_RANGE = 10000  # random prompt ids are drawn from [0, min(this, vocab))
 # ---- shared with throughput.py ---------------------------------------------------------------------
 
 
-def add_engine_args(p: argparse.ArgumentParser, default_model: str) -> None:
-    """Engine flags with vLLM's names. Unset ones (None) keep LLM's own defaults."""
+def add_engine_args(p: argparse.ArgumentParser, default_model: str, copy_bandwidth: bool = True) -> None:
+    """Engine flags with vLLM's names (unset ones, None, keep LLM's own defaults), ceilings and output."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=default_model,
                    help="named config (random weights), HF folder or .gguf file (default: %(default)s)")
@@ -61,8 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str) -> None:
     g.add_argument("--enforce-eager", action="store_const", const=True, default=None,
                    help="no CUDA graphs (passed only if the engine accepts enforce_eager)")
     g = p.add_argument_group("ceilings")
-    g.add_argument("--copy-bandwidth", type=float, default=None, metavar="GBPS",
-                   help="use this copy bandwidth (GB/s, read + write) instead of measuring it")
+    if copy_bandwidth:
+        g.add_argument("--copy-bandwidth", type=float, default=None, metavar="GBPS",
+                       help="use this copy bandwidth (GB/s, read + write) instead of measuring it")
     g.add_argument("--gemm-tflops", type=float, default=None, metavar="TFLOPS",
                    help="use this GEMM TFLOP/s instead of measuring it")
     g = p.add_argument_group("output")
@@ -226,7 +227,7 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
     roof: {"cfg": ModelConfig, "weight_bytes_per_param": int, "kv_bytes_per_elem": int}.
     Returns per-iteration figures (times in ms or s as named; None where there was no decode step).
     """
-    from pageflash.bench.roofline import decode_step_bytes
+    from pageflash.bench.roofline import decode_step_bytes, decode_step_flops
     from pageflash.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -241,6 +242,7 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
     pending = set(rids)
     step_ms: list[float] = []  # pure decode steps only
     step_bytes: list[int] = []
+    step_flops = 0.0
     decode_tokens = 0
     n_steps = 0
     t_prev = t0
@@ -248,7 +250,7 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
         while pending:
             decoding = len(first) == len(rids)  # every sequence has its first token: a pure decode step
             # keys each sequence's next token attends to: prompt + generated so far (its own input included)
-            ctx = sum(n_prompt[r] + count[r] for r in pending) if decoding else 0
+            ctx = [n_prompt[r] + count[r] for r in pending] if decoding else []
             outs = eng.step()
             t = time.perf_counter()
             n_steps += 1
@@ -267,8 +269,9 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
                     pending.discard(rid)
             if decoding:
                 step_ms.append((t - t_prev) * 1e3)
-                step_bytes.append(decode_step_bytes(roof["cfg"], [ctx], roof["weight_bytes_per_param"],
+                step_bytes.append(decode_step_bytes(roof["cfg"], ctx, roof["weight_bytes_per_param"],
                                                     roof["kv_bytes_per_elem"]))
+                step_flops += decode_step_flops(roof["cfg"], ctx)
                 decode_tokens += new
             t_prev = t
             if n_steps > 10 * (output_len + sum(n_prompt.values())) + 100:
@@ -298,17 +301,18 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
         "step_ms_p99": percentile(step_ms, 99),
         "bytes_per_step_mean": total_bytes / len(step_bytes) if step_bytes else None,
         "achieved_gbps": total_bytes / decode_s / 1e9 if decode_s > 0 else None,
+        "achieved_tflops": step_flops / decode_s / 1e12 if decode_s > 0 else None,
         "_decode_s": decode_s,
         "_total_bytes": total_bytes,
         "_first_ttft_ms": ttfts[0],
     }
 
 
-def summarize(iters: list[dict[str, Any]], copy_gbps: float) -> dict[str, Any]:
-    """Medians over the timed iterations, plus % roofline and the roofline tok/s."""
+def summarize(iters: list[dict[str, Any]], copy_gbps: float, gemm_tflops: Optional[float]) -> dict[str, Any]:
+    """Medians over the timed iterations, plus % roofline, the roofline tok/s and % of the GEMM ceiling."""
     out: dict[str, Any] = {"batch_size": iters[0]["batch_size"]}
     for key in ("ttft_ms", "ttft_ms_max", "decode_tok_s_per_seq", "decode_tok_s_total", "step_ms_mean",
-                "step_ms_median", "step_ms_p90", "step_ms_p99", "bytes_per_step_mean", "achieved_gbps"):
+                "step_ms_median", "step_ms_p90", "step_ms_p99", "bytes_per_step_mean", "achieved_gbps", "achieved_tflops"):
         out[key] = median_of(iters, key)
     lat = [r["latency_s"] for r in iters]
     out["latency_s_avg"] = statistics.mean(lat)
@@ -320,6 +324,8 @@ def summarize(iters: list[dict[str, Any]], copy_gbps: float) -> dict[str, Any]:
     # decode tok/s (total) if every step ran at the copy bandwidth
     b = out["bytes_per_step_mean"]
     out["roofline_tok_s_total"] = copy_gbps * 1e9 / b * out["batch_size"] if b else None
+    tf = out["achieved_tflops"]
+    out["compute_pct"] = 100.0 * tf / gemm_tflops if tf is not None and gemm_tflops else None
     out["iterations"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in iters]
     return out
 
@@ -335,9 +341,10 @@ def print_report(result: dict[str, Any], file=None) -> None:
             result["model"], result["dtype"], result["device"], str(r["batch_size"]), fmt(r["ttft_ms"]),
             fmt(r["decode_tok_s_per_seq"]), fmt(r["decode_tok_s_total"]), fmt(r["step_ms_median"], ".2f"),
             fmt(r["achieved_gbps"]), fmt(r["roofline_pct"]), fmt(r["roofline_tok_s_total"]),
+            fmt(r["compute_pct"], ".2f"),
         ])
     headers = ["model", "dtype", "device", "batch", "TTFT ms", "tok/s/seq", "tok/s total", "step ms",
-               "GB/s", "% roofline", "roofline tok/s"]
+               "GB/s", "% roofline", "roofline tok/s", "% compute"]
     cs = result["cold_start"]
     print(file=file)
     print(f"== pageflash bench latency: {result['model']} ({result['load_format']}), input {result['input_len']}, "
@@ -345,7 +352,9 @@ def print_report(result: dict[str, Any], file=None) -> None:
     print(f"copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s ({result['copy_bandwidth_source']}); "
           f"weights read per step {result['weight_bytes'] / 1e9:.3f} GB; "
           f"cold start {cs['total_s']:.2f} s (engine {cs['engine_init_s']:.2f} s + first token "
-          f"{cs['first_token_s'] * 1e3:.0f} ms)", file=file)
+          f"{cs['first_token_s'] * 1e3:.0f} ms)"
+          + (f"; GEMM {result['gemm_tflops']:.0f} TFLOP/s ({result['gemm_tflops_source']})"
+             if result.get("gemm_tflops") else ""), file=file)
     print(format_table(headers, rows), file=file)
 
 
@@ -459,9 +468,11 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     # Ceilings after the cold start, so that it includes CUDA initialization.
     copy_source = "given" if a.copy_bandwidth else "measured"
     copy_gbps = a.copy_bandwidth or roofline.measure_copy_bandwidth(eng.device)
-    gemm = a.gemm_tflops
+    gemm, gemm_source = a.gemm_tflops, "given"
     if gemm is None and eng.device.type == "cuda":
-        gemm = roofline.measure_gemm_tflops(eng.device)
+        gemm, gemm_source = roofline.measure_gemm_tflops(eng.device), "measured"
+    if gemm is None:
+        gemm_source = None
 
     result: dict[str, Any] = {
         "benchmark": "latency",
@@ -476,6 +487,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         "copy_bandwidth_gbps": copy_gbps,
         "copy_bandwidth_source": copy_source,
         "gemm_tflops": gemm,
+        "gemm_tflops_source": gemm_source,
         "weight_bytes": roofline.weight_bytes(cfg, roof["weight_bytes_per_param"]),
         "kv_bytes_per_token": roofline.kv_bytes_per_token(cfg, roof["kv_bytes_per_elem"]),
         "cold_start": {
@@ -483,7 +495,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
             "first_token_s": first_token_s,
             "total_s": engine_init_s + first_token_s,
         },
-        "results": [summarize(iters, copy_gbps) for iters in results],
+        "results": [summarize(iters, copy_gbps, gemm) for iters in results],
         "engine_kwargs": kwargs,
         "env": env_info("pageflash bench latency", argv, eng.device),
     }

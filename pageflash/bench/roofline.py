@@ -200,6 +200,13 @@ def flops_per_token(cfg: ModelConfig, context_len: float) -> float:
     return 2 * matmul_params(cfg) + attn
 
 
+def decode_step_flops(cfg: ModelConfig, context_lens: Iterable[int]) -> float:
+    """Forward FLOPs of one decode step: one token per sequence, sequence i attending to context_lens[i] keys."""
+    lens = list(context_lens)
+    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * sum(lens)
+    return 2.0 * matmul_params(cfg) * len(lens) + attn
+
+
 def sequence_flops(cfg: ModelConfig, num_prompt_tokens: int, num_output_tokens: int) -> float:
     """Forward FLOPs to run one request end to end: the prompt and every generated token but the last
     are fed through the model (T = n + m - 1 tokens, token at position p attends to p + 1 keys)."""

@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests from a file: {'prompt_token_ids'|'prompt', 'output_len'?} per line")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the short untimed run before the timed one")
-    add_engine_args(p, DEFAULT_THROUGHPUT_MODEL)
+    add_engine_args(p, DEFAULT_THROUGHPUT_MODEL, copy_bandwidth=False)
     return p
 
 
