@@ -183,18 +183,6 @@ def test_completion_token_ids_batch_echo_and_logprobs(srv: Srv) -> None:
         assert max(top.values()) == pytest.approx(tok_lp, abs=1e-4)  # greedy: the sampled token is the best
 
 
-def test_completion_n_seed_and_stop(srv: Srv) -> None:
-    client = srv.client.with_options(timeout=20)  # bounded: a stuck request is aborted on timeout
-    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7)
-    r1 = client.completions.create(n=3, **kw)
-    assert sorted(c.index for c in r1.choices) == [0, 1, 2]
-    r2 = client.completions.create(n=3, **kw)
-    assert [c.text for c in r1.choices] == [c.text for c in r2.choices]  # the seed makes it reproducible
-    chunks = list(client.completions.create(n=2, stream=True, **kw))
-    assert {c.choices[0].index for c in chunks} == {0, 1}
-    assert sum(1 for c in chunks if c.choices[0].finish_reason) == 2
-
-
 
 def test_stop_strings_streamed_and_not(srv: Srv) -> None:
     ref = srv.refs["completion"].text
@@ -242,7 +230,7 @@ def test_chat_stream(srv: Srv) -> None:
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
 
 
-def test_chat_logprobs_n_and_content_parts(srv: Srv) -> None:
+def test_chat_logprobs(srv: Srv) -> None:
     r = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
                                            logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content
@@ -252,12 +240,11 @@ def test_chat_logprobs_n_and_content_parts(srv: Srv) -> None:
         assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
 
-    parts = [{"role": "system", "content": "You are terse."},
-             {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]}]
-    r = srv.client.with_options(timeout=20).chat.completions.create(model=MODEL, messages=parts, max_tokens=3,
-                                                                    temperature=0.7, n=2, seed=1)
-    assert sorted(c.index for c in r.choices) == [0, 1]
-    assert 2 <= r.usage.completion_tokens <= 6
+
+def test_chat_text_parts_equal_plain_content(srv: Srv) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]}]
+    r = srv.client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == srv.refs["chat"].outputs[0].text
 
 
 # --------------------------------------------------------------------------- bad input
@@ -482,6 +469,30 @@ def test_metrics_exposition(srv: Srv) -> None:
     assert _metric(text, "pageflash:time_to_first_token_seconds_count") > 0
     assert 'finished_reason="length"' in text
     assert _metric(text, "pageflash:prefix_cache_hits_total") > 0  # the load test repeats prompts
+
+
+# --------------------------------------------------------------------------- n > 1
+# Last among the engine tests: should n > 1 ever wedge the engine, the client's timeout aborts the
+# request and the failure stays here instead of spreading to the tests after it.
+def test_completion_n_and_seed(srv: Srv) -> None:
+    client = srv.client.with_options(timeout=20)  # bounded: a stuck request is aborted on timeout
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7)
+    r1 = client.completions.create(n=3, **kw)
+    assert sorted(c.index for c in r1.choices) == [0, 1, 2]
+    r2 = client.completions.create(n=3, **kw)
+    assert [c.text for c in r1.choices] == [c.text for c in r2.choices]  # the seed makes it reproducible
+    chunks = list(client.completions.create(n=2, stream=True, **kw))
+    assert {c.choices[0].index for c in chunks} == {0, 1}
+    assert sum(1 for c in chunks if c.choices[0].finish_reason) == 2
+
+
+def test_chat_n_and_content_parts(srv: Srv) -> None:
+    parts = [{"role": "system", "content": "You are terse."},
+             {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]}]
+    r = srv.client.with_options(timeout=20).chat.completions.create(model=MODEL, messages=parts, max_tokens=3,
+                                                                    temperature=0.7, n=2, seed=1)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert 2 <= r.usage.completion_tokens <= 6
 
 
 # --------------------------------------------------------------------------- `pageflash serve`
