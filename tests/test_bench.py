@@ -140,6 +140,7 @@ def test_latency_smoke(tmp_path, capsys):
     cs = d["cold_start"]
     assert cs["engine_init_s"] > 0 and cs["first_token_s"] > 0
     assert cs["total_s"] == pytest.approx(cs["engine_init_s"] + cs["first_token_s"])
+    assert cs["first_iteration_s"] >= cs["first_token_s"]
     cfg = ModelConfig.from_hf_dict(NAMED_CONFIGS["smollm2-135m"])
     w, kv = roofline.weight_bytes(cfg, 4), roofline.kv_bytes_per_token(cfg, 4)
     assert d["weight_bytes"] == w and d["kv_bytes_per_token"] == kv
