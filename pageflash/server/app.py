@@ -122,12 +122,13 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[str]) -> None:
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
         # Not Response.__init__: that would render a body and declare its Content-Length.
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.body_iter = body
+        self.on_close = on_close  # runs however the response ends, even if the body never started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def stream() -> None:
@@ -147,8 +148,12 @@ class SSEResponse(Response):
         finally:
             for t in tasks:
                 t.cancel()
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-            await self.body_iter.aclose()  # type: ignore[attr-defined]
+            try:
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+                await self.body_iter.aclose()  # type: ignore[attr-defined]
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
         err = results[0]
         if isinstance(err, Exception) and not isinstance(err, OSError):
             logger.error("stream failed", exc_info=err)
@@ -251,6 +256,12 @@ class _Generation:
         self.holdback = max((len(x) for x in stops), default=1) - 1
         self.choices = [_Choice(index=i * n + j, prompt_idx=i) for i in range(len(streams)) for j in range(n)]
         self.prompt_tokens = [0] * len(streams)
+
+    def close(self) -> None:
+        """Abort whatever is unfinished (a no-op after a normal end); safe to call more than once."""
+        for stream in self.streams:
+            stream.close()
+        self.timer.finish([c.finish_reason or "abort" for c in self.choices])
 
     def usage(self) -> P.Usage:
         prompt = sum(self.prompt_tokens)
@@ -484,7 +495,7 @@ class OpenAIServing:
                     yield _sse(APIError(500, f"Engine error: {e}").body())
                 yield _DONE
 
-            return SSEResponse(body())
+            return SSEResponse(body(), on_close=gen.close)
 
         async def collect() -> list[P.CompletionChoice]:
             merged: dict[int, P.CompletionChoice] = {}
@@ -499,7 +510,10 @@ class OpenAIServing:
                         getattr(prev.logprobs, name).extend(getattr(c.logprobs, name))
             return [merged[i] for i in sorted(merged)]
 
-        choices = await _run_request(request, collect())
+        try:
+            choices = await _run_request(request, collect())
+        finally:
+            gen.close()
         body = P.CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage())
         return Response(body.model_dump_json(), media_type="application/json")
 
@@ -553,7 +567,7 @@ class OpenAIServing:
                     yield _sse(APIError(500, f"Engine error: {e}").body())
                 yield _DONE
 
-            return SSEResponse(body())
+            return SSEResponse(body(), on_close=gen.close)
 
         async def collect() -> list[P.ChatChoice]:
             merged: dict[int, P.ChatChoice] = {}
@@ -570,7 +584,10 @@ class OpenAIServing:
                     prev.logprobs.content = [*(prev.logprobs.content or []), *(c.logprobs.content or [])]
             return [merged[i] for i in sorted(merged)]
 
-        choices = await _run_request(request, collect())
+        try:
+            choices = await _run_request(request, collect())
+        finally:
+            gen.close()
         body = P.ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage())
         return Response(body.model_dump_json(), media_type="application/json")
 
