@@ -137,13 +137,25 @@ def verify_chains(
         qstarts.append(qs)
         qs += k if ip else 0
 
-    x = torch.tensor(pad_tok, dtype=torch.long, device=dev).view(bsz, kmax)  # [B, K]
-    row_idx = torch.tensor(rows, dtype=torch.long, device=dev).view(bsz, kmax + 1)  # [B, K+1]
-    k_t = torch.tensor(ks, dtype=torch.long, device=dev)
+    # One host -> device copy for all the index data: [B, K | K+1 | k, greedy, is_prob, q start].
+    meta = torch.tensor(
+        [t + r + [k, g, ip, qst] for t, r, k, g, ip, qst in zip(pad_tok, rows, ks, greedy_l, is_prob, qstarts)],
+        dtype=torch.long,
+    ).view(bsz, 2 * kmax + 5).to(dev, non_blocking=True)
+    x = meta[:, :kmax]  # [B, K]
+    row_idx = meta[:, kmax : 2 * kmax + 1]  # [B, K+1]
+    k_t, greedy_t, is_prob_t, qstart_t = meta[:, 2 * kmax + 1 :].unbind(1)
+    greedy_t, is_prob_t = greedy_t.bool(), is_prob_t.bool()
     pos = torch.arange(kmax + 1, device=dev)
     valid = pos[None, :kmax] < k_t[:, None]  # [B, K]
-    greedy_t = torch.tensor(greedy_l, dtype=torch.bool, device=dev)
-    is_prob_t = torch.tensor(is_prob, dtype=torch.bool, device=dev)
+
+    if all(greedy_l):
+        # Temperature 0 everywhere: compare with the argmax, no residuals, no randomness.
+        amax = target_probs.argmax(-1)[row_idx]  # [B, K+1]
+        n = ((x == amax[:, :kmax]) & valid).long().cumprod(1).sum(1)
+        tokens = torch.where(pos[None, :] < n[:, None], torch.cat([x, amax[:, -1:]], 1), -1)
+        tokens.scatter_(1, n[:, None], torch.gather(amax, 1, n[:, None]))
+        return ChainVerifyOutput(tokens=tokens, num_accepted=n)
 
     px = target_probs[row_idx[:, :kmax], x].float()  # [B, K]: p_i(x_i)
     qx = torch.ones_like(px)  # deterministic drafts: q_i(x_i) = 1
@@ -155,7 +167,7 @@ def verify_chains(
                     f"verify_chains: draft_probs of shape {tuple(q.shape)}, expected ({k}, {target_probs.shape[1]})"
                 )
         q_all = torch.cat([q.float() for q, ip in zip(draft_probs, is_prob) if ip]).to(dev)  # [sum k, V]
-        qrow = torch.tensor(qstarts, dtype=torch.long, device=dev)[:, None] + pos[None, :kmax]
+        qrow = qstart_t[:, None] + pos[None, :kmax]
         qrow = torch.where(valid & is_prob_t[:, None], qrow, 0).clamp_max(max(q_all.shape[0] - 1, 0))
         qx = torch.where(is_prob_t[:, None], q_all[qrow, x], qx)
     # x ~ q implies q(x) > 0; the clamp only keeps padding finite.
@@ -176,7 +188,7 @@ def verify_chains(
     if kmax > 0:
         xn = torch.gather(x, 1, n.clamp_max(kmax - 1)[:, None])  # [B, 1]
         if q_all is not None:
-            qn_row = (torch.tensor(qstarts, dtype=torch.long, device=dev) + n).clamp_max(q_all.shape[0] - 1)
+            qn_row = (qstart_t + n).clamp_max(q_all.shape[0] - 1)
             use_q = (rejected & is_prob_t)[:, None]
             res = torch.where(use_q, (res - q_all[qn_row]).clamp_min(0), res)
         det_rej = (rejected & ~is_prob_t)[:, None]
@@ -294,22 +306,23 @@ def verify_trees(
             q_parts.append(trees[b].draft_probs.float())
     q_all = torch.cat(q_parts).to(dev) if q_parts else None
 
-    def to_dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(dev)
+    # Nodes sorted by sibling rank, all index data in one host -> device copy.
+    order = np.argsort(rank_np, kind="stable")
+    bounds = np.searchsorted(rank_np[order], np.arange(int(rank_np.max(initial=-1)) + 2))
+    det_sorted = det_np[order]
+    packed = np.stack([order, prow_np[order], tok_np[order], det_sorted.astype(np.int64), qrow_np[order]])
+    packed_t = torch.from_numpy(packed).to(dev, non_blocking=True)  # [5, N]
 
-    res = target_probs.float().clone()  # [R, V]: running residual at each row
+    res = target_probs.to(torch.float32, copy=True)  # [R, V]: running residual at each row
     acc_prob = torch.zeros(tok_np.shape[0], device=dev)
-    for r in range(int(rank_np.max(initial=-1)) + 1):
-        sel = np.flatnonzero(rank_np == r)
-        nodes = to_dev(sel)
-        prow = to_dev(prow_np[sel])  # distinct within a rank: one child of each rank per parent
-        tok = to_dev(tok_np[sel])
-        det_sel = det_np[sel]
-        det = to_dev(det_sel)
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        # prow is distinct within a rank: a parent has one child of each rank.
+        nodes, prow, tok, det, qrow = packed_t[:, lo:hi]
+        det = det.bool()
         cur = res[prow]  # [m, V], normalized
         px = cur.gather(1, tok[:, None]).squeeze(1)
-        if q_all is not None and not det_sel.all():
-            q = torch.where(det[:, None], 0.0, q_all[to_dev(qrow_np[sel])])
+        if q_all is not None and not det_sorted[lo:hi].all():
+            q = torch.where(det[:, None], 0.0, q_all[qrow])
             qx = torch.where(det, 1.0, q.gather(1, tok[:, None]).squeeze(1))
             new = (cur - q).clamp_min(0)
         else:
