@@ -33,6 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "gguf", "safetensors", "pt"])
     g.add_argument("--attention-backend", default="auto")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -41,7 +42,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         num_kv_blocks=a.num_kv_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
-        load_format=a.load_format, attention_backend=a.attention_backend,
+        load_format=a.load_format, attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
     )
 
 

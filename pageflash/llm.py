@@ -32,6 +32,7 @@ class LLM:
         seed: int = 0,
         load_format: str = "auto",
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -40,6 +41,7 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
                 load_format=load_format, attention_backend=attention_backend,
+                enforce_eager=enforce_eager,
             )
         )
 

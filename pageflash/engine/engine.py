@@ -56,6 +56,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -129,6 +130,8 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}; raise num_kv_blocks (or gpu_memory_utilization) or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
+        if not config.enforce_eager:
+            self.runner.capture_decode_graphs(min(config.max_num_seqs, 256))
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
         self.sampler = Sampler()
@@ -292,6 +295,7 @@ class LLMEngine:
                 req.metrics.arrival_time, index=j, group_id=req.group_id, generator=gen,
             )
             child.num_computed_tokens = req.num_computed_tokens
+            child.forked = True
             child.metrics.first_scheduled_time = req.metrics.first_scheduled_time
             self._attach_detokenizer(child)
             self.kv.fork(req.request_id, child.request_id)

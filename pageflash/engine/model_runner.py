@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from pageflash.config import ModelConfig
@@ -52,6 +53,7 @@ class ModelRunner:
         self.backend = get_backend(attention_backend, device)
         self.kv_cache: Optional[torch.Tensor] = None  # [L, 2, num_blocks, block_size, Hkv, D]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: Optional[DecodeGraphs] = None
 
     # -- setup ------------------------------------------------------------------------------------
     def _build_model(self, source: ModelSource, seed: int) -> LlamaForCausalLM:
@@ -105,6 +107,14 @@ class ModelRunner:
             dtype=self.dtype, device=self.device,
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(c.num_hidden_layers)]
+
+    def capture_decode_graphs(self, max_batch: int) -> None:
+        """Capture decode-step CUDA graphs for batch sizes up to max_batch (CUDA + graph-safe backend)."""
+        if self.device.type != "cuda" or self.backend.name != "triton":
+            return
+        graphs = DecodeGraphs(self, max_batch)
+        graphs.capture()
+        self.graphs = graphs
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -161,6 +171,12 @@ class ModelRunner:
         """Run one step. block_tables[i]: physical blocks of scheduled seq i.
         tree_mask / positions_override serve token-tree verification; num_layers early-exit drafts."""
         self.copy_blocks(sched.block_copies)
+        if (
+            self.graphs is not None and tree_mask is None and positions_override is None and num_layers is None
+            and kv_caches is None and all(s.num_new_tokens == 1 and s.samples for s in sched.seqs)
+            and len(sched.seqs) <= self.graphs.max_batch
+        ):
+            return self.graphs.run(sched, block_tables)
         ids, pos, slots, qlens, seq_lens, logit_idx, rows = self.prepare(sched, block_tables)
         if positions_override is not None:
             pos = positions_override
@@ -190,3 +206,85 @@ class ModelRunner:
         h = hidden[idx]
         return StepResult(self.model.compute_logits(h), rows, h)
 
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode step (one token per sequence), one per batch-size bucket.
+
+    Static input buffers are refilled in place before each replay; a batch is padded up to its bucket
+    with rows that store nothing (slot -1) and attend to one token of block 0. The attention backend's
+    plan must depend only on shapes (the Triton backend sizes its decode splits from the block-table
+    width, which is fixed here at max_model_len / block_size).
+    """
+
+    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+        self.runner = runner
+        dev = runner.device
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.buckets = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch + 1, 16))
+        if not self.buckets or self.buckets[-1] < max_batch:
+            self.buckets.append(max_batch)
+        self.max_batch = self.buckets[-1]
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.qsl[: b + 1], seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
+            slot_mapping=self.slots[:b], query_lens_cpu=[1] * b, seq_lens_cpu=[1] * b,
+            block_size=self.runner.block_size,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        r = self.runner
+        for b in reversed(self.buckets):  # largest first: the pool then fits the smaller ones
+            meta = self._meta(b)
+            plan = r.backend.plan(meta)
+            fwd = lambda: r.model.compute_logits(  # noqa: E731
+                r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan))
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fwd()  # warm-up: Triton compiles and autotunes outside the capture
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.logits[b] = fwd()
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[b] = g
+        torch.cuda.synchronize()
+
+    def run(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
+        b = len(sched.seqs)
+        bucket = next(x for x in self.buckets if x >= b)
+        bs = self.runner.block_size
+        ids = [0] * bucket
+        pos = [0] * bucket
+        slots = [-1] * bucket
+        lens = [1] * bucket
+        bt = np.zeros((bucket, self.max_blocks), dtype=np.int32)
+        for i, (s, table) in enumerate(zip(sched.seqs, block_tables)):
+            req = s.request
+            p = req.num_computed_tokens
+            ids[i] = req.token_ids[p]
+            pos[i] = p
+            slots[i] = table[p // bs] * bs + p % bs
+            lens[i] = p + 1
+            bt[i, : len(table)] = table
+        self.input_ids[:bucket].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:bucket].copy_(torch.tensor(pos), non_blocking=True)
+        self.slots[:bucket].copy_(torch.tensor(slots), non_blocking=True)
+        self.seq_lens[:bucket].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:bucket].copy_(torch.from_numpy(bt), non_blocking=True)
+        self.graphs[bucket].replay()
+        return StepResult(self.logits[bucket][:b], [(i, 1) for i in range(b)])

@@ -1,0 +1,46 @@
+"""The engine on CUDA: Triton backend vs the PyTorch reference backend, CUDA graphs vs eager."""
+
+import pytest
+import torch
+
+from pageflash import LLM, SamplingParams
+
+PROMPTS = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 17, 33, 64, 100, 1, 250, 16))]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def run(**kw):
+    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=512, num_kv_blocks=512, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def test_triton_equals_torch_backend_fp32():
+    ref, _ = run(dtype="float32", attention_backend="torch", enforce_eager=True)
+    tri, llm = run(dtype="float32", attention_backend="triton", enforce_eager=True)
+    assert llm.llm_engine.runner.backend.name == "triton"
+    assert tri == ref
+
+
+def test_cuda_graphs_equal_eager_bf16():
+    eager, _ = run(dtype="bfloat16", enforce_eager=True)
+    graphs, llm = run(dtype="bfloat16")
+    assert llm.llm_engine.runner.graphs is not None
+    assert graphs == eager
+
+
+def test_llama3_8b_dummy_runs_bf16():
+    llm = LLM("llama-3-8b", load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.85)
+    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]],
+                       SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=1), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in out)
+    eng = llm.llm_engine
+    assert eng.dtype == torch.bfloat16 and eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_parallel_sampling_and_preemption_on_cuda():
+    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=256, num_kv_blocks=24, max_num_seqs=8)
+    outs = llm.generate([{"prompt_token_ids": p[:40]} for p in PROMPTS[:4]],
+                        SamplingParams(n=2, temperature=1.0, max_tokens=40, ignore_eos=True, seed=3), use_tqdm=False)
+    assert all(len(c.token_ids) == 40 for o in outs for c in o.outputs)
+    assert llm.llm_engine.kv.num_free_blocks == 24

