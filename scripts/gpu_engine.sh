@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool): engine tests on CUDA and the end-to-end benchmarks, logs under $OUT.
+#   scripts/gpu_engine.sh [tests] [latency] [offline-small] [offline-8b] [hf-peer]
+set -o pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
+git log -1 --format='commit %h %cd' 2>/dev/null | tee -a "$OUT/gpu.txt"
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+for what in "$@"; do
+  case $what in
+    profile) PYTHONPATH=. $PY scripts/profile_decode.py llama-3-8b 1 2>&1 | tee "$OUT/profile.log" | tail -30 ;;
+    tests) $PY -m pytest -q -ra -x tests/gpu/test_engine_gpu.py 2>&1 | tee "$OUT/engine_tests.log" | tail -15 ;;
+    latency) $PY -m pageflash.cli bench latency --model llama-3-8b --input-len 128 --output-len 256 \
+               --json "$OUT/decode1.json" 2>&1 | tee "$OUT/latency.log" | grep -v "it/s" | tail -25 ;;
+    latency-sweep) $PY -m pageflash.cli bench latency --model llama-3-8b --batch-size 1 8 32 64 128 \
+               --output-len 128 --num-iters 2 --json "$OUT/sweep.json" --plot "$OUT/sweep.png" 2>&1 | tee "$OUT/sweep.log" | grep -v "it/s" | tail -25 ;;
+    offline-small) $PY -m pageflash.cli bench throughput --model smollm2-135m --json "$OUT/offline_smollm.json" \
+               2>&1 | tee "$OUT/offline_smollm.log" | grep -v "it/s" | tail -20 ;;
+    offline-8b) $PY -m pageflash.cli bench throughput --model llama-3-8b --json "$OUT/offline_llama.json" \
+               2>&1 | tee "$OUT/offline_llama.log" | grep -v "it/s" | tail -20 ;;
+    hf-peer) PYTHONPATH=. timeout 300 $PY scripts/hf_peer_offline.py 2>&1 | tee "$OUT/hf_peer.log" | tail -10 ;;
+  esac
+done
