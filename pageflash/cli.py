@@ -4,7 +4,8 @@
   pageflash generate --input prompts.jsonl --output out.jsonl
   pageflash chat
   pageflash serve --model smollm2-135m --port 8000
-  pageflash bench {latency,throughput,kernels} ...
+  pageflash bench {latency,throughput,kernels,spec} ...
+  pageflash train-medusa --output medusa.safetensors
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "gguf", "safetensors", "pt"])
     g.add_argument("--attention-backend", default="auto")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
+                        "(methods: ngram, draft_model, medusa, early_exit; docs/SPEC.md)")
+
+
+def _json_object(s: str) -> dict:
+    try:
+        v = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return v
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -43,6 +57,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
         load_format=a.load_format, attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
+        speculative_config=getattr(a, "speculative_config", None),
     )
 
 
@@ -190,7 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return serve_main(argv[1:]) or 0
     if argv and argv[0] == "bench":
-        kinds = ("latency", "throughput", "kernels")
+        kinds = ("latency", "throughput", "kernels", "spec")
         if len(argv) < 2 or argv[1] not in kinds:
             print(f"usage: pageflash bench {{{','.join(kinds)}}} [options]", file=sys.stderr)
             return 2
@@ -216,7 +231,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     add_engine_args(c)
     add_sampling_args(c)
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `pageflash serve --help`)")
-    sub.add_parser("bench", help="benchmarks: latency, throughput, kernels")
+    sub.add_parser("bench", help="benchmarks: latency, throughput, kernels, spec")
+    sub.add_parser("train-medusa", help="train Medusa heads on the model's own generations")
     a = p.parse_args(argv)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat}[a.cmd](a)

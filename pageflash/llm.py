@@ -33,7 +33,10 @@ class LLM:
         load_format: str = "auto",
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        speculative_config: Optional[Union[dict, str, Any]] = None,
     ) -> None:
+        """Engine settings as EngineConfig's. speculative_config: e.g. {"method": "ngram",
+        "num_speculative_tokens": 5}; see pageflash.spec.config.SpeculativeConfig."""
         self.llm_engine = LLMEngine(
             EngineConfig(
                 model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
@@ -41,7 +44,7 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
                 load_format=load_format, attention_backend=attention_backend,
-                enforce_eager=enforce_eager,
+                enforce_eager=enforce_eager, speculative_config=speculative_config,
             )
         )
 

@@ -26,6 +26,8 @@ from pageflash.model.loader import ModelSource, load_config, load_tokenizer, res
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import CompletionOutput, Logprob, RequestOutput
 from pageflash.sampling_params import SamplingParams
+from pageflash.spec.config import SpeculativeConfig
+from pageflash.spec.decoding import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class EngineConfig:
     load_format: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # speculative decoding: a dict / JSON string (vLLM style), parsed into a SpeculativeConfig
+    speculative_config: Optional[Union[SpeculativeConfig, dict, str]] = None
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -77,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
 
 class LLMEngine:
@@ -115,6 +121,10 @@ class LLMEngine:
             self.model_config, self.source, self.device, self.dtype, config.block_size,
             self.max_model_len, config.attention_backend, config.seed,
         )
+        # Speculative decoding loads its draft model / heads before the KV pool is sized.
+        self.spec: Optional[SpecDecoder] = None
+        if config.speculative_config is not None:
+            self.spec = SpecDecoder(self, config.speculative_config)
         bs = config.block_size
         per_seq = -(-self.max_model_len // bs)
         if config.num_kv_blocks is not None:
@@ -124,6 +134,8 @@ class LLMEngine:
                 config.gpu_memory_utilization, self.max_num_batched_tokens, config.max_num_seqs
             )
             num_blocks = min(num_blocks, config.max_num_seqs * per_seq + 1)
+            if self.spec is not None:
+                num_blocks = self.spec.target_kv_share(num_blocks)
         if num_blocks < per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), fewer than "
@@ -134,6 +146,8 @@ class LLMEngine:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, 256))
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        if self.spec is not None:
+            self.spec.bind(num_blocks)
         self.sampler = Sampler()
         self.groups: dict[str, list[Request]] = {}  # user request id -> its sequences (n of them)
         self.prompt_tokens_total = 0
@@ -227,7 +241,7 @@ class LLMEngine:
             for req in self.groups.pop(rid, []):
                 if not req.is_finished:
                     req.finish_reason = "abort"
-                    self.scheduler.finish(req)
+                    self._finish(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -237,6 +251,9 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        spec = self.spec
+        if spec is not None:
+            spec.propose()  # draft tokens -> req.spec_token_ids, which the scheduler counts
         sched = self.scheduler.schedule()
         if not sched:
             return []
@@ -244,8 +261,11 @@ class LLMEngine:
         for s in sched.seqs:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
-        result = self.runner.execute(sched, [self.kv.block_ids(s.request.request_id) for s in sched.seqs])
+        extra = spec.execute_kwargs(sched) if spec is not None else {}
+        result = self.runner.execute(sched, [self.kv.block_ids(s.request.request_id) for s in sched.seqs], **extra)
         touched = self._process(sched, result.logits, result.rows)
+        if spec is not None:  # verify the drafts, roll back rejected KV, emit accepted tokens
+            touched = list(dict.fromkeys(touched + spec.finish_step(sched, result)))
         return [self._make_output(gid) for gid in touched]
 
     def _process(self, sched: SchedulerOutput, logits: torch.Tensor, rows: list[tuple[int, int]]) -> list[str]:
@@ -255,6 +275,8 @@ class LLMEngine:
         touched: dict[str, None] = {}
         for s, (start, count) in zip(sched.seqs, rows):
             req = s.request
+            if s.num_spec_tokens:
+                continue  # verified by SpecDecoder.finish_step
             req.num_computed_tokens += s.num_new_tokens
             if count == 0:  # a prefill chunk that does not reach the end yet
                 self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
@@ -275,7 +297,8 @@ class LLMEngine:
             lp = (out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.sampled_ranks.tolist())
         now = time.monotonic()
         for i, (req, tok) in enumerate(zip(sample_reqs, token_ids)):
-            self._append_token(req, tok, None if lp is None else (lp[0][i], lp[1][i], lp[2][i]), now)
+            rlp = None if lp is None or req.logprobs is None else (lp[0][i], lp[1][i], lp[2][i])
+            self._append_token(req, tok, rlp, now)
             touched[req.group_id] = None
         return list(touched)
 
@@ -321,7 +344,12 @@ class LLMEngine:
         self._check_stop(req, tok)
         if req.finish_reason is not None:
             req.metrics.finished_time = now
-            self.scheduler.finish(req)
+            self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        self.scheduler.finish(req)
+        if self.spec is not None:
+            self.spec.remove_request(req)
 
     def _decode_one(self, tok: int) -> Optional[str]:
         return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
@@ -373,4 +401,6 @@ class LLMEngine:
         s = self.scheduler.stats()
         s["prompt_tokens_total"] = self.prompt_tokens_total
         s["generation_tokens_total"] = self.generation_tokens_total
+        if self.spec is not None:
+            s["spec"] = self.spec.stats()
         return s

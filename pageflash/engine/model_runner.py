@@ -167,13 +167,15 @@ class ModelRunner:
         positions_override: Optional[list[int]] = None,
         num_layers: Optional[int] = None,
         kv_caches: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
+        need_hidden: bool = False,
     ) -> StepResult:
         """Run one step. block_tables[i]: physical blocks of scheduled seq i.
-        tree_mask / positions_override serve token-tree verification; num_layers early-exit drafts."""
+        tree_mask / positions_override serve token-tree verification; num_layers early-exit drafts;
+        need_hidden: the result must carry hidden states (Medusa), so no CUDA-graph replay."""
         self.copy_blocks(sched.block_copies)
         if (
             self.graphs is not None and tree_mask is None and positions_override is None and num_layers is None
-            and kv_caches is None and all(s.num_new_tokens == 1 and s.samples for s in sched.seqs)
+            and kv_caches is None and not need_hidden and all(s.num_new_tokens == 1 and s.samples for s in sched.seqs)
             and len(sched.seqs) <= self.graphs.max_batch
         ):
             return self.graphs.run(sched, block_tables)

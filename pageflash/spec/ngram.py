@@ -70,3 +70,66 @@ class NgramProposer:
             toks = ngram_lookup(r.token_ids, self.n_min, self.n_max, k)
             out.append(DraftTree.chain(toks.tolist()) if toks is not None and toks.size else None)
         return out
+
+
+def ngram_candidates(
+    tokens: Union[Sequence[int], np.ndarray], n_min: int, n_max: int, k: int, width: int
+) -> list[np.ndarray]:
+    """Up to ``width`` distinct continuations (each <= k tokens) for a merged n-gram tree.
+
+    Matches of the longest suffix n-gram come first, most recent first; then those of shorter n.
+    The first entry is what :func:`ngram_lookup` returns. Continuations equal to an earlier one are
+    skipped (their tokens, not their positions, decide).
+    """
+    arr = np.asarray(tokens, dtype=np.int64)
+    length = arr.shape[0]
+    if k <= 0 or width <= 0 or length < 2 or n_max < 1:
+        return []
+    cand = np.flatnonzero(arr[:-1] == arr[-1])
+    levels = [cand]  # levels[n - 1]: end positions of matches of the n-gram suffix
+    for m in range(1, min(n_max, length - 1)):
+        c = levels[-1]
+        c = c[c >= m]
+        c = c[arr[c - m] == arr[length - 1 - m]]
+        if c.size == 0:
+            break
+        levels.append(c)
+    out: list[np.ndarray] = []
+    seen: set[tuple[int, ...]] = set()
+    for n in range(len(levels), n_min - 1, -1):
+        for j in levels[n - 1][::-1].tolist():
+            cont = arr[j + 1 : j + 1 + k]
+            key = tuple(cont.tolist())
+            if cont.size and key not in seen:
+                seen.add(key)
+                out.append(cont)
+                if len(out) == width:
+                    return out
+    return out
+
+
+class NgramTreeProposer:
+    """Merged n-gram tree: the ``width`` best distinct continuations (longest n-gram first, most recent
+    first), each up to ``k // width`` tokens, merged by token prefix (SpecInfer's merge-based tree)."""
+
+    def __init__(self, n_max: int = 4, n_min: int = 1, k: int = 10, width: int = 2, name: str = "ngram") -> None:
+        if n_min < 1 or n_max < n_min or k < 1 or width < 1:
+            raise ValueError(f"NgramTreeProposer: need 1 <= n_min <= n_max, k >= 1, width >= 1; got "
+                             f"n_min={n_min}, n_max={n_max}, k={k}, width={width}")
+        self.name = name
+        self.n_max, self.n_min, self.k, self.width = n_max, n_min, k, width
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Optional[DraftTree]]:
+        from pageflash.spec.tree import merge_trees
+
+        out: list[Optional[DraftTree]] = []
+        for r in requests:
+            k = min(self.k, r.num_speculative_tokens)
+            depth = max(1, k // self.width)
+            conts = ngram_candidates(r.token_ids, self.n_min, self.n_max, depth, self.width) if k > 0 else []
+            if not conts:
+                out.append(None)
+                continue
+            tree = merge_trees([DraftTree.chain(c.tolist()) for c in conts], max_nodes=k)
+            out.append(tree if len(tree) else None)
+        return out

@@ -16,12 +16,15 @@ tree level. :class:`MergedProposer` merges several proposers' trees (SpecInfer's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
 
 from pageflash.spec.tree import DraftTree, ExpansionConfig, build_trees, merge_trees
+
+if TYPE_CHECKING:
+    from pageflash.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,12 +38,15 @@ class ProposalRequest:
                             propose); trees must have at most k nodes.
     hidden_states:          optional target hidden state(s) of the last token, for proposers that
                             read them (Medusa heads: [H]; early exit: [num_layers, H]); None else.
+    params:                 the request's SamplingParams, for proposers that sample their drafts at
+                            the request's temperature / top-k / top-p (None: draft greedily).
     """
 
     request_id: str
     token_ids: Union[Sequence[int], np.ndarray]
     num_speculative_tokens: int
     hidden_states: Optional[torch.Tensor] = None
+    params: Optional["SamplingParams"] = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:

@@ -1,0 +1,418 @@
+"""SpecDecoder: speculative decoding inside the engine's step.
+
+One engine step with speculation (LLMEngine.step)::
+
+    spec.propose()                      # drafts for requests in decode state -> req.spec_token_ids
+    sched = scheduler.schedule()        # "this request wants 1 + len(tree) tokens" (may trim drafts)
+    kw = spec.execute_kwargs(sched)     # tree mask + positions when a batch holds real trees
+    result = runner.execute(sched, block_tables, **kw)
+    engine._process(sched, result)     # requests without drafts: plain sampling
+    spec.finish_step(sched, result)     # verify drafts, roll back KV, emit tokens, metrics
+
+Per request with a draft tree of n nodes whose root (its last token) sits at position ``base``:
+the verify step feeds the root and the nodes into slots base .. base + n (node j at slot
+base + 1 + j, position base + depth(j)); the runner returns 1 + n logits rows. Verification takes
+the target's final distributions (temperature, top-k/top-p, penalties, min_tokens, each node
+seeing its own path as output so far) and keeps a path plus one token of the target's own, exactly
+distributed as plain decoding would (``verify.py``). Then:
+
+- KV rollback: the accepted path's KV moves to slots base + 1 .. (``kv_compaction``; nothing moves
+  for chains); ``num_computed_tokens`` becomes base + 1 + len(path) and blocks entirely past it go
+  back to the pool (``KVCacheManager.truncate``). Slots past it in the last kept block are garbage
+  that the next steps overwrite; prefix caching hashes a block only once it is full and below
+  ``num_computed_tokens``, so garbage is never published.
+- Tokens are emitted one at a time through the engine's own append + stop checks, so a stop
+  string, EOS or max_tokens in the middle of an accepted path ends the request right there.
+
+Controlled by :class:`pageflash.spec.config.SpeculativeConfig`; with ``adaptive`` a
+:class:`SpecController` picks each request's k per step (0 = plain decode) from measured acceptance
+and step times.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+
+from pageflash.engine.model_runner import ModelRunner, StepResult
+from pageflash.engine.sampler import SamplerOutput, SamplingBatch, SamplingRow, _add_logprobs, compute_probs
+from pageflash.engine.scheduler import SchedulerOutput
+from pageflash.engine.sequence import Request
+from pageflash.spec.adaptive import AdaptiveConfig, SpecController
+from pageflash.spec.config import SpeculativeConfig
+from pageflash.spec.metrics import SpecMetrics
+from pageflash.spec.proposer import ProposalRequest, Proposer, truncate_tree
+from pageflash.spec.tree import DraftTree, ExpansionConfig, flat_tree_mask, kv_compaction, positions, tree_attention_mask
+from pageflash.spec.verify import verify_chains, verify_trees
+
+if TYPE_CHECKING:
+    from pageflash.engine.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class _ReqState:
+    """What speculation keeps per request (``Request.spec_state``)."""
+
+    __slots__ = ("buf", "n", "tree", "hidden")
+
+    def __init__(self) -> None:
+        self.buf: Optional[np.ndarray] = None  # token ids, appended incrementally (n-gram lookup)
+        self.n = 0
+        self.tree: Optional[DraftTree] = None  # this step's draft
+        self.hidden: Optional[torch.Tensor] = None  # [H] hidden state that produced the last token
+
+    def tokens(self, token_ids: list[int]) -> np.ndarray:
+        """token_ids as an int64 array (a view of a growing buffer; tokens are only appended)."""
+        n = len(token_ids)
+        if self.buf is None or self.buf.shape[0] < n:
+            buf = np.empty(max(64, 2 * n), dtype=np.int64)
+            if self.buf is not None:
+                buf[: self.n] = self.buf[: self.n]
+            self.buf = buf
+        if self.n < n:
+            self.buf[self.n : n] = token_ids[self.n : n]
+            self.n = n
+        return self.buf[:n]
+
+
+def _prune_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    """The nodes of depth <= max_depth (a node's descendants are deeper, so this is a tree)."""
+    keep = [j for j, d in enumerate(tree.depths) if d <= max_depth]
+    index = {j: i for i, j in enumerate(keep)}
+    q = tree.draft_probs[keep] if tree.draft_probs is not None else None
+    return DraftTree([tree.tokens[j] for j in keep], [index.get(tree.parents[j], -1) for j in keep], q)
+
+
+def _state(req: Request) -> _ReqState:
+    if req.spec_state is None:
+        req.spec_state = _ReqState()
+    return req.spec_state
+
+
+def _needs_context(params, num_output: int) -> bool:
+    """Whether the target's distribution at a draft node depends on the draft tokens before it."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or num_output < params.min_tokens  # EOS / stop ids masked at some nodes but maybe not others
+    )
+
+
+class SpecDecoder:
+    """Speculative decoding for one LLMEngine: proposer, verification, KV rollback, metrics."""
+
+    def __init__(self, engine: "LLMEngine", config: SpeculativeConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.method = config.method
+        self.k = config.num_speculative_tokens
+        self.enabled = True  # benchmarks flip this for a plain-decoding baseline in the same engine
+        self.needs_hidden = config.method == "medusa"
+        self.is_tree = config.tree is not None
+        self.metrics = SpecMetrics()
+        self.ctrl: Optional[SpecController] = None
+        if config.adaptive:
+            self.ctrl = SpecController(AdaptiveConfig(k_max=self.k, probe_k=min(2, self.k)))
+        self.draft_runner: Optional[ModelRunner] = None
+        self.draft_kv = None
+        self.proposer: Proposer
+        self._medusa = None
+        self._step_t0 = 0.0
+        self._step_decode_only = False
+        self._load()
+
+    @property
+    def name(self) -> str:
+        return self.method
+
+    # -- construction (models now, KV once the engine has sized its pool) ------------------------
+    def _load(self) -> None:
+        eng, c = self.engine, self.config
+        mc = eng.model_config
+        if c.method == "early_exit" and not 1 <= c.num_layers <= mc.num_hidden_layers:
+            raise ValueError(f"speculative_config: num_layers={c.num_layers} must be in [1, {mc.num_hidden_layers}] "
+                             f"(the target's layer count)")
+        if c.method == "draft_model":
+            from pageflash.engine.engine import _DTYPES
+            from pageflash.model.loader import load_config, resolve_model
+
+            src = resolve_model(c.model, c.draft_load_format)
+            dcfg = load_config(src)
+            if dcfg.vocab_size > mc.vocab_size:
+                raise ValueError(f"speculative_config: the draft model's vocabulary ({dcfg.vocab_size}) is larger "
+                                 f"than the target's ({mc.vocab_size}); they must share a tokenizer")
+            dtype = eng.dtype if c.draft_dtype == "auto" else _DTYPES[c.draft_dtype]
+            self.draft_runner = ModelRunner(
+                dcfg, src, eng.device, dtype, eng.config.block_size, eng.max_model_len,
+                eng.config.attention_backend, eng.config.seed,
+            )
+        elif c.method == "medusa":
+            from pageflash.spec.medusa import load_heads
+
+            heads = load_heads(c.medusa_path, eng.device, eng.dtype)
+            hc = heads.config
+            if hc.hidden_size != mc.hidden_size or hc.vocab_size != mc.vocab_size:
+                raise ValueError(
+                    f"speculative_config: Medusa heads in {c.medusa_path!r} are for hidden size {hc.hidden_size} and "
+                    f"vocabulary {hc.vocab_size}, the target has {mc.hidden_size} and {mc.vocab_size}"
+                )
+            self._medusa = heads
+
+    def target_kv_share(self, num_blocks: int) -> int:
+        """Blocks the target keeps of an auto-sized KV budget of num_blocks target blocks, the rest
+        going to the draft model's cache (which gets as many blocks, unless draft_num_kv_blocks)."""
+        if self.draft_runner is None:
+            return num_blocks
+        bt = self.engine.runner.kv_bytes_per_block()
+        bd = self.draft_runner.kv_bytes_per_block()
+        if self.config.draft_num_kv_blocks is not None:
+            return max(1, (num_blocks * bt - self.config.draft_num_kv_blocks * bd) // bt)
+        return max(1, num_blocks * bt // (bt + bd))
+
+    def bind(self, num_blocks: int) -> None:
+        """Called by the engine once its KV pool exists: allocate the draft's, build the proposer."""
+        from pageflash.engine.kv_cache import KVCacheManager
+        from pageflash.spec.draft import ModelDraftProposer
+        from pageflash.spec.ngram import NgramProposer, NgramTreeProposer
+
+        eng, c = self.engine, self.config
+        chain = ExpansionConfig((1,) * self.k)
+        if c.method == "ngram":
+            if c.tree is None:
+                self.proposer = NgramProposer(c.prompt_lookup_max, c.prompt_lookup_min, self.k)
+            else:
+                self.proposer = NgramTreeProposer(c.prompt_lookup_max, c.prompt_lookup_min, self.k, c.tree[0])
+        elif c.method == "draft_model":
+            nb = c.draft_num_kv_blocks or num_blocks
+            self.draft_runner.allocate_kv_cache(nb)
+            self.draft_kv = KVCacheManager(nb, eng.config.block_size, eng.config.enable_prefix_caching)
+            self.proposer = ModelDraftProposer(
+                "draft_model", self.draft_runner, self.draft_kv, c.expansion or chain, owns_kv=True,
+                max_batch_tokens=eng.max_num_batched_tokens, vocab_size=eng.vocab_size,
+            )
+        elif c.method == "early_exit":
+            self.proposer = ModelDraftProposer(
+                "early_exit", eng.runner, eng.kv, c.expansion or chain, owns_kv=False, num_layers=c.num_layers,
+                max_batch_tokens=eng.max_num_batched_tokens, vocab_size=eng.vocab_size,
+            )
+        else:
+            from pageflash.spec.medusa import MedusaProposer
+
+            m = eng.runner.model
+            w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+            self.proposer = MedusaProposer(self._medusa, w, c.expansion)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def remove_request(self, req: Request) -> None:
+        """A request finished or was aborted."""
+        if self.ctrl is not None:
+            self.ctrl.remove_request(req.request_id)
+        rm = getattr(self.proposer, "remove_request", None)
+        if rm is not None:
+            rm(req.request_id)
+        req.spec_state = None
+
+    # -- before scheduling ---------------------------------------------------------------------
+    def propose(self) -> None:
+        """Draft for every running request in decode state (only its last token lacks KV)."""
+        eng = self.engine
+        running = eng.scheduler.running
+        for r in running:
+            r.spec_token_ids = []
+            if r.spec_state is not None:
+                r.spec_state.tree = None
+        if not self.enabled:
+            return
+        cands = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        if not cands:
+            return
+        caps, depth_caps = [], []
+        for r in cands:
+            p = r.params
+            left = (p.max_tokens - r.num_output_tokens) if p.max_tokens is not None else self.k + 1
+            # Emitting depth + 1 tokens should not pass max_tokens; every node needs a slot in the context.
+            depth_caps.append(max(0, left - 1))
+            nodes = min(self.k, eng.max_model_len - r.num_tokens)
+            caps.append(max(0, nodes if self.is_tree else min(nodes, left - 1)))
+        if self.ctrl is not None:
+            ks = self.ctrl.choose([r.request_id for r in cands], self.name, caps)
+        else:
+            ks = caps
+        asked = [(r, k, d) for r, k, d in zip(cands, ks, depth_caps) if k > 0 and d > 0]
+        if not asked:
+            return
+        preqs = []
+        for r, k, _ in asked:
+            st = _state(r)
+            preqs.append(ProposalRequest(r.request_id, st.tokens(r.token_ids), k, st.hidden, r.params))
+        t0 = time.perf_counter()
+        trees = self.proposer.propose(preqs)
+        if self.ctrl is not None:
+            self.ctrl.observe_propose(self.name, len(preqs), time.perf_counter() - t0)
+        for (r, _, depth_cap), tree in zip(asked, trees):
+            if tree is not None and tree.max_depth > depth_cap:
+                tree = _prune_depth(tree, depth_cap)
+            if tree is None or len(tree) == 0:
+                self.metrics.record_no_draft(self.name)
+                continue
+            r.spec_state.tree = tree
+            r.spec_token_ids = list(tree.tokens)
+
+    # -- the forward ---------------------------------------------------------------------------
+    def execute_kwargs(self, sched: SchedulerOutput) -> dict[str, Any]:
+        """Extra ModelRunner.execute arguments for this step (tree mask and positions)."""
+        self._step_t0 = time.perf_counter()
+        self._step_decode_only = all(s.num_new_tokens - s.num_spec_tokens == 1 and s.samples for s in sched.seqs)
+        kw: dict[str, Any] = {"need_hidden": True} if self.needs_hidden else {}
+        trees = False
+        for s in sched.seqs:
+            if s.num_spec_tokens:
+                st = s.request.spec_state
+                st.tree = truncate_tree(st.tree, s.num_spec_tokens)  # the scheduler may trim drafts
+                trees = trees or not st.tree.is_chain
+        if trees:
+            masks, pos, qlens = [], [], []
+            for s in sched.seqs:
+                c, q = s.request.num_computed_tokens, s.num_new_tokens
+                qlens.append(q)
+                if s.num_spec_tokens:
+                    t = s.request.spec_state.tree
+                    masks.append(tree_attention_mask(t))
+                    pos.extend(positions(t, c).tolist())
+                else:
+                    masks.append(None)
+                    pos.extend(range(c, c + q))
+            kw["tree_mask"] = flat_tree_mask(masks, qlens, self.engine.device)
+            kw["positions_override"] = pos
+        return kw
+
+    # -- after the forward ---------------------------------------------------------------------
+    def finish_step(self, sched: SchedulerOutput, result: StepResult) -> list[str]:
+        """Verify this step's drafts and emit their tokens; returns the touched group ids."""
+        spec = [(i, s) for i, s in enumerate(sched.seqs) if s.num_spec_tokens > 0]
+        if self.needs_hidden and result.hidden is not None:
+            for (start, count), s in zip(result.rows, sched.seqs):
+                if count and not s.num_spec_tokens and not s.request.is_finished:
+                    _state(s.request).hidden = result.hidden[start]
+        touched = self._verify(spec, result) if spec else []
+        if self.ctrl is not None and self._step_decode_only:
+            self.ctrl.observe_step(len(sched.seqs), sched.num_tokens, time.perf_counter() - self._step_t0)
+        return touched
+
+    def _verify(self, spec: list, result: StepResult) -> list[str]:
+        eng = self.engine
+        reqs: list[Request] = [s.request for _, s in spec]
+        trees: list[DraftTree] = [r.spec_state.tree for r in reqs]
+        row_idx: list[int] = []
+        firsts: list[int] = []
+        for (i, s), t in zip(spec, trees):
+            start, count = result.rows[i]
+            assert count == 1 + len(t), f"verify rows {count} != 1 + {len(t)} drafts"
+            firsts.append(len(row_idx))
+            row_idx.extend(range(start, start + count))
+        logits = result.logits[torch.tensor(row_idx, device=result.logits.device)]
+
+        # The target's distribution at every query row; a node sees its own path as outputs so far.
+        srows: list[SamplingRow] = []
+        for r, t in zip(reqs, trees):
+            outs = r.output_token_ids
+            row = SamplingRow(r.params, r.prompt_token_ids, outs, r.generator)
+            srows.append(row)
+            ctx = _needs_context(r.params, len(outs))
+            for j in range(len(t)):
+                srows.append(SamplingRow(r.params, r.prompt_token_ids, outs + t.path_tokens(j), r.generator)
+                             if ctx else row)
+        batch = SamplingBatch.build(srows, eng.vocab_size, logits.device, eos_token_ids=sorted(eng.eos_token_ids))
+        greedy = [r.params.greedy for r in reqs]
+        probs = logits if batch.all_greedy and not batch.needs_logits_processing else compute_probs(logits, batch)
+        gens = [r.generator for r in reqs]
+        if all(t.is_chain for t in trees):
+            out = verify_chains([list(t.tokens) for t in trees], probs, [t.draft_probs for t in trees],
+                                greedy=greedy, generators=gens)
+            emitted = out.to_lists()
+            paths = [list(range(len(e) - 1)) for e in emitted]
+        else:
+            res = verify_trees(trees, probs, greedy=greedy, generators=gens)
+            paths = [v.path for v in res]
+            emitted = [v.tokens for v in res]
+
+        self._compact_kv(reqs, paths)
+        lps = self._logprobs(reqs, paths, emitted, firsts, logits)
+
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        for b, (r, t, path, toks) in enumerate(zip(reqs, trees, paths, emitted)):
+            base = r.num_computed_tokens
+            n_emit = 0
+            for i, tok in enumerate(toks):
+                r.num_computed_tokens = base + 1 + i  # the token before tok now has its KV
+                eng._append_token(r, tok, None if lps[b] is None else lps[b][i], now)
+                n_emit += 1
+                if r.finish_reason is not None:
+                    break
+            if not r.is_finished:
+                eng.kv.truncate(r.request_id, r.num_computed_tokens)
+                if self.needs_hidden and result.hidden is not None:
+                    last = 0 if not path else 1 + path[-1]
+                    r.spec_state.hidden = result.hidden[row_idx[firsts[b] + last]]
+            touched[r.group_id] = None
+            self.metrics.record(self.name, len(t), len(path), n_emit)
+            r.metrics.spec_accepted.append(len(path))
+            if self.ctrl is not None:
+                self.ctrl.observe_acceptance(self.name, r.request_id, t.max_depth, len(path))
+        return list(touched)
+
+    def _compact_kv(self, reqs: list[Request], paths: list[list[int]]) -> None:
+        """Move accepted tree nodes' KV next to the root (query row 1 + path[i] -> row 1 + i)."""
+        bs = self.engine.config.block_size
+        src_slots: list[int] = []
+        dst_slots: list[int] = []
+        for r, path in zip(reqs, paths):
+            src, dst = kv_compaction(path)
+            if not src:
+                continue
+            base = r.num_computed_tokens
+            table = self.engine.kv.block_ids(r.request_id)
+            for rows, slots in ((src, src_slots), (dst, dst_slots)):
+                for row in rows:
+                    blk, off = divmod(base + row, bs)
+                    slots.append(table[blk] * bs + off)
+        if src_slots:
+            kvc = self.engine.runner.kv_cache  # [L, 2, num_blocks, block_size, H, D]
+            flat = kvc.view(kvc.shape[0], 2, -1, kvc.shape[4], kvc.shape[5])
+            dev = kvc.device
+            flat[:, :, torch.tensor(dst_slots, device=dev)] = flat[:, :, torch.tensor(src_slots, device=dev)]
+
+    def _logprobs(self, reqs, paths, emitted, firsts, logits) -> list[Optional[list[tuple]]]:
+        """Raw logprobs of every emitted token (and the top ones), for requests that asked."""
+        want = [r.params.logprobs is not None for r in reqs]
+        out: list[Optional[list[tuple]]] = [None] * len(reqs)
+        if not any(want):
+            return out
+        rows, toks, owners = [], [], []
+        for b, (r, path, em) in enumerate(zip(reqs, paths, emitted)):
+            if not want[b]:
+                continue
+            for i, tok in enumerate(em):
+                rows.append(firsts[b] + (0 if i == 0 else 1 + path[i - 1]))
+                toks.append(tok)
+                owners.append(b)
+        k = max(r.params.logprobs for r, w in zip(reqs, want) if w)
+        so = SamplerOutput(token_ids=torch.tensor(toks, device=logits.device))
+        _add_logprobs(so, logits[torch.tensor(rows, device=logits.device)], k)
+        lp, ids, rank = so.logprobs.tolist(), so.logprob_token_ids.tolist(), so.sampled_ranks.tolist()
+        for j, b in enumerate(owners):
+            if out[b] is None:
+                out[b] = []
+            out[b].append((lp[j], ids[j], rank[j]))
+        return out
+
+    # -- introspection -------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return self.metrics.as_dict()

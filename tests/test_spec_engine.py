@@ -1,0 +1,228 @@
+"""Speculative decoding in the engine: greedy output equals plain greedy token for token.
+
+Small random Llama models on the CPU (float32): every proposer (n-gram, draft model, early exit,
+Medusa heads trained by ``pageflash train-medusa``), chains and SpecInfer trees, adaptive k; with
+chunked prefill mixing prompts and verify steps in one batch, with a KV pool so small that requests
+are preempted in the middle of speculation, with per-request sampling options (max_tokens of 1..3,
+stop tokens hit inside an accepted run, logprobs, penalties, min_tokens) and parallel sampling.
+No KV block of the target's pool (or the draft model's) may leak.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_ref import make_random_hf_folder
+from pageflash import LLM, SamplingParams
+from pageflash.engine.engine import EngineConfig
+
+V = 97
+CFG = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3, max_position_embeddings=256,
+           rms_norm_eps=1e-6, tie_word_embeddings=False, model_type="llama", architectures=["LlamaForCausalLM"],
+           num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+NEW = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+ENGINE = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    rnd = [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 7, 16, 33)]
+    rep = [[5, 6, 7, 8, 9] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 3 + [3, 1]]  # n-gram lookup finds these
+    return rnd + rep
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    target = make_random_hf_folder(tmp_path_factory.mktemp("target"), CFG, seed=0)
+    draft = make_random_hf_folder(tmp_path_factory.mktemp("draft"), dict(CFG, num_hidden_layers=1), seed=1)
+    medusa = str(tmp_path_factory.mktemp("medusa") / "heads.safetensors")
+    from pageflash.spec.train_medusa import main as train_main
+
+    assert train_main(["--model", target, "--output", medusa, "--num-prompts", "24", "--max-tokens", "40",
+                       "--epochs", "3", "--lr", "3e-3", "--batch-size", "64", "--max-model-len", "128",
+                       "--num-kv-blocks", "400", "--num-heads", "3"]) == 0
+    plain = LLM(target, num_kv_blocks=400, **ENGINE)
+    ref = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                                           use_tqdm=False)]
+    return dict(target=target, draft=draft, medusa=medusa, plain=plain, ref=ref)
+
+
+SPECS = {
+    "ngram": dict(method="ngram", num_speculative_tokens=4),
+    "ngram-tree": dict(method="ngram", tree=[3], num_speculative_tokens=9),
+    "ngram-adaptive": dict(method="ngram", num_speculative_tokens=4, adaptive=True),
+    "draft_model": dict(method="draft_model", model="{draft}", num_speculative_tokens=3),
+    "draft_model-tree": dict(method="draft_model", model="{draft}", tree=[2, 2, 1]),
+    "early_exit": dict(method="early_exit", num_layers=1, num_speculative_tokens=3),
+    "early_exit-tree": dict(method="early_exit", num_layers=2, tree=[2, 1, 1]),
+    "medusa": dict(method="medusa", medusa_path="{medusa}", num_speculative_tokens=3),
+    "medusa-tree": dict(method="medusa", medusa_path="{medusa}", tree=[3, 2, 1]),
+}
+
+
+def _spec(env, name: str, **over) -> dict:
+    s = dict(SPECS[name], **over)
+    return {k: (v.format(**env) if isinstance(v, str) else v) for k, v in s.items()}
+
+
+def _run(llm: LLM, params=GREEDY, prompts=PROMPTS):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _no_leaks(llm: LLM) -> bool:
+    eng = llm.llm_engine
+    ok = eng.kv.num_free_blocks == eng.kv.pool.num_blocks and not eng.has_unfinished_requests()
+    dk = eng.spec.draft_kv if eng.spec is not None else None
+    if dk is not None:
+        ok = ok and dk.num_free_blocks == dk.pool.num_blocks
+    return ok
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_greedy_equals_plain(env, name):
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, name), **ENGINE)
+    outs = _run(llm)
+    assert [o.outputs[0].token_ids for o in outs] == env["ref"]
+    assert _no_leaks(llm)
+    stats = llm.llm_engine.get_stats()["spec"][SPECS[name]["method"]]
+    assert stats["num_steps"] > 0 and stats["num_accepted_tokens"] > 0, stats
+    assert sum(stats["accepted_hist"]) == stats["num_steps"]
+    for o in outs:  # per request: accepted counts per verify step; each step emitted accepted + 1 at most
+        acc = o.metrics.spec_accepted
+        assert len(o.outputs[0].token_ids) >= sum(acc) + len(acc)
+
+
+@pytest.mark.parametrize("name", ["ngram-tree", "draft_model", "early_exit-tree", "medusa"])
+def test_greedy_equals_plain_with_preemption(env, name):
+    # 6 requests of up to 57 tokens need ~75 blocks of 4; 20 blocks force preemption mid-speculation
+    spec = _spec(env, name, draft_num_kv_blocks=20) if name.startswith("draft") else _spec(env, name)
+    llm = LLM(env["target"], num_kv_blocks=20, speculative_config=spec, **dict(ENGINE, max_model_len=64))
+    outs = _run(llm)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == env["ref"]
+    assert _no_leaks(llm)
+
+
+def test_self_draft_and_full_early_exit_accept_everything(env):
+    """A draft model identical to the target, or early exit after all layers, is always right."""
+    for spec in (dict(method="draft_model", model=env["target"], num_speculative_tokens=4),
+                 dict(method="early_exit", num_layers=CFG["num_hidden_layers"], tree=[2, 1, 1, 1])):
+        llm = LLM(env["target"], num_kv_blocks=400, speculative_config=spec, **ENGINE)
+        outs = _run(llm, SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == [r[:21] for r in env["ref"]]
+        for o in outs:  # 1 token from the prompt's step, then 4 full steps of 4 accepted + 1
+            assert o.metrics.spec_accepted == [4] * 4
+        assert _no_leaks(llm)
+
+
+def test_mixed_batch_options_match_plain(env):
+    """Requests with and without speculation in one batch; per-request options behave as without it."""
+    ref4 = env["ref"][4]  # stop at the first new token from index 5 on: inside an accepted run
+    stop_at = next(i for i in range(5, NEW) if ref4[i] not in ref4[:i])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),  # never speculates
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, presence_penalty=0.5, logprobs=0),
+        SamplingParams(temperature=0.0, max_tokens=NEW, stop_token_ids=[ref4[stop_at]]),
+        # min_tokens masks the stop token the drafts keep proposing (the output repeats one token)
+        SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=12, stop_token_ids=[env["ref"][5][0]]),
+    ]
+    want = _run(env["plain"], params)
+    for name in ("ngram", "draft_model-tree"):
+        llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, name), **ENGINE)
+        got = _run(llm, params)
+        for w, g in zip(want, got):
+            cw, cg = w.outputs[0], g.outputs[0]
+            assert cg.token_ids == cw.token_ids
+            assert (cg.finish_reason, cg.stop_reason) == (cw.finish_reason, cw.stop_reason)
+            if cw.logprobs is not None:
+                assert len(cg.logprobs) == len(cw.logprobs)
+                for a, b in zip(cw.logprobs, cg.logprobs):
+                    assert a.keys() == b.keys()
+                    for t in a:
+                        assert a[t].rank == b[t].rank and abs(a[t].logprob - b[t].logprob) < 1e-4
+                assert abs(cg.cumulative_logprob - cw.cumulative_logprob) < 1e-3
+        assert got[4].outputs[0].finish_reason == "stop" and len(got[4].outputs[0].token_ids) == stop_at + 1
+        assert _no_leaks(llm)
+
+
+def test_parallel_sampling_with_speculation(env):
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, "draft_model"), **ENGINE)
+    out = llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(n=3, temperature=0.0, max_tokens=NEW,
+                                                                        ignore_eos=True), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [env["ref"][2]] * 3
+    sampled = llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(n=3, temperature=1.0, seed=5,
+                                                                            max_tokens=NEW, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert all(len(c.token_ids) == NEW for c in sampled.outputs)
+    assert _no_leaks(llm)
+
+
+def test_abort_mid_speculation_frees_everything(env):
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, "draft_model-tree"), **ENGINE)
+    eng = llm.llm_engine
+    ids = [eng.add_request(None, {"prompt_token_ids": p}, GREEDY) for p in PROMPTS]
+    for _ in range(6):
+        eng.step()
+    assert eng.get_stats()["spec"]["draft_model"]["num_steps"] > 0
+    eng.abort_request(ids)
+    assert _no_leaks(llm)
+
+
+def test_stats_and_disabled_toggle(env):
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, "ngram"), **ENGINE)
+    eng = llm.llm_engine
+    eng.spec.enabled = False  # the benchmarks' baseline: same engine, no speculation
+    assert [o.outputs[0].token_ids for o in _run(llm)] == env["ref"]
+    assert eng.get_stats()["spec"] == {}
+    eng.spec.enabled = True
+    _run(llm)
+    s = eng.get_stats()["spec"]["ngram"]
+    assert set(s) >= {"acceptance_rate", "mean_accepted_per_step", "mean_emitted_per_step", "accepted_hist"}
+    assert 0 < s["acceptance_rate"] <= 1 and s["mean_emitted_per_step"] == pytest.approx(
+        s["num_emitted_tokens"] / s["num_steps"])
+
+
+def test_config_validation_names_the_field(env):
+    bad = [
+        (dict(method="lookahead"), "method"),
+        (dict(method="draft_model", num_speculative_tokens=3), "model"),
+        (dict(method="medusa", num_speculative_tokens=3), "medusa_path"),
+        (dict(method="early_exit", num_speculative_tokens=3), "num_layers"),
+        (dict(method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
+        (dict(method="ngram", tree=[2, 0]), "tree"),
+        (dict(method="ngram", prompt_lookup_min=5, prompt_lookup_max=2), "prompt_lookup_min"),
+        (dict(method="ngram", k=3), "unknown key"),
+        (dict(method="draft_model", num_speculative_tokens=2), "model"),
+        ("{not json", "JSON"),
+    ]
+    for cfg, word in bad:
+        with pytest.raises(ValueError, match=word):
+            EngineConfig(model=env["target"], speculative_config=cfg)
+    with pytest.raises(ValueError, match="num_layers"):
+        LLM(env["target"], num_kv_blocks=64, speculative_config=dict(method="early_exit", num_layers=9,
+                                                                      num_speculative_tokens=2), **ENGINE)
+    c = EngineConfig(model=env["target"], speculative_config='{"method": "ngram", "tree": [2]}')
+    assert c.speculative_config.tree == (2,) and c.speculative_config.num_speculative_tokens == 10
+
+
+def test_cli_and_server_flag():
+    import argparse
+
+    from pageflash.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    a = p.parse_args(["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3})])
+    assert engine_kwargs(a)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    assert engine_kwargs(p.parse_args([]))["speculative_config"] is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--speculative-config", "{oops"])
