@@ -12,6 +12,7 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 for what in "$@"; do
   case $what in
     profile) PYTHONPATH=. $PY scripts/profile_decode.py llama-3-8b 1 2>&1 | tee "$OUT/profile.log" | tail -30 ;;
+    profile-offline) PYTHONPATH=. $PY scripts/profile_offline.py llama-3-8b 256 2>&1 | tee "$OUT/profile_offline.log" | tail -12 ;;
     tests) $PY -m pytest -q -ra -x tests/gpu/test_engine_gpu.py 2>&1 | tee "$OUT/engine_tests.log" | tail -15 ;;
     latency) $PY -m pageflash.cli bench latency --model llama-3-8b --input-len 128 --output-len 256 \
                --json "$OUT/decode1.json" 2>&1 | tee "$OUT/latency.log" | grep -v "it/s" | tail -25 ;;
