@@ -226,3 +226,26 @@ def test_cli_and_server_flag():
     assert engine_kwargs(p.parse_args([]))["speculative_config"] is None
     with pytest.raises(SystemExit):
         p.parse_args(["--speculative-config", "{oops"])
+
+
+def test_server_metrics_expose_spec_counters(env):
+    from pageflash.server.metrics import ServerMetrics
+
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, "ngram"), **ENGINE)
+    _run(llm)
+    eng = llm.llm_engine
+
+    class Snapshot:  # what ServerMetrics reads of an AsyncLLMEngine
+        num_in_flight = 0
+        is_running = True
+
+        def get_stats(self):
+            return eng.get_stats()
+
+    text = ServerMetrics(Snapshot(), "tiny").render().decode()
+    s = eng.get_stats()["spec"]["ngram"]
+    lbl = 'model_name="tiny",proposer="ngram"'
+    assert f'pageflash:spec_decode_num_accepted_tokens_total{{{lbl}}} {float(s["num_accepted_tokens"])}' in text
+    assert f'pageflash:spec_decode_num_drafts_total{{{lbl}}} {float(s["num_steps"])}' in text
+    assert "pageflash:spec_decode_acceptance_rate{" in text
+    assert 'pageflash:spec_decode_accepted_per_step_total{accepted="0",' in text

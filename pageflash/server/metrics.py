@@ -4,7 +4,8 @@ Each server gets its own CollectorRegistry (no global state: several apps can li
 as in the tests). Two sources:
 - the engine's own counters and gauges (`LLMEngine.get_stats()`, snapshotted by the engine thread)
   are read at scrape time by a custom collector: running/waiting requests, KV-cache usage, free
-  blocks, prefix-cache queries/hits, preemptions, prompt/generation token totals;
+  blocks, prefix-cache queries/hits, preemptions, prompt/generation token totals, and speculative
+  decoding per proposer (drafts, draft/accepted/emitted tokens, acceptance rate, accepted per step);
 - per-request latencies that only the server sees (time to first token, time per output token,
   end-to-end latency) and finished requests by reason are histograms/counters updated per request.
 """
@@ -73,6 +74,42 @@ class EngineStatsCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens processed.", s.get("prompt_tokens_total", 0))
         yield counter("generation_tokens", "Tokens generated.", s.get("generation_tokens_total", 0))
         yield gauge("engine_healthy", "1 while the engine loop runs.", 1.0 if self.engine.is_running else 0.0)
+        yield from spec_metrics(s.get("spec") or {}, self.model_name)
+
+
+def spec_metrics(spec: dict, model_name: str) -> Iterator[Metric]:
+    """Speculative decoding, per proposer (LLMEngine.get_stats()["spec"], SpecMetrics.as_dict())."""
+    if not spec:
+        return
+    lbl = ["model_name", "proposer"]
+    counters = (
+        ("num_steps", "spec_decode_num_drafts", "Verify steps of one request's draft."),
+        ("num_no_draft", "spec_decode_num_no_draft", "Times the proposer had no draft for a request."),
+        ("num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens (tree nodes) verified."),
+        ("num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+        ("num_emitted_tokens", "spec_decode_num_emitted_tokens", "Tokens emitted by verify steps."),
+    )
+    for key, name, doc in counters:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=lbl)
+        for prop, st in spec.items():
+            c.add_metric([model_name, prop], float(st.get(key, 0)))
+        yield c
+    gauges = (
+        ("acceptance_rate", "spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start."),
+        ("mean_accepted_per_step", "spec_decode_mean_accepted_per_step", "Accepted drafts per verify step."),
+        ("mean_emitted_per_step", "spec_decode_mean_emitted_per_step", "Tokens per verify step (1 = no gain)."),
+    )
+    for key, name, doc in gauges:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=lbl)
+        for prop, st in spec.items():
+            g.add_metric([model_name, prop], float(st.get(key, 0.0)))
+        yield g
+    h = CounterMetricFamily(PREFIX + "spec_decode_accepted_per_step", "Verify steps by number of accepted drafts.",
+                            labels=lbl + ["accepted"])
+    for prop, st in spec.items():
+        for a, n in enumerate(st.get("accepted_hist", [])):
+            h.add_metric([model_name, prop, str(a)], float(n))
+    yield h
 
 
 @dataclass
