@@ -1,0 +1,74 @@
+"""silu(gate) * up over a fused gate/up projection output, in one Triton kernel.
+
+Same arithmetic as ``pageflash.layers.activation.silu_and_mul_ref`` on CUDA, operation for operation:
+``silu(g) = g / (1 + exp(-g))`` in float32 (libdevice ``expf`` and IEEE division, as in ATen's silu
+kernel), rounded to the input dtype, then multiplied by ``up`` (float32 product, rounded once).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # libdevice's expf, the function ATen's silu calls (tl.exp lowers to the faster ex2.approx)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older layouts
+    from triton.language.extra.cuda import libdevice
+
+from pageflash.layers.activation import silu_and_mul_ref
+
+__all__ = ["silu_and_mul", "silu_and_mul_ref"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    X, O, stride_xt, stride_ot, INTER,
+    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    # grid (T, cdiv(INTER, BLOCK))
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    g = tl.load(X + t * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + t * stride_xt + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:  # interpreter (no libdevice)
+        e = tl.exp(-g)
+    act = tl.math.div_rn(g, 1.0 + e).to(O.dtype.element_ty).to(tl.float32)
+    tl.store(O + t * stride_ot + cols, (act * u).to(O.dtype.element_ty), mask=mask)
+
+
+def _config(num_tokens: int) -> tuple[int, int]:
+    """(BLOCK, num_warps): small blocks for a few tokens so that a decode step spreads over SMs."""
+    return (256, 2) if num_tokens <= 16 else (1024, 4)
+
+
+def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x: [T, 2*I] float16/bfloat16/float32 (gate columns, then up; rows may be strided, columns
+    contiguous). Returns silu(gate) * up: [T, I] in x's dtype, written to out if given."""
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"silu_and_mul: x must be [T, 2*I], got {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"silu_and_mul: dtype must be float16/bfloat16/float32, got {x.dtype}")
+    t, inter = x.shape[0], x.shape[1] // 2
+    if out is None:
+        out = torch.empty((t, inter), device=x.device, dtype=x.dtype)
+    if out.shape != (t, inter) or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"silu_and_mul: out must be [{t}, {inter}] {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype}")
+    for name, a in (("x", x), ("out", out)):
+        if a.stride(1) != 1 and a.shape[1] > 1:
+            raise ValueError(f"silu_and_mul: {name} must be contiguous in its last dim (strides {a.stride()})")
+    if t == 0 or inter == 0:
+        return out
+    block, num_warps = _config(t)
+    _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
+        x, out, x.stride(0), out.stride(0), inter,
+        BLOCK=block, LIBDEVICE=x.is_cuda, num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return out

@@ -1,0 +1,143 @@
+"""RMSNorm, optionally fused with the residual add, in one Triton kernel (one program per row).
+
+The arithmetic follows transformers' LlamaRMSNorm (``rms_norm_ref``) step for step, so that greedy
+outputs stay close to HF's bit for bit:
+
+    s    = x + residual                     (in x's dtype: float32 add, rounded; only with residual)
+    xn   = float32(s) * rsqrt(mean(float32(s)^2) + eps)
+    out  = weight * xn.to(x.dtype)          (product rounded once, in promote(x, weight) dtype)
+
+Everything but the sum of squares matches PyTorch's CUDA kernels operation for operation (rsqrt from
+libdevice like CUDA's ``rsqrtf``, the mean as ``sum * (1/H)`` like ATen's MeanOps, no FMA
+contraction); the summation order differs, so ``out`` can differ from the reference by one rounding
+step in rare elements. ``new_residual`` is bitwise equal to ``x + residual``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # libdevice's rsqrtf, the function ATen's rsqrt calls (tl.math.rsqrt may lower differently)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older layouts
+    from triton.language.extra.cuda import libdevice
+
+from pageflash.layers.norm import rms_norm_ref
+
+__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_fused_ref"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HIDDEN = 65536  # the whole row lives in registers
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, R, W, O, RO,
+    stride_x, stride_r, stride_o, stride_ro,
+    H, inv_h, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(X + t * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + t * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(RO + t * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    ms = tl.sum(xf * xf, axis=0) * inv_h + eps
+    if LIBDEVICE:
+        rstd = libdevice.rsqrt(ms)
+    else:  # interpreter (no libdevice)
+        rstd = tl.math.rsqrt(ms)
+    xn = (xf * rstd).to(X.dtype.element_ty)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    y = xn.to(tl.float32) * w.to(tl.float32)  # exact for 16-bit operands: one rounding below
+    tl.store(O + t * stride_o + cols, y.to(O.dtype.element_ty), mask=mask)
+
+
+def rms_norm_fused_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm_ref(x + residual), x + residual): what the fused form computes."""
+    s = x + residual
+    return rms_norm_ref(s, weight, eps), s
+
+
+def _num_warps(block: int) -> int:
+    return max(1, min(16, block // 512))  # ~16 elements per thread: 2 x 16-byte loads of bf16
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: Optional[torch.Tensor] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    residual_out: Optional[torch.Tensor] = None,
+    num_warps: Optional[int] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """RMSNorm of each row of x, optionally after adding residual.
+
+    x: [T, H] float16/bfloat16/float32, rows may be strided (H contiguous). weight: [H], contiguous.
+    residual: [T, H], x's dtype. Returns out [T, H] in promote(x.dtype, weight.dtype); with residual,
+    (out, new_residual) where new_residual = x + residual ([T, H], x's dtype) and out is its norm.
+
+    out / residual_out: where to write (default: new contiguous tensors). Each may alias x or
+    residual (every program reads its row before writing it), so ``residual_out=residual`` updates the
+    residual in place; they must not alias each other. No host synchronisation (CUDA-graph safe).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"rms_norm: x must be [T, H], got shape {tuple(x.shape)}")
+    t, h = x.shape
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+        raise TypeError(f"rms_norm: x/weight dtype must be float16/bfloat16/float32, got {x.dtype}/{weight.dtype}")
+    if weight.shape != (h,) or weight.stride(0) != 1:
+        raise ValueError(f"rms_norm: weight must be contiguous [{h}], got {tuple(weight.shape)} stride {weight.stride()}")
+    if h > MAX_HIDDEN:
+        raise ValueError(f"rms_norm: hidden size {h} exceeds the kernel's limit {MAX_HIDDEN}")
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    tensors = [("x", x)]
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"rms_norm: residual must match x ({tuple(x.shape)}, {x.dtype}), "
+                f"got {tuple(residual.shape)}, {residual.dtype}"
+            )
+        if residual_out is None:
+            residual_out = torch.empty((t, h), device=x.device, dtype=x.dtype)
+        if residual_out.shape != x.shape or residual_out.dtype != x.dtype:
+            raise ValueError(f"rms_norm: residual_out must be {tuple(x.shape)} {x.dtype}")
+        tensors += [("residual", residual), ("residual_out", residual_out)]
+    elif residual_out is not None:
+        raise ValueError("rms_norm: residual_out given without residual")
+    if out is None:
+        out = torch.empty((t, h), device=x.device, dtype=out_dtype)
+    if out.shape != x.shape or out.dtype != out_dtype:
+        raise ValueError(f"rms_norm: out must be {tuple(x.shape)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
+    if residual_out is not None and out.data_ptr() == residual_out.data_ptr():
+        raise ValueError("rms_norm: out and residual_out must be different tensors")
+    tensors.append(("out", out))
+    for name, a in tensors:
+        if a.stride(1) != 1 and h > 1:
+            raise ValueError(f"rms_norm: {name} must be contiguous in H (strides {a.stride()})")
+        if a.device != x.device:
+            raise ValueError(f"rms_norm: {name} is on {a.device}, x on {x.device}")
+    if t > 0:
+        block = triton.next_power_of_2(h)
+        res = residual if residual is not None else x  # dummies when HAS_RES is off
+        rout = residual_out if residual_out is not None else out
+        _rms_norm_kernel[(t,)](
+            x, res, weight, out, rout,
+            x.stride(0), res.stride(0), out.stride(0), rout.stride(0),
+            h, 1.0 / h, eps,
+            HAS_RES=residual is not None, BLOCK=block, LIBDEVICE=x.is_cuda,
+            num_warps=num_warps or _num_warps(block), enable_fp_fusion=False,
+        )
+    return out if residual is None else (out, residual_out)

@@ -1,0 +1,129 @@
+"""Rotary position embedding (HF/NeoX rotate-halves layout) on q and k in place, in one Triton launch.
+
+The arithmetic is ``pageflash.layers.rotary._rotate``'s, operation for operation, each result rounded
+to the tensor's dtype as PyTorch's eager kernels round it:
+
+    c, s = cos[pos].to(dtype), sin[pos].to(dtype)
+    out1 = x1 * c - x2 * s          (x1 = x[..., :D/2], x2 = x[..., D/2:])
+    out2 = x2 * c + x1 * s
+
+(the products of 16-bit operands are exact in float32; FMA contraction is disabled), so the result is
+bitwise equal to the reference on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pageflash.layers.rotary import _rotate
+
+__all__ = ["apply_rotary", "apply_rotary_ref"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, num_heads, h0, c, s,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate heads [h0, h0 + BLOCK_H) of one token; base points at its head 0. c, s: [BLOCK_HALF] fp32."""
+    dt = base.dtype.element_ty
+    h = h0 + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    mask = (h[:, None] < num_heads) & (d[None, :] < HALF)
+    p1 = base + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    c = c.to(dt).to(tl.float32)[None, :]
+    s = s.to(dt).to(tl.float32)[None, :]
+    o1 = (x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)
+    o2 = (x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)
+    tl.store(p1, o1.to(dt), mask=mask)
+    tl.store(p1 + HALF, o2.to(dt), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    Q, K, POS, COS, SIN,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+    HQ, HKV,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # grid (T, cdiv(HQ, BLOCK_H) + cdiv(HKV, BLOCK_H)): a program owns BLOCK_H heads of q or of k
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    pos = tl.load(POS + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    c = tl.load(COS + pos * stride_cos + d, mask=d < HALF, other=0.0)
+    s = tl.load(SIN + pos * stride_sin + d, mask=d < HALF, other=0.0)
+    nqb = tl.cdiv(HQ, BLOCK_H)
+    if hb < nqb:
+        _rotate_heads(Q + t * stride_qt, stride_qh, HQ, hb * BLOCK_H, c, s, HALF, BLOCK_H, BLOCK_HALF)
+    else:
+        _rotate_heads(K + t * stride_kt, stride_kh, HKV, (hb - nqb) * BLOCK_H, c, s, HALF, BLOCK_H, BLOCK_HALF)
+
+
+def apply_rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out-of-place reference: the PyTorch path of RotaryEmbedding.forward."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def rotary_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps). Few tokens: small head blocks, so a decode step still spreads over
+    several SMs; many tokens: ~2-4K elements per program."""
+    block_h = 2 if num_tokens <= 16 else max(1, 2048 // head_dim)
+    block_h = min(block_h, triton.next_power_of_2(max_heads))
+    return block_h, 4
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (and return them) at positions [T] (int64/int32).
+
+    cos, sin: [P, D/2] float32 tables (row stride free, last dim contiguous). q and k: same dtype
+    (float16/bfloat16/float32), any token/head strides with D contiguous, e.g. views of a fused qkv
+    projection's output. Positions must be in [0, P) (not checked: that would sync with the host).
+    """
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"apply_rotary: q and k must be [T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    t, hq, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"apply_rotary: k {tuple(k.shape)} does not match q {tuple(q.shape)} in T or D")
+    if d % 2:
+        raise ValueError(f"apply_rotary: head_dim must be even, got {d}")
+    if q.dtype != k.dtype or q.dtype not in _DTYPES:
+        raise TypeError(f"apply_rotary: q and k must share a float16/bfloat16/float32 dtype, got {q.dtype}/{k.dtype}")
+    if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"apply_rotary: positions must be [{t}] int32/int64, got {tuple(positions.shape)} {positions.dtype}")
+    half = d // 2
+    for name, tab in (("cos", cos), ("sin", sin)):
+        if tab.dim() != 2 or tab.shape[1] != half or tab.dtype != torch.float32 or tab.stride(1) != 1:
+            raise ValueError(
+                f"apply_rotary: {name} must be float32 [P, {half}] contiguous in the last dim, "
+                f"got {tuple(tab.shape)} {tab.dtype} strides {tab.stride()}"
+            )
+    for name, x in (("q", q), ("k", k)):
+        if x.stride(2) != 1:
+            raise ValueError(f"apply_rotary: {name} must be contiguous in head_dim (strides {x.stride()})")
+    for name, x in (("k", k), ("positions", positions), ("cos", cos), ("sin", sin)):
+        if x.device != q.device:
+            raise ValueError(f"apply_rotary: {name} is on {x.device}, q on {q.device}")
+    hkv = k.shape[1]
+    if t == 0:
+        return q, k
+    positions = positions.contiguous()
+    block_h, num_warps = rotary_config(t, d, max(hq, hkv))
+    grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
+    _rotary_kernel[grid](
+        q, k, positions, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        hq, hkv,
+        HALF=half, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
+        num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return q, k

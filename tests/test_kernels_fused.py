@@ -1,0 +1,236 @@
+"""Fused elementwise kernels (rms_norm, apply_rotary, silu_and_mul) under the Triton interpreter,
+against the PyTorch references; the layers' dispatch to them.
+
+fp32 and fp16 only: bf16 arithmetic is wrong under the interpreter (tests/gpu covers bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pageflash.config import ModelConfig
+from pageflash.kernels.activation import silu_and_mul, silu_and_mul_ref
+from pageflash.kernels.rms_norm import rms_norm, rms_norm_fused_ref, rms_norm_ref
+from pageflash.kernels.rotary import apply_rotary, apply_rotary_ref
+from pageflash.layers import activation as activation_layer
+from pageflash.layers import norm as norm_layer
+from pageflash.layers import rotary as rotary_layer
+
+TOL = {torch.float32: 2e-6, torch.float16: 1e-3}
+DTYPES = [torch.float32, torch.float16]
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    _empty, _empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: _poison(_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _poison(_empty_like(*a, **kw)))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    assert not torch.isnan(a).any(), "NaN in output (unwritten or poisoned elements)"
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def rnd(*shape, dtype, g, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------- rms_norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h", [(1, 64), (5, 100), (3, 257)])
+def test_rms_norm(t, h, dtype):
+    g = torch.Generator().manual_seed(t * h)
+    x, w = rnd(t, h, dtype=dtype, g=g, scale=3.0), rnd(h, dtype=dtype, g=g)
+    out = rms_norm(x, w, 1e-5)
+    assert rel_err(out, rms_norm_ref(x, w, 1e-5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h", [(1, 64), (6, 200)])
+def test_rms_norm_residual(t, h, dtype):
+    g = torch.Generator().manual_seed(t + h)
+    x, r, w = rnd(t, h, dtype=dtype, g=g), rnd(t, h, dtype=dtype, g=g, scale=4.0), rnd(h, dtype=dtype, g=g)
+    x0, r0 = x.clone(), r.clone()
+    out, new_r = rms_norm(x, w, 1e-6, r)
+    ref, ref_r = rms_norm_fused_ref(x0, w, 1e-6, r0)
+    assert torch.equal(new_r, ref_r)  # the add rounds exactly as PyTorch's does
+    assert rel_err(out, ref) < TOL[dtype]
+    assert torch.equal(x, x0) and torch.equal(r, r0)  # inputs untouched by default
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_in_place_and_strided_rows(dtype):
+    """x as a strided slice of a wider buffer; residual updated in place; out written over x."""
+    g = torch.Generator().manual_seed(7)
+    t, h = 4, 96
+    buf = rnd(t, 2 * h, dtype=dtype, g=g)
+    x = buf[:, h:]  # row stride 2h
+    r, w = rnd(t, h, dtype=dtype, g=g), rnd(h, dtype=dtype, g=g)
+    ref, ref_r = rms_norm_fused_ref(x.clone(), w, 1e-5, r.clone())
+    untouched = buf[:, :h].clone()
+    out, new_r = rms_norm(x, w, 1e-5, r, residual_out=r, out=x)
+    assert new_r is r and out is x
+    assert torch.equal(r, ref_r)
+    assert rel_err(x, ref) < TOL[dtype]
+    assert torch.equal(buf[:, :h], untouched)
+
+
+def test_rms_norm_residual_out_over_x():
+    g = torch.Generator().manual_seed(8)
+    x, r, w = rnd(3, 64, dtype=torch.float32, g=g), rnd(3, 64, dtype=torch.float32, g=g), rnd(64, dtype=torch.float32, g=g)
+    ref, ref_r = rms_norm_fused_ref(x.clone(), w, 1e-5, r.clone())
+    out, new_r = rms_norm(x, w, 1e-5, r, residual_out=x)
+    assert new_r is x and torch.equal(x, ref_r) and rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_rms_norm_fp32_weight_promotes():
+    """An fp16 x with an fp32 weight gives fp32, as `weight * xn.to(fp16)` does in PyTorch."""
+    g = torch.Generator().manual_seed(9)
+    x, w = rnd(3, 80, dtype=torch.float16, g=g), rnd(80, dtype=torch.float32, g=g)
+    out = rms_norm(x, w, 1e-5)
+    assert out.dtype == torch.float32 and rel_err(out, rms_norm_ref(x, w, 1e-5)) < TOL[torch.float16]
+
+
+def test_rms_norm_empty_and_bad_inputs():
+    w = torch.ones(8)
+    assert rms_norm(torch.zeros(0, 8), w, 1e-5).shape == (0, 8)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(torch.zeros(2, 8), torch.ones(9), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(torch.zeros(2, 8), w, 1e-5, torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous in H"):
+        rms_norm(torch.zeros(8, 2).t(), torch.ones(8), 1e-5)
+    with pytest.raises(TypeError, match="dtype"):
+        rms_norm(torch.zeros(2, 8, dtype=torch.float64), w, 1e-5)
+    r = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="different"):
+        rms_norm(torch.zeros(2, 8), w, 1e-5, r, out=r, residual_out=r)
+
+
+# ------------------------------------------------------------------------------------------ rotary
+
+
+def _qkv_views(t, hq, hkv, d, dtype, g):
+    """q, k, v as views of one fused qkv projection output [T, (Hq + 2 Hkv) * D]."""
+    qkv = rnd(t, (hq + 2 * hkv) * d, dtype=dtype, g=g)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return qkv, q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 1, 64), (9, 3, 3, 80), (20, 6, 2, 32)])
+def test_rotary_fused_qkv_views(t, hq, hkv, d, dtype):
+    g = torch.Generator().manual_seed(t * hq + d)
+    _, q, k, v = _qkv_views(t, hq, hkv, d, dtype, g)
+    assert t == 1 or q.stride(0) == k.stride(0) == (hq + 2 * hkv) * d  # rows wider than Hq * D
+    npos = 64
+    pos = torch.randint(0, npos, (t,), generator=g)
+    ang = torch.outer(torch.arange(npos, dtype=torch.float32), torch.rand(d // 2, generator=g))
+    cos, sin = ang.cos(), ang.sin()
+    v0 = v.clone()
+    ref_q, ref_k = apply_rotary_ref(q, k, pos, cos, sin)
+    rq, rk = apply_rotary(q, k, pos, cos, sin)
+    assert rq is q and rk is k
+    # same operations in the same order, each rounded as PyTorch rounds it: bitwise equal
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert torch.equal(v, v0)
+
+
+def test_rotary_int32_positions_and_strided_tables():
+    g = torch.Generator().manual_seed(3)
+    t, hq, hkv, d = 5, 2, 1, 16
+    _, q, k, _ = _qkv_views(t, hq, hkv, d, torch.float32, g)
+    table = torch.randn(32, d, generator=g)  # cos/sin as column halves of one table: row stride d
+    cos, sin = table[:, : d // 2], table[:, d // 2:]
+    pos = torch.randint(0, 32, (t,), generator=g)
+    ref_q, ref_k = apply_rotary_ref(q, k, pos, cos, sin)
+    apply_rotary(q, k, pos.int(), cos, sin)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+def test_rotary_bad_inputs():
+    q, k = torch.zeros(2, 2, 8), torch.zeros(2, 1, 8)
+    cos = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="positions"):
+        apply_rotary(q, k, torch.zeros(3, dtype=torch.int64), cos, cos)
+    with pytest.raises(ValueError, match="cos"):
+        apply_rotary(q, k, torch.zeros(2, dtype=torch.int64), torch.zeros(4, 3), cos)
+    with pytest.raises(TypeError, match="dtype"):
+        apply_rotary(q, k.half(), torch.zeros(2, dtype=torch.int64), cos, cos)
+
+
+# ------------------------------------------------------------------------------------ silu_and_mul
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,i", [(1, 64), (3, 300), (20, 130)])
+def test_silu_and_mul(t, i, dtype):
+    g = torch.Generator().manual_seed(t * i)
+    x = rnd(t, 2 * i, dtype=dtype, g=g, scale=4.0)
+    # not bitwise on the CPU: numpy's exp and ATen's CPU silu round differently (CUDA: see tests/gpu)
+    assert rel_err(silu_and_mul(x), silu_and_mul_ref(x)) < TOL[dtype]
+
+
+def test_silu_and_mul_strided_rows_and_out():
+    g = torch.Generator().manual_seed(5)
+    buf = rnd(4, 3 * 48, dtype=torch.float16, g=g)
+    x = buf[:, 48:]  # [4, 96] with row stride 144
+    out = torch.full((4, 48), float("nan"), dtype=torch.float16)
+    assert silu_and_mul(x, out=out) is out
+    assert rel_err(out, silu_and_mul_ref(x)) < TOL[torch.float16]
+    with pytest.raises(ValueError, match=r"2\*I"):
+        silu_and_mul(torch.zeros(2, 7))
+
+
+# ---------------------------------------------------------------------------------- layer dispatch
+
+
+@pytest.fixture
+def fused_layers(monkeypatch):
+    """Make the layers take their Triton path on CPU tensors (interpreter)."""
+    monkeypatch.setattr(norm_layer, "_use_fused", lambda x, w: True)
+    monkeypatch.setattr(rotary_layer, "_use_fused", lambda q, k: True)
+    monkeypatch.setattr(activation_layer, "_use_fused", lambda x: True)
+
+
+def test_layers_dispatch_to_kernels(fused_layers):
+    g = torch.Generator().manual_seed(11)
+    dtype = torch.float16
+    cfg = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    norm = norm_layer.RMSNorm(64, 1e-5).to(dtype)
+    norm.weight.data.copy_(rnd(64, dtype=dtype, g=g))
+    x, r = rnd(5, 64, dtype=dtype, g=g), rnd(5, 64, dtype=dtype, g=g)
+    x0, r0 = x.clone(), r.clone()
+    h, new_r = norm(x, r)
+    ref, ref_r = rms_norm_fused_ref(x0, norm.weight, 1e-5, r0)
+    assert torch.equal(new_r, ref_r) and rel_err(h, ref) < TOL[dtype]
+    assert torch.equal(x, x0) and torch.equal(r, r0)  # the layer never writes its inputs
+    assert rel_err(norm(x), rms_norm_ref(x, norm.weight, 1e-5)) < TOL[dtype]
+
+    rope = rotary_layer.RotaryEmbedding(cfg, max_positions=40)
+    _, q, k, _ = _qkv_views(5, 4, 2, 16, dtype, g)
+    pos = torch.randint(0, 40, (5,), generator=g)
+    ref_q, ref_k = apply_rotary_ref(q, k, pos, rope.cos, rope.sin)
+    rq, rk = rope(pos, q, k)
+    assert torch.equal(rq, ref_q) and torch.equal(rk, ref_k)
+
+    y = rnd(2, 3, 2 * 96, dtype=dtype, g=g)  # leading dims are flattened and restored
+    out = activation_layer.silu_and_mul(y)
+    assert out.shape == (2, 3, 96) and rel_err(out, silu_and_mul_ref(y)) < TOL[dtype]
+
+
+def test_layers_stay_on_pytorch_without_cuda():
+    x = torch.randn(3, 8)
+    assert not norm_layer._use_fused(x, torch.ones(8))
+    assert not rotary_layer._use_fused(x.view(3, 2, 4), x.view(3, 2, 4))
+    assert not activation_layer._use_fused(x)
