@@ -1,9 +1,35 @@
 from __future__ import annotations
 
+import functools
+from typing import Callable, Optional
+
 import torch
 from torch import nn
 
 from pageflash.config import ModelConfig, rope_inv_freq
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_kernel() -> Optional[Callable]:
+    """The Triton kernel, imported on first use (None where triton is missing)."""
+    try:
+        from pageflash.kernels.rotary import apply_rotary
+    except ImportError:
+        return None
+    return apply_rotary
+
+
+def _use_fused(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return (
+        q.is_cuda
+        and q.dim() == 3
+        and k.dim() == 3
+        and q.dtype == k.dtype
+        and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and _fused_kernel() is not None
+    )
 
 
 class RotaryEmbedding(nn.Module):
@@ -22,7 +48,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns rotated (q, k) in their dtype."""
+        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns rotated (q, k) in their dtype.
+
+        On CUDA one Triton kernel (pageflash.kernels.rotary) rotates q and k IN PLACE and returns them
+        (same arithmetic as below, bitwise equal); elsewhere new tensors are returned."""
+        if _use_fused(q, k):
+            return _fused_kernel()(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
