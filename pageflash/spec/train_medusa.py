@@ -211,9 +211,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _run(a: argparse.Namespace) -> int:
-    from pageflash import LLM, SamplingParams
-    from pageflash.spec.corpus import build_prompts, chat_prompt
-    from pageflash.spec.medusa import MedusaConfig, save_heads
+    from pageflash import LLM
+    from pageflash.spec.medusa import save_heads
 
     def log(msg: str) -> None:
         print(f"[train-medusa] {msg}", file=sys.stderr, flush=True)
@@ -221,48 +220,90 @@ def _run(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, seed=a.seed,
               load_format=a.load_format, num_kv_blocks=a.num_kv_blocks)
-    eng = llm.llm_engine
-    tok = eng.tokenizer
-    if a.num_prompts < 1 or a.max_tokens < 3:
-        raise ValueError("--num-prompts must be >= 1 and --max-tokens >= 3")
-    # Prompts: the training split, grounded and chat alternating; token ids without a tokenizer.
-    if tok is not None:
-        count = lambda s: len(tok.encode(s))  # noqa: E731
-        half = (a.num_prompts + 1) // 2
-        msgs = build_prompts("grounded", half, "train", a.text_tokens, a.seed, count)
-        msgs += build_prompts("chat", a.num_prompts - half, "train", seed=a.seed)
-        prompts = [chat_prompt(tok, m) for m in msgs]
-        limit = a.max_model_len - a.max_tokens
-        prompts = [x for x in prompts if len(x["prompt_token_ids"]) < limit]
-    else:  # a model without a tokenizer (random test models): random token prompts
-        g = torch.Generator().manual_seed(a.seed)
-        prompts = [{"prompt_token_ids": torch.randint(0, eng.vocab_size, (16,), generator=g).tolist()}
-                   for _ in range(a.num_prompts)]
-    sp = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)
-    log(f"generating {len(prompts)} answers of up to {a.max_tokens} tokens with {a.model}")
-    outs = llm.generate(prompts, sp, use_tqdm=sys.stderr.isatty())
-    p_ids = [o.prompt_token_ids for o in outs]
-    answers = [o.outputs[0].token_ids for o in outs]
-    n_ans = sum(len(x) for x in answers)
-    log(f"generated {n_ans} tokens in {time.perf_counter() - t0:.0f} s; computing hidden states")
-    budget = max(eng.max_num_batched_tokens, a.max_model_len)
-    hidden, labels = build_dataset(eng, p_ids, answers, a.num_heads, budget)
-    mc = eng.model_config
-    cfg = MedusaConfig(mc.hidden_size, mc.vocab_size, a.num_heads, a.num_layers, not a.own_lm_head, str(a.model))
-    m = eng.runner.model
-    w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
-    log(f"training {a.num_heads} heads on {hidden.shape[0]} positions")
-    heads, summary = train_heads(hidden, labels, w, cfg, epochs=a.epochs, lr=a.lr, batch_size=a.batch_size,
-                                 weight_decay=a.weight_decay, device=eng.device, seed=a.seed, log=log)
+    heads, summary = train_on_engine(
+        llm, num_prompts=a.num_prompts, max_tokens=a.max_tokens, text_tokens=a.text_tokens,
+        temperature=a.temperature, num_heads=a.num_heads, num_layers=a.num_layers,
+        shared_lm_head=not a.own_lm_head, epochs=a.epochs, lr=a.lr, batch_size=a.batch_size,
+        weight_decay=a.weight_decay, seed=a.seed, log=log, base_model=str(a.model),
+    )
     save_heads(heads, a.output)
-    summary.update(model=str(a.model), output=a.output, prompts=len(prompts), answer_tokens=n_ans,
-                   total_seconds=round(time.perf_counter() - t0, 1), config=cfg.__dict__)
+    summary.update(output=a.output, total_seconds=round(time.perf_counter() - t0, 1))
     log(f"saved {a.output}; val top-1 per head: {summary['val_top1_per_head']}")
     print(json.dumps(summary, indent=2))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=2)
     return 0
+
+
+def train_on_engine(
+    llm,
+    *,
+    num_prompts: int = 512,
+    max_tokens: int = 256,
+    text_tokens: int = 400,
+    temperature: float = 0.0,
+    num_heads: int = 4,
+    num_layers: int = 1,
+    shared_lm_head: bool = True,
+    epochs: int = 2,
+    lr: float = 1e-3,
+    batch_size: int = 256,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+    log=None,
+    base_model: str = "",
+):
+    """Self-distillation with an existing LLM (its engine must be idle and speculation-free while
+    this runs): generate, collect hidden states, train. Returns (heads, summary)."""
+    from pageflash import SamplingParams
+    from pageflash.spec.corpus import build_prompts, chat_prompt
+    from pageflash.spec.medusa import MedusaConfig
+
+    log = log or (lambda msg: None)
+    t0 = time.perf_counter()
+    eng = llm.llm_engine
+    tok = eng.tokenizer
+    if num_prompts < 1 or max_tokens < 3:
+        raise ValueError("num_prompts must be >= 1 and max_tokens >= 3")
+    # Prompts: the training split, grounded and chat alternating; token ids without a tokenizer.
+    if tok is not None:
+        count = lambda s: len(tok.encode(s))  # noqa: E731
+        half = (num_prompts + 1) // 2
+        msgs = build_prompts("grounded", half, "train", text_tokens, seed, count)
+        msgs += build_prompts("chat", num_prompts - half, "train", seed=seed)
+        prompts = [chat_prompt(tok, m) for m in msgs]
+        limit = eng.max_model_len - max_tokens
+        prompts = [x for x in prompts if len(x["prompt_token_ids"]) < limit]
+    else:  # a model without a tokenizer (random test models): random token prompts
+        g = torch.Generator().manual_seed(seed)
+        prompts = [{"prompt_token_ids": torch.randint(0, eng.vocab_size, (16,), generator=g).tolist()}
+                   for _ in range(num_prompts)]
+    if not prompts:
+        raise ValueError("every training prompt is longer than max_model_len - max_tokens")
+    sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    log(f"generating {len(prompts)} answers of up to {max_tokens} tokens")
+    spec, eng.spec = eng.spec, None
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=sys.stderr.isatty())
+    finally:
+        eng.spec = spec
+    p_ids = [o.prompt_token_ids for o in outs]
+    answers = [o.outputs[0].token_ids for o in outs]
+    n_ans = sum(len(x) for x in answers)
+    log(f"generated {n_ans} tokens in {time.perf_counter() - t0:.0f} s; computing hidden states")
+    budget = max(eng.max_num_batched_tokens, eng.max_model_len)
+    hidden, labels = build_dataset(eng, p_ids, answers, num_heads, budget)
+    mc = eng.model_config
+    cfg = MedusaConfig(mc.hidden_size, mc.vocab_size, num_heads, num_layers, shared_lm_head, base_model)
+    m = eng.runner.model
+    w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+    log(f"training {num_heads} heads on {hidden.shape[0]} positions")
+    heads, summary = train_heads(hidden, labels, w, cfg, epochs=epochs, lr=lr, batch_size=batch_size,
+                                 weight_decay=weight_decay, device=eng.device, seed=seed, log=log)
+    summary.update(model=base_model, prompts=len(prompts), answer_tokens=n_ans, config=cfg.__dict__,
+                   generate_seconds=round(time.perf_counter() - t0 - summary["seconds"], 1))
+    return heads, summary
 
 
 if __name__ == "__main__":

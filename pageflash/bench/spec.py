@@ -1,0 +1,321 @@
+"""Speculative decoding: ``pageflash bench spec [--methods ngram early_exit medusa ...] [--json F]``.
+
+W-spec (../shared/WORKLOADS.md): tok/s with speculation over tok/s without, in the same engine and
+the same run, with acceptance rate and mean accepted tokens per step, for each method on
+
+- grounded: summarize / repeat / rewrite / fix a given text of ~--text-tokens tokens (held-out
+  pydoc topics shipped with Python, ``pageflash.spec.corpus``), where drafts can copy the input;
+- chat: free questions with nothing to copy;
+
+at each --batch-size (requests run in waves of that many, all submitted at once) and each
+--temperature (0 = greedy; greedy runs also report whether the tokens equal the baseline's).
+
+One engine serves every method: the baseline runs with speculation switched off, each method swaps
+its own SpecDecoder in (the draft model, when asked for, is loaded with the engine so that the KV
+pool is sized with it). Methods: ngram, early_exit, medusa, draft_model, each with a "-tree"
+variant (SpecInfer tree --tree, or --ngram-width merged n-gram continuations) and an "+adaptive"
+suffix (the SpecController picks k per request, and switches speculation off when it would not pay).
+Medusa heads come from --medusa-path, else they are trained first on this engine with
+``pageflash.spec.train_medusa`` (the training split of the topics, never the held-out one).
+
+    pageflash bench spec --json spec.json                               # W-spec on the default model
+    pageflash bench spec --methods ngram --batch-size 1 --temperature 0 --num-prompts 2 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Optional, Sequence
+
+from pageflash.bench.latency import env_info, fmt, format_table, sync
+from pageflash.model.registry import DEFAULT_MODEL
+
+METHODS = ("ngram", "ngram-tree", "early_exit", "early_exit-tree", "medusa", "medusa-tree",
+           "draft_model", "draft_model-tree")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pageflash bench spec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=["ngram", "ngram-tree", "early_exit", "medusa", "medusa-tree"],
+                   help=f"any of {', '.join(METHODS)}, each optionally with +adaptive (default: %(default)s)")
+    p.add_argument("--tasks", nargs="+", default=["grounded", "chat"], choices=["grounded", "chat"])
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--num-prompts", type=int, default=4,
+                   help="prompts per cell (at least one wave of --batch-size) (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
+    p.add_argument("--text-tokens", type=int, default=1000, help="quoted text of grounded prompts")
+    p.add_argument("--k", type=int, default=5, help="num_speculative_tokens of chains (default: %(default)s)")
+    p.add_argument("--tree", default="3,2,1", help="SpecInfer expansion of the -tree variants (default: %(default)s)")
+    p.add_argument("--ngram-width", type=int, default=3, help="continuations merged by ngram-tree")
+    p.add_argument("--early-exit-layers", type=int, default=None, help="default: half the target's layers")
+    p.add_argument("--draft-model", default=None, help="draft model of the draft_model methods")
+    p.add_argument("--medusa-path", default=None, help="trained heads (default: train them here first)")
+    p.add_argument("--medusa-train-prompts", type=int, default=256)
+    p.add_argument("--medusa-train-tokens", type=int, default=256)
+    p.add_argument("--medusa-epochs", type=int, default=2)
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL)
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--load-format", default="auto")
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    for m in a.methods:
+        if m.removesuffix("+adaptive") not in METHODS:
+            print(f"error: unknown method {m!r}; choose from {', '.join(METHODS)} (+adaptive)", file=sys.stderr)
+            return 2
+        if m.startswith("draft_model") and not a.draft_model:
+            print("error: the draft_model methods need --draft-model", file=sys.stderr)
+            return 2
+    if min(a.batch_size) < 1 or a.num_prompts < 1 or a.max_tokens < 1 or a.k < 1:
+        print("error: --batch-size, --num-prompts, --max-tokens and --k must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        return _run(a, argv)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def spec_config(method: str, a: argparse.Namespace, num_layers: int, medusa_path: Optional[str]) -> dict:
+    adaptive = method.endswith("+adaptive")
+    base = method.removesuffix("+adaptive")
+    kind, _, tree = base.partition("-")
+    tree_cfg = [int(x) for x in a.tree.split(",")]
+    cfg: dict[str, Any] = {"method": kind, "adaptive": adaptive}
+    if kind == "ngram":
+        cfg.update(num_speculative_tokens=a.k * (a.ngram_width if tree else 1))
+        if tree:
+            cfg["tree"] = [a.ngram_width]
+    elif tree:
+        cfg["tree"] = tree_cfg
+    else:
+        cfg["num_speculative_tokens"] = a.k
+    if kind == "early_exit":
+        cfg["num_layers"] = a.early_exit_layers or max(1, num_layers // 2)
+    elif kind == "medusa":
+        cfg["medusa_path"] = medusa_path
+        if not tree:
+            cfg["num_speculative_tokens"] = min(a.k, _medusa_heads(medusa_path))
+    elif kind == "draft_model":
+        cfg["model"] = a.draft_model
+    return cfg
+
+
+def _medusa_heads(path: str) -> int:
+    from pageflash.spec.medusa import load_heads
+
+    return load_heads(path).config.num_heads
+
+
+def _prompts(eng, task: str, n: int, a: argparse.Namespace) -> list[dict]:
+    """n prompts of a task as engine inputs (chat template applied); random ids without a tokenizer."""
+    from pageflash.spec.corpus import build_prompts, chat_prompt
+
+    tok = eng.tokenizer
+    if tok is None:  # tiny random test models: a random text, repeated for the grounded task
+        import random
+
+        rng = random.Random(a.seed + (task == "chat"))
+        out = []
+        for _ in range(n):
+            text = [rng.randrange(eng.vocab_size) for _ in range(max(2, a.text_tokens // 2))]
+            out.append({"prompt_token_ids": text * 2 if task == "grounded" else text})
+        return out
+    msgs = build_prompts(task, n, "heldout", a.text_tokens, a.seed, lambda s: len(tok.encode(s)))
+    prompts = [chat_prompt(tok, m) for m in msgs]
+    limit = eng.max_model_len - a.max_tokens
+    too_long = [len(p["prompt_token_ids"]) for p in prompts if len(p["prompt_token_ids"]) >= limit]
+    if too_long:
+        raise ValueError(f"a {task} prompt has {max(too_long)} tokens; raise --max-model-len above "
+                         f"{max(too_long) + a.max_tokens} or lower --text-tokens")
+    return prompts
+
+
+def _generate(eng, prompts: list[dict], params, batch: int) -> tuple[list, float]:
+    """Run prompts in waves of `batch` (all of a wave submitted at once); (outputs, seconds)."""
+    outs: list = []
+    sync(eng.device)
+    t0 = time.perf_counter()
+    for w in range(0, len(prompts), batch):
+        ids = [eng.add_request(None, p, params) for p in prompts[w : w + batch]]
+        done: dict[str, Any] = {}
+        while len(done) < len(ids):
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        outs.extend(done[i] for i in ids)
+    sync(eng.device)
+    return outs, time.perf_counter() - t0
+
+
+def _run(a: argparse.Namespace, argv: list[str]) -> int:
+    import torch
+
+    from pageflash import LLM, SamplingParams
+    from pageflash.spec.config import SpeculativeConfig
+    from pageflash.spec.decoding import SpecDecoder
+
+    def log(msg: str) -> None:
+        print(f"[bench spec] {msg}", file=sys.stderr, flush=True)
+
+    kw: dict[str, Any] = dict(model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
+                              max_model_len=a.max_model_len, seed=a.seed, enforce_eager=a.enforce_eager)
+    for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(a, k) is not None:
+            kw[k] = getattr(a, k)
+    if a.max_num_seqs is None:
+        kw["max_num_seqs"] = max(256, max(a.batch_size))
+    # The draft model, if any, comes with the engine so that the KV pool is sized with it in memory.
+    first = next((m for m in a.methods if m.startswith("draft_model")), None)
+    medusa_path = a.medusa_path
+    tmp = None
+    t0 = time.perf_counter()
+    if first is None:
+        llm = LLM(**kw)
+        n_layers = llm.llm_engine.model_config.num_hidden_layers
+    else:
+        from pageflash.model.loader import load_config, resolve_model
+
+        n_layers = load_config(resolve_model(a.model, a.load_format)).num_hidden_layers
+        llm = LLM(**kw, speculative_config=spec_config(first, a, n_layers, None))
+    eng = llm.llm_engine
+    init_s = time.perf_counter() - t0
+    log(f"engine ready in {init_s:.1f} s on {eng.device}")
+    owned = eng.spec
+    medusa_summary = None
+    if any(m.startswith("medusa") for m in a.methods) and not medusa_path:
+        from pageflash.spec.medusa import save_heads
+        from pageflash.spec.train_medusa import train_on_engine
+
+        log(f"training Medusa heads ({a.medusa_train_prompts} prompts x {a.medusa_train_tokens} tokens)")
+        heads, medusa_summary = train_on_engine(
+            llm, num_prompts=a.medusa_train_prompts, max_tokens=a.medusa_train_tokens,
+            text_tokens=min(400, a.text_tokens), epochs=a.medusa_epochs, seed=a.seed, log=log,
+            base_model=str(a.model),
+        )
+        tmp = tempfile.mkdtemp(prefix="pageflash-medusa-")
+        medusa_path = os.path.join(tmp, "heads.safetensors")
+        save_heads(heads, medusa_path)
+        log(f"val top-1 per head: {medusa_summary['val_top1_per_head']}")
+
+    prompt_sets = {t: _prompts(eng, t, max(a.num_prompts, max(a.batch_size)), a) for t in a.tasks}
+    decoders: dict[str, Any] = {}
+    for m in a.methods:
+        cfg = SpeculativeConfig.parse(spec_config(m, a, n_layers, medusa_path))
+        if owned is not None and m == first:
+            decoders[m] = owned
+        else:
+            d = SpecDecoder(eng, cfg)
+            d.bind(eng.kv.pool.num_blocks)
+            decoders[m] = d
+    # Warm-up: every path once (Triton compiles, tree masks, the draft model).
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    eng.spec = None
+    _generate(eng, prompt_sets[a.tasks[0]][:2], warm, 2)
+    for d in decoders.values():
+        eng.spec = d
+        _generate(eng, prompt_sets[a.tasks[0]][:2], warm, 2)
+
+    rows: list[dict[str, Any]] = []
+    for task in a.tasks:
+        for b in a.batch_size:
+            prompts = prompt_sets[task][: max(a.num_prompts, b)]
+            for temp in a.temperature:
+                params = SamplingParams(temperature=temp, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos,
+                                        seed=None)
+                torch.manual_seed(a.seed)
+                eng.spec = None
+                base_outs, base_s = _generate(eng, prompts, params, b)
+                base_tokens = sum(len(o.outputs[0].token_ids) for o in base_outs)
+                base_tps = base_tokens / base_s
+                log(f"{task} batch {b} T={temp}: baseline {base_tps:.1f} tok/s")
+                for m, d in decoders.items():
+                    eng.spec = d
+                    d.metrics.reset()
+                    torch.manual_seed(a.seed)
+                    outs, secs = _generate(eng, prompts, params, b)
+                    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+                    st = d.metrics.as_dict().get(d.name, {})
+                    row = {
+                        "method": m, "task": task, "batch_size": b, "temperature": temp, "num_prompts": len(prompts),
+                        "spec_config": d.config.as_dict(),
+                        "baseline_tokens": base_tokens, "baseline_s": base_s, "baseline_tok_s": base_tps,
+                        "spec_tokens": toks, "spec_s": secs, "spec_tok_s": toks / secs,
+                        "speedup": (toks / secs) / base_tps,
+                        "acceptance_rate": st.get("acceptance_rate", 0.0),
+                        "mean_accepted_per_step": st.get("mean_accepted_per_step", 0.0),
+                        "mean_emitted_per_step": st.get("mean_emitted_per_step", 0.0),
+                        "num_verify_steps": st.get("num_steps", 0),
+                        "num_no_draft": st.get("num_no_draft", 0),
+                        "accepted_hist": st.get("accepted_hist", []),
+                    }
+                    if temp == 0.0:
+                        same = sum(x.outputs[0].token_ids == y.outputs[0].token_ids for x, y in zip(outs, base_outs))
+                        row["greedy_equal"] = f"{same}/{len(outs)}"
+                    if d.ctrl is not None:
+                        row["controller"] = d.ctrl.as_dict()
+                    rows.append(row)
+                    log(f"  {m}: {row['spec_tok_s']:.1f} tok/s ({row['speedup']:.2f}x), "
+                        f"accepted/step {row['mean_accepted_per_step']:.2f}, acceptance {row['acceptance_rate']:.2f}")
+    eng.spec = owned
+
+    result = {
+        "benchmark": "spec",
+        "model": a.model,
+        "dtype": str(eng.dtype).replace("torch.", ""),
+        "device": eng.device.type,
+        "max_tokens": a.max_tokens,
+        "text_tokens": a.text_tokens,
+        "ignore_eos": a.ignore_eos,
+        "engine_init_s": init_s,
+        "medusa_path": a.medusa_path,
+        "medusa_training": medusa_summary,
+        "results": rows,
+        "env": env_info("pageflash bench spec", argv, eng.device),
+    }
+    print_report(result)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {a.json}")
+    del llm, eng, decoders
+    gc.collect()
+    return 0
+
+
+def print_report(result: dict) -> None:
+    headers = ["method", "task", "B", "T", "base tok/s", "spec tok/s", "speedup", "accept", "acc/step",
+               "tok/step", "greedy="]
+    rows = [[r["method"], r["task"], str(r["batch_size"]), fmt(r["temperature"], ".1f"),
+             fmt(r["baseline_tok_s"]), fmt(r["spec_tok_s"]), fmt(r["speedup"], ".2f") + "x",
+             fmt(r["acceptance_rate"], ".2f"), fmt(r["mean_accepted_per_step"], ".2f"),
+             fmt(r["mean_emitted_per_step"], ".2f"), r.get("greedy_equal", "-")]
+            for r in result["results"]]
+    print(f"speculative decoding, {result['model']} ({result['dtype']}, {result['device']}), "
+          f"max_tokens {result['max_tokens']}, grounded text ~{result['text_tokens']} tokens")
+    print(format_table(headers, rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
