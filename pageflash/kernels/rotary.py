@@ -74,8 +74,8 @@ def apply_rotary_ref(
 
 def rotary_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int, int]:
     """(BLOCK_H, num_warps). Few tokens: small head blocks, so a decode step still spreads over
-    several SMs; many tokens: ~2-4K elements per program."""
-    block_h = 2 if num_tokens <= 16 else max(1, 2048 // head_dim)
+    several SMs; many tokens: ~1K elements of q or k per program."""
+    block_h = 2 if num_tokens <= 16 else max(1, 1024 // head_dim)
     block_h = min(block_h, triton.next_power_of_2(max_heads))
     return block_h, 4
 
