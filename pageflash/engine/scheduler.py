@@ -125,6 +125,9 @@ class Scheduler:
                 continue
             scheduled = True
             while not self.kv.allocate(req.request_id, req.num_computed_tokens, n):
+                if spec:  # drafts never cost a preemption: drop them first
+                    n, spec, req.spec_token_ids = n - spec, 0, []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)

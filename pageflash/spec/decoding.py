@@ -318,19 +318,22 @@ class SpecDecoder:
             row_idx.extend(range(start, start + count))
         logits = result.logits[torch.tensor(row_idx, device=result.logits.device)]
 
-        # The target's distribution at every query row; a node sees its own path as outputs so far.
-        srows: list[SamplingRow] = []
-        for r, t in zip(reqs, trees):
-            outs = r.output_token_ids
-            row = SamplingRow(r.params, r.prompt_token_ids, outs, r.generator)
-            srows.append(row)
-            ctx = _needs_context(r.params, len(outs))
-            for j in range(len(t)):
-                srows.append(SamplingRow(r.params, r.prompt_token_ids, outs + t.path_tokens(j), r.generator)
-                             if ctx else row)
-        batch = SamplingBatch.build(srows, eng.vocab_size, logits.device, eos_token_ids=sorted(eng.eos_token_ids))
         greedy = [r.params.greedy for r in reqs]
-        probs = logits if batch.all_greedy and not batch.needs_logits_processing else compute_probs(logits, batch)
+        ctxs = [_needs_context(r.params, r.num_output_tokens) for r in reqs]
+        if all(greedy) and not any(ctxs):
+            probs = logits  # plain greedy: the verifier only takes argmaxes
+        else:
+            # The target's distribution at every query row; a node sees its own path as outputs so far.
+            srows: list[SamplingRow] = []
+            for r, t, ctx in zip(reqs, trees, ctxs):
+                outs = r.output_token_ids
+                row = SamplingRow(r.params, r.prompt_token_ids, outs, r.generator)
+                srows.append(row)
+                for j in range(len(t)):
+                    srows.append(SamplingRow(r.params, r.prompt_token_ids, outs + t.path_tokens(j), r.generator)
+                                 if ctx else row)
+            batch = SamplingBatch.build(srows, eng.vocab_size, logits.device, eos_token_ids=sorted(eng.eos_token_ids))
+            probs = compute_probs(logits, batch)
         gens = [r.generator for r in reqs]
         if all(t.is_chain for t in trees):
             out = verify_chains([list(t.tokens) for t in trees], probs, [t.draft_probs for t in trees],

@@ -216,6 +216,11 @@ class ModelDraftProposer:
         rid = req.request_id
         end = base + 1 + nodes  # slots base .. base + nodes
         if not self.owns_kv:
+            # The target's pool: leave a block per drafting request for the real tokens, so that
+            # drafts never push the scheduler into preempting anyone.
+            need = self.kv.blocks_needed(end) - len(self.kv.block_ids(rid))
+            if need > 0 and self.kv.num_free_blocks - need < len(active):
+                return None
             if not self.kv.allocate(rid, base, end - base):
                 return None
             return base
