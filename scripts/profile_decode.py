@@ -56,3 +56,7 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
             runner.model.compute_logits(runner.model(g.input_ids[:bucket], g.positions[:bucket], runner.kv_caches, runner.backend, plan))
     torch.cuda.synchronize()
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+from pageflash.kernels import skinny_gemm
+
+print("skinny GEMM choices (N, K, M, dtype) -> config or None (cuBLAS):",
+      None if skinny_gemm._DISPATCH is None else skinny_gemm._DISPATCH.choice)

@@ -250,7 +250,9 @@ class LLMEngine:
         return len(self.groups)
 
     # -- the step ---------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One step. Returns a RequestOutput for every request that progressed (only the finished
+        ones with final_only, which offline generation uses to skip building partial outputs)."""
         spec = self.spec
         if spec is not None:
             spec.propose()  # draft tokens -> req.spec_token_ids, which the scheduler counts
@@ -266,7 +268,13 @@ class LLMEngine:
         touched = self._process(sched, result.logits, result.rows)
         if spec is not None:  # verify the drafts, roll back rejected KV, emit accepted tokens
             touched = list(dict.fromkeys(touched + spec.finish_step(sched, result)))
+        if final_only:
+            touched = [g for g in touched if self._group_finished(g)]
         return [self._make_output(gid) for gid in touched]
+
+    def _group_finished(self, group_id: str) -> bool:
+        reqs = self.groups.get(group_id)
+        return reqs is not None and reqs[0].forked and all(r.is_finished for r in reqs)
 
     def _process(self, sched: SchedulerOutput, logits: torch.Tensor, rows: list[tuple[int, int]]) -> list[str]:
         """Advance computed counts, sample where a step reached a request's end, apply stops."""
@@ -290,7 +298,9 @@ class LLMEngine:
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sample_reqs],
             vocab_size=self.vocab_size, device=self.device, eos_token_ids=sorted(self.eos_token_ids),
         )
-        out = self.sampler(logits[torch.tensor(sample_rows, device=logits.device)], batch)
+        if sample_rows != list(range(logits.shape[0])):  # decode steps: every row samples, once
+            logits = logits[torch.tensor(sample_rows, device=logits.device)]
+        out = self.sampler(logits, batch)
         token_ids = out.token_ids.tolist()
         lp = None
         if out.logprobs is not None:

@@ -13,6 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
+_SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _skinny_enabled() -> bool:
+    import os
+
+    return os.environ.get("PAGEFLASH_SKINNY_GEMM", "1") != "0"
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). weight: [out_features, in_features]."""
 
@@ -23,6 +32,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and x.shape[0] <= 16 and x.dtype in _SKINNY_DTYPES and _skinny_enabled():
+            # decode-sized products: the faster of cuBLAS and a Triton skinny GEMM (timed once per shape)
+            from pageflash.kernels.skinny_gemm import maybe_skinny_linear
+
+            y = maybe_skinny_linear(x, self.weight)
+            if y is not None:
+                return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[str] = None) -> None:

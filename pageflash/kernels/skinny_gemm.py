@@ -1,0 +1,123 @@
+"""Skinny GEMM for decode: y = x @ W^T with few rows in x (M <= 16), memory-bound on W.
+
+cuBLAS runs the small projections of a decode step (qkv, o_proj at batch 1) as split-K GEMVs at about
+half the copy bandwidth on an H100 (docs/BENCHMARKS.md). Here each program owns BLOCK_N output
+features and streams their rows of W (contiguous along K) through a pipelined loop, with x padded
+to 16 rows for the tensor-core dot; SPLIT_K programs share a row block when N alone gives too few
+programs, and their fp32 partials are summed by a second tiny pass.
+
+Which implementation a shape uses is decided once per (N, K, M-bucket) by timing both
+(`SkinnyDispatch`); the choice is made during warm-up, so CUDA-graph capture only replays it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per, K), BLOCK_K):
+        kk = k0 + offs_k
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                     mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0)
+        wt = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :],
+                     mask=(offs_n[:, None] < N) & (kk[None, :] < K), other=0.0)
+        acc += tl.dot(xt, tl.trans(wt))
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 256,
+                split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """x: [M, K] (M <= 16, rows contiguous), w: [N, K] contiguous, same float dtype. Returns [M, N] in x's dtype."""
+    assert x.dim() == 2 and w.dim() == 2, f"expected 2-D x and w, got {tuple(x.shape)} and {tuple(w.shape)}"
+    m, k = x.shape
+    n, k2 = w.shape
+    assert k == k2, f"x has K={k}, w has K={k2}"
+    assert m <= 16, f"skinny_gemm is for M <= 16 rows, got {m}"
+    assert x.dtype == w.dtype, f"dtype mismatch: x {x.dtype}, w {w.dtype}"
+    assert x.stride(1) == 1 and w.stride(1) == 1, "x and w must be contiguous along K"
+    grid = (triton.cdiv(n, block_n), split_k)
+    if split_k == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        _skinny_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), 0,
+                             BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1,
+                             num_warps=num_warps, num_stages=num_stages)
+        return y
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    _skinny_kernel[grid](x, w, part, m, n, k, x.stride(0), w.stride(0), part.stride(1), part.stride(0),
+                         BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                         num_warps=num_warps, num_stages=num_stages)
+    return part.sum(0).to(x.dtype)
+
+
+def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+# configs tried per shape (block_n, block_k, split_k, num_warps, num_stages)
+_CONFIGS = [(16, 256, 1, 4, 4), (16, 512, 1, 4, 3), (32, 256, 1, 4, 4), (16, 256, 2, 4, 4), (16, 256, 4, 4, 4)]
+
+
+class SkinnyDispatch:
+    """Per (N, K, M <= 16) shape: time cuBLAS and the skinny kernel's configs once, keep the fastest."""
+
+    def __init__(self) -> None:
+        self.choice: dict[tuple[int, int, int, torch.dtype], Optional[tuple]] = {}
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
+        """The product via the skinny kernel when it won for this shape; None = use cuBLAS."""
+        key = (w.shape[0], w.shape[1], x.shape[0], x.dtype)
+        if key not in self.choice:
+            if torch.cuda.is_current_stream_capturing():
+                return None  # never time inside a capture: fall back, decide at the next warm-up
+            self.choice[key] = self._decide(x, w)
+        cfg = self.choice[key]
+        return None if cfg is None else skinny_gemm(x, w, *cfg)
+
+    @staticmethod
+    def _decide(x: torch.Tensor, w: torch.Tensor) -> Optional[tuple]:
+        from triton.testing import do_bench
+
+        best_t = do_bench(lambda: torch.nn.functional.linear(x, w), warmup=5, rep=20, return_mode="median")
+        best = None
+        for cfg in _CONFIGS:
+            try:
+                y = skinny_gemm(x, w, *cfg)
+                ref = torch.nn.functional.linear(x, w)
+                if not torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-2):
+                    continue
+                t = do_bench(lambda: skinny_gemm(x, w, *cfg), warmup=5, rep=20, return_mode="median")
+            except Exception:  # a config that does not compile on this GPU/Triton: skip it
+                continue
+            if t < best_t * 0.97:
+                best_t, best = t, cfg
+        return best
+
+
+_DISPATCH: Optional[SkinnyDispatch] = None
+
+
+def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
+    """Decode-sized bf16/fp16 products on CUDA through the faster of cuBLAS and the skinny kernel."""
+    global _DISPATCH
+    if _DISPATCH is None:
+        _DISPATCH = SkinnyDispatch()
+    return _DISPATCH(x, w)
