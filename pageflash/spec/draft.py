@@ -353,7 +353,7 @@ class ModelDraftProposer:
                 for m, e in zip(ms, ends):
                     pick_of[m] = (len(feeds) - 1, 1 + e)
         if not feeds:
-            return torch.zeros(len(idx), self.vocab_size)
+            return torch.zeros(len(idx), self.vocab_size, device=self.runner.device)
         res = run_feeds(self.runner, feeds, tables, self.num_layers)
         live = [m for m, p in enumerate(pick_of) if p is not None]
         rows = [res.rows[pick_of[m][0]][0] + pick_of[m][1] for m in live]
