@@ -236,9 +236,7 @@ class ModelDraftProposer:
             self.kv.truncate(rid, computed)  # the last round's draft slots are scratch
         while not self.kv.allocate(rid, computed, end - computed, hits):
             if not self._evict_for(active):
-                if rid not in self.computed:
-                    self.kv.free(rid) if rid in self.kv.seqs else None
-                return None
+                return None  # allocate changed nothing; any earlier draft KV of rid stays valid
         self.computed[rid] = computed
         return computed
 
@@ -287,7 +285,9 @@ class ModelDraftProposer:
                 if self.owns_kv:
                     rid = requests[i].request_id
                     self.computed[rid] = base + 1  # root computed; the drafts' KV is scratch
-                    self.kv.cache_full_blocks(rid, _as_list(requests[i].token_ids), base + 1)
+                    filled = (base + 1) // self.kv.block_size > len(self.kv.seqs[rid].hashes)
+                    if filled and self.kv.pool.enable_caching:
+                        self.kv.cache_full_blocks(rid, _as_list(requests[i].token_ids[: base + 1]), base + 1)
         self.forward_seconds += time.perf_counter() - t0
         return out
 
