@@ -72,8 +72,13 @@ def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float() @ w.float().t()).to(x.dtype)
 
 
-# configs tried per shape (block_n, block_k, split_k, num_warps, num_stages)
-_CONFIGS = [(16, 256, 1, 4, 4), (16, 512, 1, 4, 3), (32, 256, 1, 4, 4), (16, 256, 2, 4, 4), (16, 256, 4, 4, 4)]
+# configs tried per shape (block_n, block_k, split_k, num_warps, num_stages): the ones that won on an
+# H100/H200 for llama-3-8b's qkv and o projections (split-K variants never won; each extra config
+# costs a Triton compile at cold start)
+_CONFIGS = [(16, 256, 1, 4, 4), (16, 512, 1, 4, 3), (32, 256, 1, 4, 4)]
+# Larger weights (gate_up, down, LM head) always went to cuBLAS, which streams them at ~95% of the
+# bandwidth: don't spend start-up time timing them.
+MAX_WEIGHT_ELEMENTS = 32 * 1024 * 1024
 
 
 class SkinnyDispatch:
@@ -84,6 +89,8 @@ class SkinnyDispatch:
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
         """The product via the skinny kernel when it won for this shape; None = use cuBLAS."""
+        if w.numel() > MAX_WEIGHT_ELEMENTS:
+            return None
         key = (w.shape[0], w.shape[1], x.shape[0], x.dtype)
         if key not in self.choice:
             if torch.cuda.is_current_stream_capturing():
