@@ -353,6 +353,11 @@ class LLMEngine:
         self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
         self._check_stop(req, tok)
         if req.finish_reason is not None:
+            if req.detokenizer is not None and not isinstance(req.stop_reason, str):
+                # bytes held back for a character still incomplete: emit them (as U+FFFD, like a
+                # plain decode); a stop string already cut the text where it matched
+                req.detokenizer.flush()
+                req.output_text = req.detokenizer.output_text
             req.metrics.finished_time = now
             self._finish(req)
 
