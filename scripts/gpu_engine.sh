@@ -15,6 +15,7 @@ for what in "$@"; do
     profile-offline) PYTHONPATH=. $PY scripts/profile_offline.py llama-3-8b 256 2>&1 | tee "$OUT/profile_offline.log" | tail -12 ;;
     fused) $PY -m pytest -q -s tests/gpu/test_fused_gpu.py 2>&1 | tee "$OUT/fused_tests.log" | tail -8; $PY -m pageflash.kernels.bench_fused --tokens 1 4096 --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" | tail -14 ;;
     skinny) $PY -m pytest -q -s tests/gpu/test_skinny_gpu.py 2>&1 | tee "$OUT/skinny_tests.log" | tail -5 ;;
+    profile-spec) PYTHONPATH=. $PY scripts/profile_spec.py 2>&1 | tee "$OUT/profile_spec.log" | tail -70 ;;
     tests) $PY -m pytest -q -ra -x tests/gpu/test_engine_gpu.py 2>&1 | tee "$OUT/engine_tests.log" | tail -15 ;;
     latency) $PY -m pageflash.cli bench latency --model llama-3-8b --input-len 128 --output-len 256 \
                --json "$OUT/decode1.json" 2>&1 | tee "$OUT/latency.log" | grep -v "it/s" | tail -25 ;;

@@ -1,0 +1,56 @@
+"""Why is a speculative step slow on the GPU? Step time with and without n-gram speculation on the
+dummy smollm2-135m config (batch 1), the GPU-synced time of runner.execute inside it, and the host
+functions that take the rest (cProfile). Usage: python scripts/profile_spec.py"""
+
+import cProfile
+import io
+import pstats
+import random
+import time
+
+import torch
+
+from pageflash import LLM, SamplingParams
+
+rng = random.Random(0)
+base = [rng.randrange(1000, 9000) for _ in range(64)]
+prompt = base * 8  # repetitive: n-gram lookup always finds a continuation
+
+
+def run(spec):
+    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=2048, num_kv_blocks=2048,
+              speculative_config=spec)
+    eng = llm.llm_engine
+    runner = eng.runner
+    ex = {"t": 0.0, "n": 0}
+    orig = runner.execute
+
+    def timed(*a, **k):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        r = orig(*a, **k)
+        torch.cuda.synchronize()
+        ex["t"] += time.perf_counter() - t
+        ex["n"] += 1
+        return r
+
+    runner.execute = timed
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)  # warm-up (compiles)
+    ex.update(t=0.0, n=0)
+    pr = cProfile.Profile()
+    t = time.perf_counter()
+    pr.enable()
+    out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)
+    pr.disable()
+    wall = time.perf_counter() - t
+    n = len(out[0].outputs[0].token_ids)
+    print(f"spec={spec}: {n / wall:.1f} tok/s, {ex['n']} steps, {wall / ex['n'] * 1e3:.2f} ms/step, "
+          f"execute {ex['t'] / ex['n'] * 1e3:.2f} ms/step, accepted/step {eng.get_stats().get('spec')}")
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("cumtime").print_stats(22)
+    print(s.getvalue()[-6000:])
+
+
+run(None)
+run({"method": "ngram", "num_speculative_tokens": 5})
