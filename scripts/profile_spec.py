@@ -8,9 +8,14 @@ import pstats
 import random
 import time
 
+import os
+
 import torch
 
 from pageflash import LLM, SamplingParams
+
+sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+MAX_TOKENS = int(os.environ.get("MAX_TOKENS", "200"))
 
 rng = random.Random(0)
 base = [rng.randrange(1000, 9000) for _ in range(64)]
@@ -26,16 +31,16 @@ def run(spec):
     orig = runner.execute
 
     def timed(*a, **k):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         r = orig(*a, **k)
-        torch.cuda.synchronize()
+        sync()
         ex["t"] += time.perf_counter() - t
         ex["n"] += 1
         return r
 
     runner.execute = timed
-    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)  # warm-up (compiles)
     ex.update(t=0.0, n=0)
     pr = cProfile.Profile()
