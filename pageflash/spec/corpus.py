@@ -1,8 +1,11 @@
 """Prompts built from text shipped with Python: the language reference topics of ``pydoc_data``
-(what ``help("topics")`` shows; ~79 topics, ~460k characters of English prose and code).
+(what ``help("topics")`` shows; ~79 topics, ~460k characters of English prose and code) and the
+docstrings of standard-library modules.
 
-Topics are split by name into a training part (Medusa self-distillation) and a held-out part
-(benchmarks), so heads are never measured on text they were trained on. Two prompt kinds:
+Topics are split by name into a training part and a held-out part (benchmarks); the training split
+(Medusa self-distillation) adds the stdlib docstrings (~400 texts of 300+ characters: wider than the
+topics alone, which heads would memorize), so heads are never measured on text they were trained
+on. Two prompt kinds:
 
 - grounded: the answer quotes or edits a given text (summarize / repeat / rewrite / fix), the case
   where n-gram lookup and copying drafts shine;
@@ -29,9 +32,22 @@ CHAT_TEMPLATES = (
 )
 
 
+STDLIB_MODULES = (
+    "abc argparse ast asyncio base64 bisect calendar codecs collections colorsys concurrent.futures "
+    "configparser contextlib copy csv dataclasses datetime decimal difflib dis doctest email enum "
+    "filecmp fnmatch fractions ftplib functools getpass gettext glob gzip hashlib heapq hmac html "
+    "html.parser http.client imaplib inspect io ipaddress itertools json linecache locale logging lzma "
+    "mailbox math mimetypes netrc numbers operator optparse os pathlib pickle platform plistlib poplib "
+    "pprint queue random re reprlib sched secrets selectors shelve shlex shutil smtplib socket "
+    "socketserver statistics string struct subprocess tarfile tempfile textwrap threading timeit "
+    "tokenize trace traceback types typing unittest urllib.parse urllib.request uuid wave weakref "
+    "xml.dom.minidom xml.etree.ElementTree zipfile zlib"
+).split()
+
+
 def topics(split: str = "heldout") -> list[tuple[str, str]]:
-    """(name, text) of the pydoc topics in a split: "train" (3 of every 4, by sorted name),
-    "heldout" (the 4th) or "all"."""
+    """(name, text) of a split: "train" (3 of every 4 pydoc topics by sorted name, plus the stdlib
+    docstrings), "heldout" (the 4th topic) or "all" (every topic)."""
     from pydoc_data.topics import topics as table
 
     names = sorted(table)
@@ -43,7 +59,39 @@ def topics(split: str = "heldout") -> list[tuple[str, str]]:
         pick = [n for i, n in enumerate(names) if i % 4 == 3]
     else:
         raise ValueError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
-    return [(n, table[n]) for n in pick if table[n].strip()]
+    out = [(n, table[n]) for n in pick if table[n].strip()]
+    return out + docstrings() if split == "train" else out
+
+
+def docstrings(min_chars: int = 300) -> list[tuple[str, str]]:
+    """(qualified name, docstring) of stdlib modules, classes, functions and methods, in a fixed order."""
+    import importlib
+    import inspect
+
+    out: dict[str, str] = {}
+
+    def add(name: str, obj: object) -> None:
+        d = inspect.getdoc(obj)
+        if d and len(d) >= min_chars and d not in out.values():
+            out[name] = d
+
+    for m in STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(m)
+        except Exception:  # a module missing from this Python build
+            continue
+        add(m, mod)
+        for name, obj in sorted(vars(mod).items()):
+            if name.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+                continue
+            if inspect.isfunction(obj):
+                add(f"{m}.{name}", obj)
+            elif inspect.isclass(obj):
+                add(f"{m}.{name}", obj)
+                for meth, f in sorted(vars(obj).items()):
+                    if not meth.startswith("_") and inspect.isfunction(f):
+                        add(f"{m}.{name}.{meth}", f)
+    return list(out.items())
 
 
 def _chunks(text: str, max_chars: int) -> list[str]:

@@ -10,7 +10,7 @@
    Medusa paper's decay). The target is frozen; with the default shared LM head only the residual
    blocks (hidden^2 + hidden parameters per layer per head) are trained.
 4. Output: a safetensors file with the config in its metadata, and ``<file>.json``; a summary with
-   each head's top-1 accuracy on a held-back tenth of the positions is printed (``--json`` writes it).
+   each head's top-1 accuracy on a held-back tenth of the sequences is printed (``--json`` writes it).
 
     pageflash train-medusa --output medusa.safetensors            # default model, minutes on a GPU
     pageflash train-medusa --model FOLDER --num-prompts 8 --max-tokens 16 --epochs 1   # tiny (tests)
@@ -88,11 +88,12 @@ def forward_hidden(engine, seqs: Sequence[Sequence[int]], max_tokens: int = 8192
 
 
 def build_dataset(engine, prompts: list[list[int]], answers: list[list[int]], num_heads: int, max_tokens: int):
-    """(hidden [N, H] float32 on the CPU, labels [N, num_heads] int64 with -100 where no label)."""
+    """(hidden [N, H] float32 on the CPU, labels [N, num_heads] int64 with -100 where no label,
+    seq [N] int64: which sequence each position comes from)."""
     seqs = [p + a for p, a in zip(prompts, answers)]
     hiddens = forward_hidden(engine, seqs, max_tokens)
-    hs, ls = [], []
-    for p, s, h in zip(prompts, seqs, hiddens):
+    hs, ls, ids_ = [], [], []
+    for j, (p, s, h) in enumerate(zip(prompts, seqs, hiddens)):
         t0 = len(p) - 1  # h_{t0} predicts the first answer token; head i predicts t + 2 + i
         t = torch.arange(t0, len(s) - 2)
         if t.numel() == 0:
@@ -101,9 +102,10 @@ def build_dataset(engine, prompts: list[list[int]], answers: list[list[int]], nu
         lab = torch.stack([ids[t + 2 + i] for i in range(num_heads)], 1)
         hs.append(h[t0 : len(s) - 2].float().cpu())
         ls.append(lab)
+        ids_.append(torch.full((t.numel(),), j, dtype=torch.int64))
     if not hs:
         raise ValueError("no training positions: answers are too short (raise --max-tokens)")
-    return torch.cat(hs), torch.cat(ls)
+    return torch.cat(hs), torch.cat(ls), torch.cat(ids_)
 
 
 def train_heads(
@@ -112,6 +114,7 @@ def train_heads(
     lm_head_weight: torch.Tensor,
     config,
     *,
+    seq: Optional[torch.Tensor] = None,
     epochs: int = 2,
     lr: float = 1e-3,
     batch_size: int = 256,
@@ -120,7 +123,10 @@ def train_heads(
     seed: int = 0,
     log=None,
 ):
-    """Train MedusaHeads on (hidden, labels); returns (heads, summary dict)."""
+    """Train MedusaHeads on (hidden, labels); returns (heads, summary dict).
+
+    seq: the sequence of each position; a tenth of the sequences (not of the positions, which
+    would leak their neighbours) is held back to measure each head's top-1 accuracy."""
     from pageflash.spec.medusa import MedusaHeads
 
     torch.manual_seed(seed)
@@ -128,10 +134,14 @@ def train_heads(
     w = lm_head_weight.detach().to(device, torch.float32)
     heads = MedusaHeads(config, w).to(device)
     n = hidden.shape[0]
-    n_val = max(1, n // 10) if n >= 20 else 0
     g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(n, generator=g)
-    val, tr = perm[:n_val], perm[n_val:]
+    if seq is None:
+        seq = torch.arange(n)
+    groups = torch.unique(seq)
+    held = groups[torch.randperm(len(groups), generator=g)[: len(groups) // 10]]
+    is_val = torch.isin(seq, held)
+    val, tr = torch.nonzero(is_val).squeeze(1), torch.nonzero(~is_val).squeeze(1)
+    n_val = len(val)
     opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=weight_decay)
     steps = max(1, epochs * math.ceil(len(tr) / batch_size))
     warm = max(1, steps // 20)
@@ -172,7 +182,8 @@ def train_heads(
             for i in range(config.num_heads):
                 ok = y[:, i] >= 0
                 acc.append(float((pred[i][ok] == y[ok, i]).float().mean()) if ok.any() else None)
-    summary = {"positions": n, "train_positions": len(tr), "val_positions": n_val, "steps": step,
+    summary = {"positions": n, "train_positions": len(tr), "val_positions": n_val,
+               "val_sequences": len(held), "steps": step,
                "final_loss": losses[-1] if losses else None, "val_top1_per_head": acc,
                "seconds": round(time.perf_counter() - t0, 2)}
     return heads.eval(), summary
@@ -293,13 +304,13 @@ def train_on_engine(
     n_ans = sum(len(x) for x in answers)
     log(f"generated {n_ans} tokens in {time.perf_counter() - t0:.0f} s; computing hidden states")
     budget = max(eng.max_num_batched_tokens, eng.max_model_len)
-    hidden, labels = build_dataset(eng, p_ids, answers, num_heads, budget)
+    hidden, labels, seq = build_dataset(eng, p_ids, answers, num_heads, budget)
     mc = eng.model_config
     cfg = MedusaConfig(mc.hidden_size, mc.vocab_size, num_heads, num_layers, shared_lm_head, base_model)
     m = eng.runner.model
     w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
     log(f"training {num_heads} heads on {hidden.shape[0]} positions")
-    heads, summary = train_heads(hidden, labels, w, cfg, epochs=epochs, lr=lr, batch_size=batch_size,
+    heads, summary = train_heads(hidden, labels, w, cfg, seq=seq, epochs=epochs, lr=lr, batch_size=batch_size,
                                  weight_decay=weight_decay, device=eng.device, seed=seed, log=log)
     summary.update(model=base_model, prompts=len(prompts), answer_tokens=n_ans, config=cfg.__dict__,
                    generate_seconds=round(time.perf_counter() - t0 - summary["seconds"], 1))
