@@ -138,7 +138,9 @@ def train_heads(
     if seq is None:
         seq = torch.arange(n)
     groups = torch.unique(seq)
-    held = groups[torch.randperm(len(groups), generator=g)[: len(groups) // 10]]
+    # a tenth of the sequences, but at least one whenever there are two (tiny runs still report accuracy)
+    n_held = max(len(groups) // 10, 1 if len(groups) >= 2 else 0)
+    held = groups[torch.randperm(len(groups), generator=g)[:n_held]]
     is_val = torch.isin(seq, held)
     val, tr = torch.nonzero(is_val).squeeze(1), torch.nonzero(~is_val).squeeze(1)
     n_val = len(val)
