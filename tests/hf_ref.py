@@ -6,7 +6,6 @@ import os
 
 import torch
 
-GGUF_DIR = None
 
 
 def default_gguf() -> tuple[str, str]:
