@@ -7,7 +7,6 @@ import os
 import torch
 
 
-
 def default_gguf() -> tuple[str, str]:
     from pageflash.model.loader import _embedded_path
 
