@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from typing import Optional, Sequence
@@ -214,6 +215,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-cache", metavar="JSON", help="generated answers: read if it exists, else written")
     p.add_argument("--json", metavar="PATH", help="write the summary here")
     a = p.parse_args(argv)
     try:
@@ -237,7 +239,7 @@ def _run(a: argparse.Namespace) -> int:
         llm, num_prompts=a.num_prompts, max_tokens=a.max_tokens, text_tokens=a.text_tokens,
         temperature=a.temperature, num_heads=a.num_heads, num_layers=a.num_layers,
         shared_lm_head=not a.own_lm_head, epochs=a.epochs, lr=a.lr, batch_size=a.batch_size,
-        weight_decay=a.weight_decay, seed=a.seed, log=log, base_model=str(a.model),
+        weight_decay=a.weight_decay, seed=a.seed, log=log, base_model=str(a.model), data_cache=a.data_cache,
     )
     save_heads(heads, a.output)
     summary.update(output=a.output, total_seconds=round(time.perf_counter() - t0, 1))
@@ -266,15 +268,50 @@ def train_on_engine(
     seed: int = 0,
     log=None,
     base_model: str = "",
+    data_cache: Optional[str] = None,
 ):
     """Self-distillation with an existing LLM (its engine must be idle and speculation-free while
-    this runs): generate, collect hidden states, train. Returns (heads, summary)."""
-    from pageflash import SamplingParams
-    from pageflash.spec.corpus import build_prompts, chat_prompt
+    this runs): generate, collect hidden states, train. Returns (heads, summary).
+
+    data_cache: a JSON file of the generated (prompt, answer) token ids; read instead of generating
+    when it exists, written after generating otherwise (to tune training without regenerating)."""
     from pageflash.spec.medusa import MedusaConfig
 
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
+    eng = llm.llm_engine
+    if data_cache and os.path.isfile(data_cache):
+        with open(data_cache) as f:
+            data = json.load(f)
+        p_ids, answers = data["prompts"], data["answers"]
+        log(f"read {len(answers)} answers from {data_cache}")
+    else:
+        p_ids, answers = _generate(llm, num_prompts, max_tokens, text_tokens, temperature, seed, log)
+        if data_cache:
+            with open(data_cache, "w") as f:
+                json.dump({"prompts": p_ids, "answers": answers}, f)
+    n_ans = sum(len(x) for x in answers)
+    gen_s = time.perf_counter() - t0
+    log(f"{n_ans} answer tokens ({gen_s:.0f} s); computing hidden states")
+    budget = max(eng.max_num_batched_tokens, eng.max_model_len)
+    hidden, labels, seq = build_dataset(eng, p_ids, answers, num_heads, budget)
+    mc = eng.model_config
+    cfg = MedusaConfig(mc.hidden_size, mc.vocab_size, num_heads, num_layers, shared_lm_head, base_model)
+    m = eng.runner.model
+    w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+    log(f"training {num_heads} heads on {hidden.shape[0]} positions")
+    heads, summary = train_heads(hidden, labels, w, cfg, seq=seq, epochs=epochs, lr=lr, batch_size=batch_size,
+                                 weight_decay=weight_decay, device=eng.device, seed=seed, log=log)
+    summary.update(model=base_model, prompts=len(p_ids), answer_tokens=n_ans, config=cfg.__dict__,
+                   generate_seconds=round(gen_s, 1))
+    return heads, summary
+
+
+def _generate(llm, num_prompts, max_tokens, text_tokens, temperature, seed, log):
+    """(prompt token ids, answer token ids) of the target's own answers to training-split prompts."""
+    from pageflash import SamplingParams
+    from pageflash.spec.corpus import build_prompts, chat_prompt
+
     eng = llm.llm_engine
     tok = eng.tokenizer
     if num_prompts < 1 or max_tokens < 3:
@@ -301,22 +338,7 @@ def train_on_engine(
         outs = llm.generate(prompts, sp, use_tqdm=sys.stderr.isatty())
     finally:
         eng.spec = spec
-    p_ids = [o.prompt_token_ids for o in outs]
-    answers = [o.outputs[0].token_ids for o in outs]
-    n_ans = sum(len(x) for x in answers)
-    log(f"generated {n_ans} tokens in {time.perf_counter() - t0:.0f} s; computing hidden states")
-    budget = max(eng.max_num_batched_tokens, eng.max_model_len)
-    hidden, labels, seq = build_dataset(eng, p_ids, answers, num_heads, budget)
-    mc = eng.model_config
-    cfg = MedusaConfig(mc.hidden_size, mc.vocab_size, num_heads, num_layers, shared_lm_head, base_model)
-    m = eng.runner.model
-    w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
-    log(f"training {num_heads} heads on {hidden.shape[0]} positions")
-    heads, summary = train_heads(hidden, labels, w, cfg, seq=seq, epochs=epochs, lr=lr, batch_size=batch_size,
-                                 weight_decay=weight_decay, device=eng.device, seed=seed, log=log)
-    summary.update(model=base_model, prompts=len(prompts), answer_tokens=n_ans, config=cfg.__dict__,
-                   generate_seconds=round(time.perf_counter() - t0 - summary["seconds"], 1))
-    return heads, summary
+    return [o.prompt_token_ids for o in outs], [o.outputs[0].token_ids for o in outs]
 
 
 if __name__ == "__main__":
