@@ -97,6 +97,30 @@ def test_stays_off_when_verification_costs_proportional_time() -> None:
     assert spec_fraction(hist[-256:]) <= cfg.probe_steps / cfg.probe_interval + 0.02
 
 
+def test_expensive_verify_steps_cost_little_while_off() -> None:
+    """A GPU with CUDA-graph decode steps and eager verify steps: a verify step costs ~25 decode
+    steps whatever its size, so even perfect drafts lose. The controller must end up off, and its
+    probes must cost at most ~probe_budget: throughput >= 0.9x of plain decoding."""
+    graph_vs_eager: CostFn = lambda b, n: 0.0012 if n == b else 0.031  # noqa: E731
+    ctrl = SpecController()
+    rng = random.Random(8)
+    tokens = seconds = 0.0
+    for _ in range(5000):
+        ks = ctrl.choose(["r0"], "ngram")
+        t = graph_vs_eager(1, 1 + ks[0])
+        ctrl.observe_step(1, 1 + ks[0], t)
+        a = 0
+        while a < ks[0] and rng.random() < 0.9:
+            a += 1
+        if ks[0]:
+            ctrl.observe_acceptance("ngram", "r0", ks[0], a)
+        tokens += a + 1
+        seconds += t
+    assert not ctrl.is_on("ngram")
+    assert (tokens / seconds) / (1 / 0.0012) >= 0.9
+    assert ctrl.probe_interval("ngram", 1) > 1000
+
+
 def test_turns_off_at_low_acceptance_and_back_on_when_it_improves() -> None:
     cfg = AdaptiveConfig(probe_interval=32)
     ctrl = SpecController(cfg)

@@ -18,7 +18,9 @@ What it measures, all on the host and cheap (plain Python and numpy):
 Hysteresis keeps it from flapping: off -> on needs a predicted speedup >= ``on_threshold``; on -> off
 happens below ``off_threshold``. While off, every ``probe_interval`` steps it speculates for
 ``probe_steps`` steps with ``probe_k`` to refresh the acceptance estimate, so it can come back when
-the text becomes predictable; while on, a step of plain decode every ``probe_interval`` steps keeps
+the text becomes predictable -- less often when a probe step costs much more than a decode step
+(e.g. a CUDA-graph decode step against an eager verify step): probes may cost at most
+``probe_budget`` of the plain decoding time between them, so that being off costs little; while on, a step of plain decode every ``probe_interval`` steps keeps
 the baseline cost fresh, and requests left at k = 0 get a probe as well.
 
 The engine calls, per step: ``choose`` before proposing, ``observe_propose`` / ``observe_step`` with
@@ -51,8 +53,10 @@ class AdaptiveConfig:
     ema:              weight of a new observation in every moving average.
     on_threshold:     predicted speedup needed to turn speculation on.
     off_threshold:    predicted speedup under which it turns off (< on_threshold: hysteresis).
-    probe_interval:   steps between probes (speculation while off, plain decode while on).
+    probe_interval:   steps between probes (speculation while off, plain decode while on); while
+                      off, stretched so that probes cost at most probe_budget of the decode time.
     probe_steps:      speculative steps per probe while off.
+    probe_budget:     largest share of plain-decoding time that probing may add while off.
     probe_k:          k used while probing.
     prior_alpha:      acceptance assumed before any observation.
     prior_token_cost: cost of one extra query token per sequence, relative to a decode step, used
@@ -65,6 +69,7 @@ class AdaptiveConfig:
     off_threshold: float = 1.02
     probe_interval: int = 64
     probe_steps: int = 4
+    probe_budget: float = 0.05
     probe_k: int = 2
     prior_alpha: float = 0.5
     prior_token_cost: float = 0.05
@@ -80,6 +85,8 @@ class AdaptiveConfig:
             )
         if self.probe_interval < 1 or self.probe_steps < 1:
             raise ValueError("AdaptiveConfig.probe_interval and probe_steps must be >= 1")
+        if not 0.0 < self.probe_budget <= 1.0:
+            raise ValueError(f"AdaptiveConfig.probe_budget must be in (0, 1], got {self.probe_budget}")
         if not 1 <= self.probe_k <= self.k_max:
             raise ValueError(f"AdaptiveConfig.probe_k must be in [1, k_max={self.k_max}], got {self.probe_k}")
         if not 0.0 <= self.prior_alpha < 1.0:
@@ -280,6 +287,16 @@ class SpecController:
         ks = np.bincount(order[:best] // cfg.k_max, minlength=bsz)
         return [int(k) for k in ks], float(tput[best] / tput[0])
 
+    def probe_interval(self, proposer: str, num_seqs: int) -> int:
+        """Steps between probes while off: probe_interval, or more when a probe step's extra cost
+        over a decode step (verify + drafting, from the cost model) would exceed probe_budget."""
+        cfg = self.config
+        extra = self.costs.ratio(num_seqs, cfg.probe_k) - 1.0
+        base = self.costs.predict(num_seqs, num_seqs)
+        if base is not None:
+            extra += self._state(proposer).propose_cost.get(_bucket(num_seqs), 0.0) / base
+        return max(cfg.probe_interval, int(np.ceil(cfg.probe_steps * max(extra, 0.0) / cfg.probe_budget)))
+
     def choose(
         self, request_ids: Sequence[str], proposer: str = "default", max_k: Optional[Sequence[int]] = None
     ) -> list[int]:
@@ -315,7 +332,7 @@ class SpecController:
         else:
             if speedup >= cfg.on_threshold:
                 st.on, st.steps_in_mode = True, 0
-            elif st.steps_in_mode >= cfg.probe_interval:
+            elif st.steps_in_mode >= self.probe_interval(proposer, bsz):
                 st.steps_in_mode = 0
                 st.probing = cfg.probe_steps - 1
                 ks = [min(cfg.probe_k, c) for c in caps]
