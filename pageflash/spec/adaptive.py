@@ -57,6 +57,8 @@ class AdaptiveConfig:
                       off, stretched so that probes cost at most probe_budget of the decode time.
     probe_steps:      speculative steps per probe while off.
     probe_budget:     largest share of plain-decoding time that probing may add while off.
+    off_eval_interval: while off, the decision is re-evaluated every this many steps (its numpy
+                      work would otherwise weigh on fast, CUDA-graph decode steps).
     probe_k:          k used while probing.
     prior_alpha:      acceptance assumed before any observation.
     prior_token_cost: cost of one extra query token per sequence, relative to a decode step, used
@@ -70,6 +72,7 @@ class AdaptiveConfig:
     probe_interval: int = 64
     probe_steps: int = 4
     probe_budget: float = 0.05
+    off_eval_interval: int = 8
     probe_k: int = 2
     prior_alpha: float = 0.5
     prior_token_cost: float = 0.05
@@ -85,6 +88,8 @@ class AdaptiveConfig:
             )
         if self.probe_interval < 1 or self.probe_steps < 1:
             raise ValueError("AdaptiveConfig.probe_interval and probe_steps must be >= 1")
+        if self.off_eval_interval < 1:
+            raise ValueError(f"AdaptiveConfig.off_eval_interval must be >= 1, got {self.off_eval_interval}")
         if not 0.0 < self.probe_budget <= 1.0:
             raise ValueError(f"AdaptiveConfig.probe_budget must be in (0, 1], got {self.probe_budget}")
         if not 1 <= self.probe_k <= self.k_max:
@@ -313,9 +318,11 @@ class SpecController:
             st.idle[r] = st.idle.get(r, 0) + 1
         if not self.costs.has_baseline(bsz):
             return zeros  # measure plain decode at this batch size first: every decision needs it
+        st.steps_in_mode += 1
+        if not st.on and st.probing == 0 and st.steps_in_mode % cfg.off_eval_interval:
+            return zeros  # off: decide again every few steps only, so plain steps stay cheap
         ks, speedup = self.allocate(proposer, [self.alpha(proposer, r) for r in request_ids], caps)
         st.last_speedup = speedup
-        st.steps_in_mode += 1
 
         if st.probing > 0:
             st.probing -= 1
