@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -319,7 +319,6 @@ class ModelDraftProposer:
         """Draft distributions [len(idx), V] after request lv.requests[idx[i]]'s tokens + paths[i]."""
         feeds: list[Feed] = []
         tables: list[list[int]] = []
-        picks: list[tuple[int, int]] = []  # (feed index, row within the feed's rows)
         by_req: dict[int, list[int]] = {}
         for m, b in enumerate(idx):
             by_req.setdefault(b, []).append(m)
