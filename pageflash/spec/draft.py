@@ -322,7 +322,7 @@ class ModelDraftProposer:
         by_req: dict[int, list[int]] = {}
         for m, b in enumerate(idx):
             by_req.setdefault(b, []).append(m)
-        pick_of: list = [None] * len(idx)
+        pick_of: list = [None] * len(idx)  # per path: (feed index, row within the feed's rows) or None
         for b, ms in by_req.items():
             r, base = lv.requests[b], lv.bases[b]
             rid = r.request_id
