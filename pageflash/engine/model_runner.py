@@ -8,8 +8,9 @@ runs the model, and returns float32 logits only at the rows that need sampling o
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -54,6 +55,8 @@ class ModelRunner:
         self.kv_cache: Optional[torch.Tensor] = None  # [L, 2, num_blocks, block_size, Hkv, D]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: Optional[DecodeGraphs] = None
+        self.step_graphs: Optional[StepGraphs] = None
+        self.graph_pool = None  # CUDA graph memory pool shared by every graph of this runner
 
     # -- setup ------------------------------------------------------------------------------------
     def _build_model(self, source: ModelSource, seed: int) -> LlamaForCausalLM:
@@ -115,6 +118,14 @@ class ModelRunner:
         graphs = DecodeGraphs(self, max_batch)
         graphs.capture()
         self.graphs = graphs
+
+    def enable_step_graphs(self, max_batch: int, cuda_graphs: bool = True) -> None:
+        """Lazily captured graphs of small multi-token steps (speculative verify, draft chains,
+        early-exit drafts): see :class:`StepGraphs`. cuda_graphs=False runs the same static-buffer
+        path eagerly (the tests' way to check it where there is no CUDA)."""
+        if self.backend.name != "triton" or (cuda_graphs and self.device.type != "cuda"):
+            return
+        self.step_graphs = StepGraphs(self, max_batch, cuda_graphs)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -182,6 +193,11 @@ class ModelRunner:
         ids, pos, slots, qlens, seq_lens, logit_idx, rows = self.prepare(sched, block_tables)
         if positions_override is not None:
             pos = positions_override
+        sg = self.step_graphs
+        if sg is not None and kv_caches is None:
+            res = sg.run(ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers)
+            if res is not None:
+                return res
         dev = self.device
         width = max(len(b) for b in block_tables)
         bt = torch.zeros(len(block_tables), width, dtype=torch.int32)
@@ -236,7 +252,7 @@ class DecodeGraphs:
         self.qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.plans: dict[int, Any] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -250,7 +266,7 @@ class DecodeGraphs:
         r = self.runner
         for b in reversed(self.buckets):  # largest first: the pool then fits the smaller ones
             meta = self._meta(b)
-            plan = r.backend.plan(meta)
+            plan = self.plans[b] = r.backend.plan(meta)  # the captured kernels may read its tensors
             fwd = lambda: r.model.compute_logits(  # noqa: E731
                 r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan))
             s = torch.cuda.Stream()
@@ -259,10 +275,10 @@ class DecodeGraphs:
                 fwd()  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            with torch.cuda.graph(g, pool=r.graph_pool):
                 self.logits[b] = fwd()
-            if self.pool is None:
-                self.pool = g.pool()
+            if r.graph_pool is None:
+                r.graph_pool = g.pool()
             self.graphs[b] = g
         torch.cuda.synchronize()
 
@@ -290,3 +306,187 @@ class DecodeGraphs:
         self.block_tables[:bucket].copy_(torch.from_numpy(bt), non_blocking=True)
         self.graphs[bucket].replay()
         return StepResult(self.logits[bucket][:b], [(i, 1) for i in range(b)])
+
+
+def _buckets(max_batch: int) -> list[int]:
+    b = [x for x in (1, 2, 4, 8) if x < max_batch] + list(range(16, max_batch + 1, 16))
+    if not b or b[-1] < max_batch:
+        b.append(max_batch)
+    return b
+
+
+class StepGraphs:
+    """CUDA graphs of small multi-token steps, captured lazily: speculative verify steps (1 + k
+    tokens per sequence, chains or trees), draft-model and early-exit draft steps, and mixed steps
+    whose sequences all feed few tokens.
+
+    A step with S sequences feeding n_i tokens each (max n_i <= MAX_Q) runs the graph of key
+    (bucket(S), Q, num_layers), Q the smallest query size >= max n_i (powers of two and the sizes the
+    speculative config registers): the tokens are packed as in the eager path and padded to
+    bucket(S) x Q rows that store nothing (slot -1); padded sequences have no queries and no keys.
+    Attention always goes through the paged kernel with a tree mask (the causal mask of a chain is
+    a lower triangle), so one graph serves chains, trees and mixed batches; its work list has
+    ceil(Q / queries per tile) tiles for every sequence slot, whatever the step's real lengths,
+    which the kernel reads from the static buffers. Logits are computed at every row (verify needs
+    them all) and copied into one output buffer shared by every graph.
+
+    A key is captured the CAPTURE_AFTER-th time it is seen (one-off shapes, like short prompts,
+    stay eager) and at most MAX_GRAPHS keys are captured.
+    """
+
+    MAX_Q = 16
+    MAX_TOKENS = 1024  # also: the shared float32 logits buffer stays under LOGITS_BYTES
+    LOGITS_BYTES = 256 << 20
+    MAX_GRAPHS = 64  # lazily captured ones (capture_all's come on top)
+    CAPTURE_AFTER = 2
+
+    def __init__(self, runner: ModelRunner, max_batch: int, cuda_graphs: bool = True) -> None:
+        self.runner = runner
+        self.cuda_graphs = cuda_graphs
+        dev = runner.device
+        c = runner.cfg
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.buckets = _buckets(max_batch)
+        n = self.buckets[-1]
+        t = self.max_tokens = max(self.MAX_Q, min(self.MAX_TOKENS, self.LOGITS_BYTES // (4 * c.vocab_size)))
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.slots = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        self.mask = torch.zeros(t, self.MAX_Q, dtype=torch.uint8, device=dev)
+        self.qsl = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.out_logits = torch.zeros(t, c.vocab_size, dtype=torch.float32, device=dev)
+        self.out_hidden = torch.zeros(t, c.hidden_size, dtype=runner.dtype, device=dev)
+        self.graphs: dict[tuple[int, int, int], Any] = {}
+        self.seen: dict[tuple[int, int, int], int] = {}
+        self.q_sizes = [x for x in (1, 2, 4, 8, 16) if x <= self.MAX_Q]
+        self.replays = 0  # steps served by this class (tests and stats)
+
+    def add_query_size(self, q: int) -> None:
+        """A query length that steps will often have (1 + k of a chain, 1 + nodes of a tree): graphs
+        are keyed by the smallest registered size >= the step's longest query."""
+        if 1 <= q <= self.MAX_Q and q not in self.q_sizes:
+            self.q_sizes = sorted(self.q_sizes + [q])
+
+    def capture_all(self, q: int, num_layers: Optional[int] = None) -> None:
+        """Capture now the graphs of every sequence bucket for steps of up to q tokens per sequence."""
+        nl = num_layers or self.runner.cfg.num_hidden_layers
+        q = next((x for x in self.q_sizes if x >= q), q)
+        t0 = time.perf_counter()
+        for b in reversed(self.buckets):
+            key = (b, q, nl)
+            if b * q <= self.max_tokens and key not in self.graphs and q <= self.MAX_Q:
+                self.graphs[key] = self._capture(key)
+        logger.info("captured verify-step graphs for %d tokens per sequence in %.2f s", q, time.perf_counter() - t0)
+
+    def _key(self, qlens: list[int], tree_mask: Optional[torch.Tensor], num_layers: Optional[int]):
+        s, q = len(qlens), max(qlens)
+        if s > self.buckets[-1] or q > self.MAX_Q:
+            return None
+        q = next(x for x in self.q_sizes if x >= q)
+        if tree_mask is not None and tree_mask.shape[1] > self.MAX_Q:
+            return None
+        b = next(x for x in self.buckets if x >= s)
+        if b * q > self.max_tokens:
+            return None
+        nl = num_layers or self.runner.cfg.num_hidden_layers
+        return b, q, nl
+
+    def _forward(self, key) -> None:
+        b, q, nl = key
+        r = self.runner
+        t = b * q
+        meta = AttentionMetadata(
+            query_start_loc=self.qsl[: b + 1], seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
+            slot_mapping=self.slots[:t], query_lens_cpu=[q] * b, seq_lens_cpu=[q + 1] * b,
+            block_size=r.block_size, tree_mask=self.mask[:t],
+        )
+        plan = r.backend.plan(meta)
+        layers = None if nl == r.cfg.num_hidden_layers else nl
+
+        def fwd() -> None:
+            h = r.model(self.input_ids[:t], self.positions[:t], r.kv_caches, r.backend, plan, layers)
+            self.out_hidden[:t].copy_(h)
+            self.out_logits[:t].copy_(r.model.compute_logits(h))
+
+        return fwd
+
+    def _capture(self, key) -> tuple[Any, Any]:
+        """(graph or None, the forward). The forward -- and through it the plan, whose tile list the
+        captured kernels read -- must live as long as the graph."""
+        fwd = self._forward(key)
+        if not self.cuda_graphs:
+            return None, fwd
+        r = self.runner
+        # warm-up outside the capture (Triton compiles, the skinny-GEMM choice, the plan's tile list)
+        # with no sequence: nothing is read or stored
+        self.qsl.zero_()
+        self.seq_lens.zero_()
+        self.slots.fill_(-1)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fwd()
+        torch.cuda.current_stream().wait_stream(s)
+        # capture_begin/end on a side stream: what torch.cuda.graph does, minus its gc.collect() and
+        # empty_cache(), which cost tens of ms in the middle of serving
+        g = torch.cuda.CUDAGraph()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            g.capture_begin(pool=r.graph_pool)
+            try:
+                fwd()
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream().wait_stream(s)
+        if r.graph_pool is None:
+            r.graph_pool = g.pool()
+        return g, fwd
+
+    def run(self, ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers):
+        """The step through a graph, or None (not eligible / not captured yet: run it eagerly)."""
+        key = self._key(qlens, tree_mask, num_layers)
+        if key is None:
+            return None
+        entry = self.graphs.get(key)
+        if entry is None:
+            seen = self.seen[key] = self.seen.get(key, 0) + 1
+            if seen < self.CAPTURE_AFTER or len(self.graphs) >= self.MAX_GRAPHS:
+                return None
+            entry = self.graphs[key] = self._capture(key)
+        b, q, _ = key
+        s, n, t = len(qlens), len(ids), b * q
+        nb = self.runner.device.type == "cuda"
+        pad = t - n
+        qsl = np.zeros(b + 1, dtype=np.int32)
+        np.cumsum(qlens, out=qsl[1 : s + 1])
+        qsl[s + 1 :] = n
+        lens = np.zeros(b, dtype=np.int32)
+        lens[:s] = seq_lens
+        bt = np.zeros((b, self.max_blocks), dtype=np.int32)
+        for i, table in enumerate(block_tables):
+            bt[i, : len(table)] = table
+        self.input_ids[:t].copy_(torch.tensor(ids + [0] * pad), non_blocking=nb)
+        self.positions[:t].copy_(torch.tensor(list(pos) + [0] * pad), non_blocking=nb)
+        self.slots[:t].copy_(torch.tensor(slots + [-1] * pad), non_blocking=nb)
+        self.qsl[: b + 1].copy_(torch.from_numpy(qsl), non_blocking=nb)
+        self.seq_lens[:b].copy_(torch.from_numpy(lens), non_blocking=nb)
+        self.block_tables[:b].copy_(torch.from_numpy(bt), non_blocking=nb)
+        if tree_mask is None:  # causal within each sequence's new tokens
+            local = np.arange(n) - np.repeat(qsl[:s], qlens)
+            m = (np.arange(self.MAX_Q)[None, :] <= local[:, None]).astype(np.uint8)
+            self.mask[:n].copy_(torch.from_numpy(m), non_blocking=nb)
+        else:
+            self.mask[:n].zero_()
+            self.mask[:n, : tree_mask.shape[1]].copy_(tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool
+                                                       else tree_mask)
+        graph, fwd = entry
+        if graph is not None:
+            graph.replay()
+        else:
+            fwd()
+        self.replays += 1
+        out_rows = [(logit_idx[first], cnt) if cnt else (0, 0) for first, cnt in rows]
+        # logits: valid until the next step; hidden rows outlive it (Medusa keeps them), hence a copy
+        return StepResult(self.out_logits[:n], out_rows, self.out_hidden[:n].clone())

@@ -131,6 +131,11 @@ class SpecDecoder:
     def name(self) -> str:
         return self.method
 
+    @property
+    def max_draft_nodes(self) -> int:
+        """The most draft tokens one request verifies in a step (chain length or tree size)."""
+        return self.k
+
     # -- construction (models now, KV once the engine has sized its pool) ------------------------
     def _load(self) -> None:
         eng, c = self.engine, self.config
@@ -207,6 +212,23 @@ class SpecDecoder:
             m = eng.runner.model
             w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
             self.proposer = MedusaProposer(self._medusa, w, c.expansion)
+        if not eng.config.enforce_eager:
+            self._enable_graphs()
+
+    def _enable_graphs(self) -> None:
+        """CUDA graphs for verify and draft steps (ModelRunner.StepGraphs): the target's verify step
+        of 1 + k tokens per sequence is captured now for every batch bucket, like plain decode steps;
+        other shapes (fewer drafts, draft steps) are captured when they recur."""
+        eng = self.engine
+        max_batch = min(eng.config.max_num_seqs, 256)
+        for r in {id(x): x for x in (eng.runner, self.draft_runner) if x is not None}.values():
+            if r.step_graphs is None:
+                r.enable_step_graphs(max_batch)
+            if r.step_graphs is not None:
+                r.step_graphs.add_query_size(1 + self.max_draft_nodes)
+        sg = eng.runner.step_graphs
+        if sg is not None:
+            sg.capture_all(1 + self.max_draft_nodes)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def remove_request(self, req: Request) -> None:

@@ -65,3 +65,29 @@ def test_chain_and_tree_lossless_on_cuda() -> None:
     trees = build_trees(lambda _r, p: draft.probs_of_paths(p), cpu.NT, ExpansionConfig([3, 2]), sample=True, generator=g)
     emitted = cpu._verify_trees_on(target, trees, g)
     assert cpu.chi2_pvalue(cpu.first_two(emitted, ref_t, gc), cpu.joint_first_two(ref_t)) > cpu.ALPHA
+
+
+def test_spec_step_graphs_equal_eager_and_plain() -> None:
+    """Verify / draft steps replayed from CUDA graphs give plain greedy's tokens (float32, dummy
+    smollm2 config): n-gram chain, n-gram tree, early-exit tree."""
+    from pageflash import LLM, SamplingParams
+
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(n)] for i, n in enumerate((5, 17, 33, 64, 100))]
+    prompts += [[5, 6, 7, 8, 9] * 8]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kw = dict(load_format="dummy", max_model_len=512, num_kv_blocks=512, dtype="float32")
+
+    def run(**extra):
+        llm = LLM("smollm2-135m", **kw, **extra)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    plain, _ = run(enforce_eager=True)
+    for spec in (dict(method="ngram", num_speculative_tokens=4), dict(method="ngram", tree=[2], num_speculative_tokens=6),
+                 dict(method="early_exit", num_layers=8, tree=[2, 1, 1])):
+        got, llm = run(speculative_config=spec)
+        sg = llm.llm_engine.runner.step_graphs
+        assert sg is not None and sg.replays > 0 and sg.graphs, spec
+        assert got == plain, spec
+        eng = llm.llm_engine
+        assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
