@@ -16,7 +16,8 @@ from pageflash.spec.tree import DraftTree, ExpansionConfig
 
 
 def lookup_ref(tokens: list[int], n_min: int, n_max: int, k: int) -> Optional[list[int]]:
-    """Plain loops: longest n first, most recent earlier window, the tokens after it."""
+    """Plain loops: longest n first, most recent earlier window, the k tokens after it, copying on
+    into the copy itself past the end."""
     length = len(tokens)
     if k <= 0:
         return None
@@ -24,7 +25,10 @@ def lookup_ref(tokens: list[int], n_min: int, n_max: int, k: int) -> Optional[li
         suffix = tokens[length - n :]
         for start in range(length - n - 1, -1, -1):  # the window ends before the last token
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                ext = list(tokens)
+                for i in range(k):
+                    ext.append(ext[start + n + i])
+                return ext[length:]
     return None
 
 
@@ -33,10 +37,10 @@ def test_ngram_examples() -> None:
     assert ngram_lookup([1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 7, 1, 2, 3], 1, 4, 3).tolist() == [9, 9, 7]
     # The longest n wins over a more recent shorter match: "5 6" (n=2) beats "6" (n=1).
     assert ngram_lookup([5, 6, 8, 8, 6, 0, 5, 6], 1, 4, 2).tolist() == [8, 8]
-    # Near the end the continuation is shorter than k.
-    assert ngram_lookup([1, 2, 3, 1, 2], 1, 3, 5).tolist() == [3, 1, 2]
+    # Near the end the copy reads on into its own tokens: the period "1 2 3" continues.
+    assert ngram_lookup([1, 2, 3, 1, 2], 1, 3, 5).tolist() == [3, 1, 2, 3, 1]
     # A match may overlap the suffix (runs).
-    assert ngram_lookup([7, 7, 7, 7], 1, 4, 3).tolist() == [7]
+    assert ngram_lookup([7, 7, 7, 7], 1, 4, 3).tolist() == [7, 7, 7]
     assert ngram_lookup([1, 2, 3, 4], 1, 4, 3) is None
     assert ngram_lookup([1, 2, 1], 2, 4, 3) is None  # only a 1-gram match, n_min = 2
     assert ngram_lookup([5], 1, 4, 3) is None
@@ -57,11 +61,13 @@ def test_ngram_matches_reference_and_is_a_true_continuation(tokens, n_min, extra
     assert (None if got is None else got.tolist()) == ref
     if got is not None:
         prop = got.tolist()
-        assert 1 <= len(prop) <= k
-        # Some n in [n_min, n_max] and an earlier window equal to the suffix are followed by prop.
+        assert len(prop) == k
+        # Some n in [n_min, n_max] and an earlier window equal to the suffix are followed by prop
+        # (in the text continued by prop itself).
         length = len(tokens)
+        ext = tokens + prop
         assert any(
-            tokens[s : s + n] == tokens[length - n :] and tokens[s + n : s + n + len(prop)] == prop
+            tokens[s : s + n] == tokens[length - n :] and ext[s + n : s + n + k] == prop
             for n in range(n_min, min(n_max, length - 1) + 1)
             for s in range(0, length - n)
         )

@@ -19,8 +19,10 @@ def ngram_lookup(tokens: Union[Sequence[int], np.ndarray], n_min: int, n_max: in
 
     Tries n = n_max down to n_min: the last n tokens are matched against every earlier window (a
     match may overlap the suffix, but is never the suffix itself); among the matches of the longest
-    n that has any, the most recent wins, and the tokens after it are proposed (fewer than k when
-    the match sits near the end). Returns int64 [<= k] or None.
+    n that has any, the most recent wins, and the tokens after it are proposed. When the match sits
+    near the end, the copy reads on into the tokens it has just proposed (as an LZ77 copy with
+    overlap): a text that repeats with period d keeps being drafted d tokens at a time instead of
+    running out, which is what a model caught in a loop does. Returns int64 [k] or None.
 
     O(L) vectorized: one comparison pass finds the 1-gram matches, then each longer n only filters
     the survivors, so long contexts cost one numpy pass, not one per n.
@@ -43,7 +45,14 @@ def ngram_lookup(tokens: Union[Sequence[int], np.ndarray], n_min: int, n_max: in
     if best_n < n_min:
         return None
     j = int(best[-1])  # flatnonzero is ascending: the last one is the most recent
-    return arr[j + 1 : j + 1 + k]
+    return _copy_from(arr, j + 1, k)
+
+
+def _copy_from(arr: np.ndarray, start: int, k: int) -> np.ndarray:
+    """k tokens copied from arr[start:], reading on into the copy itself past the end (periodic)."""
+    if start + k <= arr.shape[0]:
+        return arr[start : start + k]
+    return np.resize(arr[start:], k)  # np.resize repeats the period arr[start:] cyclically
 
 
 class NgramProposer:
@@ -78,8 +87,9 @@ def ngram_candidates(
     """Up to ``width`` distinct continuations (each <= k tokens) for a merged n-gram tree.
 
     Matches of the longest suffix n-gram come first, most recent first; then those of shorter n.
-    The first entry is what :func:`ngram_lookup` returns. Continuations equal to an earlier one are
-    skipped (their tokens, not their positions, decide).
+    The first entry is what :func:`ngram_lookup` returns (continuations copy on periodically past the
+    end, as there). Continuations equal to an earlier one are skipped (their tokens, not their
+    positions, decide).
     """
     arr = np.asarray(tokens, dtype=np.int64)
     length = arr.shape[0]
@@ -98,7 +108,7 @@ def ngram_candidates(
     seen: set[tuple[int, ...]] = set()
     for n in range(len(levels), n_min - 1, -1):
         for j in levels[n - 1][::-1].tolist():
-            cont = arr[j + 1 : j + 1 + k]
+            cont = _copy_from(arr, j + 1, k)
             key = tuple(cont.tolist())
             if cont.size and key not in seen:
                 seen.add(key)
