@@ -229,13 +229,17 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
             d = SpecDecoder(eng, cfg)
             d.bind(eng.kv.pool.num_blocks)
             decoders[m] = d
-    # Warm-up: every path once (Triton compiles, tree masks, the draft model).
-    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    eng.spec = None
-    _generate(eng, prompt_sets[a.tasks[0]][:2], warm, 2)
-    for d in decoders.values():
-        eng.spec = d
-        _generate(eng, prompt_sets[a.tasks[0]][:2], warm, 2)
+    # Warm-up: every path at every batch size, twice (Triton compiles, tree masks, the draft model,
+    # and the CUDA graphs of verify / draft step shapes, captured when a shape recurs).
+    warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    t0 = time.perf_counter()
+    for b in sorted(set(a.batch_size)):
+        wp = prompt_sets[a.tasks[0]][:b]
+        for d in [None, *decoders.values()]:
+            eng.spec = d
+            for _ in range(2):
+                _generate(eng, wp, warm, b)
+    log(f"warm-up {time.perf_counter() - t0:.1f} s")
 
     rows: list[dict[str, Any]] = []
     for task in a.tasks:
