@@ -196,7 +196,7 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
                 lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits, counters=counters), graph=True)
         if sweep:
             res = {}
-            for bn, w, s in [(64, 4, 3), (64, 4, 4), (128, 4, 3)]:
+            for bn, w, s in [(64, 4, 3), (64, 4, 4), (64, 4, 2), (64, 8, 3), (32, 4, 3), (128, 4, 3), (128, 8, 3)]:
                 cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=s)
                 for sp in sorted({max(1, splits // 2), splits, splits * 2}):
                     for fused in (False,):
