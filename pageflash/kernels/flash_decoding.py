@@ -29,7 +29,8 @@ __all__ = ["flash_decode", "flash_decode_ref", "choose_num_splits", "decode_conf
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# num_splits is not specialized: the batch buckets' split counts share one compile (cold start)
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     Q, KC, VC, O, PO, PLSE, BT, SEQ_LENS, COUNTERS,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -126,7 +127,7 @@ def _decode_split_kernel(
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # reset for the next launch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_combine_kernel(
     O, PO, PLSE, stride_ob, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# M is not specialized: one compile per config serves every decode batch size (cold start)
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
