@@ -54,8 +54,8 @@ def run(spec):
     print(f"spec={spec}: {n / wall:.1f} tok/s, {ex['n']} steps, {wall / ex['n'] * 1e3:.2f} ms/step, "
           f"execute {ex['t'] / ex['n'] * 1e3:.2f} ms/step, accepted/step {eng.get_stats().get('spec')}")
     s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("cumtime").print_stats(22)
-    print(s.getvalue()[-6000:])
+    pstats.Stats(pr, stream=s).sort_stats(os.environ.get("SORT", "cumtime")).print_stats(int(os.environ.get("ROWS", "22")))
+    print(s.getvalue()[-9000:])
 
 
 run(None)
