@@ -188,6 +188,8 @@ def test_flash_decode_empty_sequence_slot(splits, fused):
         ([(0, 9), (0, 1), (0, 20)], False),  # fresh prefill: contiguous varlen kernel
         ([(0, 9), (17, 1), (3, 16)], False),  # mixed prefill + decode
         ([(12, 4), (0, 3)], True),  # tree decode
+        ([(300, 4), (20, 3)], True),  # tree verify over a long context: keys split (Flash-Decoding)
+        ([(290, 5)], False),  # chain verify over a long context: keys split
     ],
 )
 def test_backend_vs_torch(specs, tree, dtype):
@@ -199,8 +201,28 @@ def test_backend_vs_torch(specs, tree, dtype):
     plan = be.plan(meta)
     assert plan.decode == meta.is_decode_only
     assert plan.fresh_prefill == (not plan.decode and not tree and all(c == 0 for c, _ in specs))
+    if max(meta.query_lens_cpu) > 1 and max(meta.seq_lens_cpu) > 256:  # the split path is taken
+        from pageflash.kernels.backend import MAX_SPLIT_QUERY_LEN
+        from pageflash.kernels.flash_decoding import choose_num_splits as cns
+
+        assert meta.max_query_len <= MAX_SPLIT_QUERY_LEN and cns(len(specs), 2, plan.max_kv_len, 4) > 1
     out1 = be.forward(q, k, v, kc2, vc2, plan, 0.125)
     out2 = be.forward(q, k, v, kc2, vc2, plan, 0.125)  # second layer: cached plan pieces
     assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
     assert rel_err(out1, ref) < TOL[dtype]
     assert torch.equal(out1, out2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tree,splits", [(False, 2), (False, 5), (True, 3), (True, 8)])
+def test_paged_split_keys(tree, splits, dtype):
+    """Keys split over programs (Flash-Decoding for multi-token verify), partials combined by LSE: equal
+    to the reference for chains and trees, including splits with no keys (short sequences)."""
+    specs = [(70, 4), (1, 3), (33, 6), (0, 2)]
+    q, k, v, kc, vc, meta = make_case(specs, 8, 2, 64, 8, dtype, tree=tree, seed=splits)
+    TorchBackend().forward(q, k, v, kc, vc, meta, 0.0)
+    ref = paged_attention_ref(q, kc, vc, meta, 0.125)
+    out = paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125,
+                          meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask,
+                          config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1), num_splits=splits)
+    assert rel_err(out, ref) < TOL[dtype]

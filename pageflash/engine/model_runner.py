@@ -364,10 +364,11 @@ class StepGraphs:
         self.replays = 0  # steps served by this class (tests and stats)
 
     def add_query_size(self, q: int) -> None:
-        """A query length that steps will often have (1 + k of a chain, 1 + nodes of a tree): graphs
-        are keyed by the smallest registered size >= the step's longest query."""
-        if 1 <= q <= self.MAX_Q and q not in self.q_sizes:
-            self.q_sizes = sorted(self.q_sizes + [q])
+        """The query length of verify steps (1 + k of a chain, 1 + nodes of a tree): graphs are keyed by
+        the smallest size >= the step's longest query, and steps of 2 .. q tokens (fewer drafts near
+        max_tokens, adaptive k) all pad to q, so that they share the graphs captured up front."""
+        if 1 <= q <= self.MAX_Q:
+            self.q_sizes = sorted({1, q} | {x for x in self.q_sizes if x > q})
 
     def capture_all(self, q: int, num_layers: Optional[int] = None) -> None:
         """Capture now the graphs of every sequence bucket for steps of up to q tokens per sequence."""

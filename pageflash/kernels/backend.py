@@ -23,6 +23,12 @@ from pageflash.layers.attention import AttentionMetadata, register_backend
 
 __all__ = ["TritonBackend", "TritonPlan"]
 
+# Steps whose longest query is at most this many tokens (speculative verify, small mixed steps) split
+# each sequence's keys over several programs like Flash-Decoding when the tiles alone leave SMs idle;
+# the split count comes from static quantities only (tile count, block-table width), so CUDA graphs
+# of these steps stay valid. Longer queries (prefill chunks) have tiles enough.
+MAX_SPLIT_QUERY_LEN = 16
+
 
 @dataclass
 class TritonPlan:
@@ -133,10 +139,18 @@ class TritonBackend:
         group = q.shape[1] // hkv
         cfg = prefill_config(q.shape[2], group, meta.max_query_len, q.dtype, q.device)
         per_tile = cfg["BLOCK_M"] // _pow2(group)
+        tiles = plan.tiles_for(per_tile, q.device)
+        splits = 1
+        if meta.max_query_len <= MAX_SPLIT_QUERY_LEN:  # few queries over the cache (verify steps): split the keys
+            # a tile of BLOCK_M rows weighs like BLOCK_M / 16 decode programs (H100: at 64 sequences x 6
+            # queries 2 splits won 41 -> 33 us, at 64 x 16 they lost 37 -> 47 us; at 1-16 sequences
+            # 4-16 splits won 24 -> 9-12 us: scripts/bench_verify_attn.py)
+            weight = max(1, cfg["BLOCK_M"] // 16)
+            splits = choose_num_splits(tiles[0].numel() * weight, hkv, plan.max_kv_len, plan.num_sms)
         return paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
             meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask,
-            tiles=plan.tiles_for(per_tile, q.device), config=cfg,
+            tiles=tiles, config=cfg, num_splits=splits,
         )
 
 

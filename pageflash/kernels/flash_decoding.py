@@ -252,7 +252,7 @@ def flash_decode(
         _decode_combine_kernel[(hq, b)](
             o, po, plse, o.stride(0), o.stride(1), num_splits,
             NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if d >= 128 else 2,
+            BLOCK_S=max(16, triton.next_power_of_2(num_splits)), num_warps=4 if d >= 128 else 2,
         )
     return o
 

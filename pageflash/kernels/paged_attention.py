@@ -91,20 +91,21 @@ def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_prefill_kernel(
-    Q, KC, VC, O, BT, SEQ_LENS, QSL, TILE_SEQ, TILE_QB, TREE,
+    Q, KC, VC, O, PO, PLSE, BT, SEQ_LENS, QSL, TILE_SEQ, TILE_QB, TREE,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
     stride_bt, stride_tree,
-    qk_scale,
+    qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    USE_TREE: tl.constexpr, PREC: tl.constexpr,
+    USE_TREE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(TILE_SEQ + tile)
     qb = tl.load(TILE_QB + tile)
     q_start = tl.load(QSL + seq)
@@ -139,18 +140,36 @@ def _paged_prefill_kernel(
         shared_end = ctx + qb * (BLOCK_M // GROUP_PAD)
         kv_end = tl.minimum(seq_len, shared_end + BLOCK_M // GROUP_PAD)
     full = shared_end - shared_end % BLOCK_N
+    if SPLIT:  # Flash-Decoding over the keys: this program takes one BLOCK_N-aligned chunk of [0, kv_end)
+        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_end)
+    else:
+        lo = 0
+        hi = kv_end
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
-                                 0, full, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale,
-                                 offs_n, offs_d, False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC)
+                                 lo, tl.minimum(full, hi), seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
+                                 qk_scale, offs_n, offs_d, False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE,
+                                 PREC)
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
-                                 full, kv_end, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale,
-                                 offs_n, offs_d, True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC)
+                                 tl.maximum(full, lo), hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
+                                 qk_scale, offs_n, offs_d, True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE,
+                                 PREC)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
-    o_ptrs = O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    if SPLIT:
+        # partials PO [T, Hq, num_splits, D] fp32 and PLSE [T, Hq, num_splits] (log2 domain), combined
+        # by flash_decoding's combine kernel
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        prow = (q_row * (GROUP * tl.num_programs(1)) + head) * num_splits + split
+        tl.store(PO + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=ok)
+        tl.store(PLSE + prow, lse, mask=row_ok)
+    else:
+        o_ptrs = O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=ok)
 
 
 def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -199,13 +218,17 @@ def paged_attention(
     tree_mask: Optional[torch.Tensor] = None,
     tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     config: Optional[dict] = None,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """Attention of the new queries over the paged cache (their K/V already stored).
 
     q: [T, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D]; query_start_loc int32 [S+1];
     seq_lens int32 [S]; block_tables int32 [S, W]; tree_mask bool/uint8 [T, >= max_query_len] or None
     (causal). query_lens_cpu/seq_lens_cpu: host lists (tile sizing, no sync). tiles: a work list from
-    :func:`build_tiles` for the config's queries per tile (built here when None). Returns [T, Hq, D].
+    :func:`build_tiles` for the config's queries per tile (built here when None). num_splits > 1:
+    each (tile, KV head) splits its keys over that many programs whose partial outputs are combined
+    by log-sum-exp (Flash-Decoding for few queries over a long context: speculative verify steps).
+    Returns [T, Hq, D].
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -254,18 +277,42 @@ def paged_attention(
             tree_mask = tree_mask.view(torch.uint8)
         if tree_mask.stride(1) != 1:
             tree_mask = tree_mask.contiguous()
-    _paged_prefill_kernel[(tile_seq.numel(), hkv)](
-        q, k_cache, v_cache, o, block_tables, seq_lens, query_start_loc, tile_seq, tile_qb,
+    if num_splits < 1:
+        raise ValueError(f"paged_attention: num_splits must be >= 1, got {num_splits}")
+    split = num_splits > 1
+    if split:
+        po = torch.empty((t, hq, num_splits, d), device=q.device, dtype=torch.float32)
+        plse = torch.empty((t, hq, num_splits), device=q.device, dtype=torch.float32)
+    else:
+        po = plse = o
+    block_d = max(16, triton.next_power_of_2(d))
+    _paged_prefill_kernel[(tile_seq.numel(), hkv, num_splits)](
+        q, k_cache, v_cache, o, po, plse, block_tables, seq_lens, query_start_loc, tile_seq, tile_qb,
         tree_mask if tree_mask is not None else q,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), tree_mask.stride(0) if tree_mask is not None else 0,
-        scale * LOG2E,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        scale * LOG2E, num_splits,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page,
-        USE_TREE=tree_mask is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_TREE=tree_mask is not None, SPLIT=split, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split:
+        from pageflash.kernels.flash_decoding import _decode_combine_kernel
+
+        # rows no tile wrote (padding rows of a CUDA-graph step) get lse -inf from every split: a zero output
+        _decode_combine_kernel[(hq, t)](
+            o, po, plse, o.stride(0), o.stride(1), num_splits,
+            NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
+            BLOCK_S=combine_block_s(num_splits), num_warps=4 if d >= 128 else 2,
+        )
     return o
+
+
+def combine_block_s(num_splits: int) -> int:
+    """The split-combine kernel's tile over splits: at least 16, so that the split counts of the batch
+    buckets share a few compiles (cold start, and no compile when a new bucket's graph is captured)."""
+    return max(16, triton.next_power_of_2(num_splits))
 

@@ -300,3 +300,15 @@ def test_backend_vs_torch_gpu(specs, tree):
     out = be.forward(q, k, v, kc2, vc2, be.plan(meta), 0.09)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("splits", [4, 33])
+def test_paged_split_keys_gpu(tree, splits):
+    """Verify-step shapes (few queries over long contexts) with the keys split over programs."""
+    q, k, v, kc, vc, meta = make_case([(5000, 6), (17, 6), (1200, 3), (0, 2)], 32, 8, 128, 16, tree=tree, seed=splits)
+    store_kv_ref(k, v, kc, vc, meta.slot_mapping)
+    ref = paged_attention_ref(q, kc, vc, meta, 128**-0.5)
+    out = paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 128**-0.5,
+                          meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask, num_splits=splits)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
