@@ -361,14 +361,19 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int, int], Any] = {}
         self.seen: dict[tuple[int, int, int], int] = {}
         self.q_sizes = [x for x in (1, 2, 4, 8, 16) if x <= self.MAX_Q]
+        self.registered: set[int] = set()
         self.replays = 0  # steps served by this class (tests and stats)
 
     def add_query_size(self, q: int) -> None:
-        """The query length of verify steps (1 + k of a chain, 1 + nodes of a tree): graphs are keyed by
-        the smallest size >= the step's longest query, and steps of 2 .. q tokens (fewer drafts near
-        max_tokens, adaptive k) all pad to q, so that they share the graphs captured up front."""
+        """A query length of verify steps (1 + k of a chain, 1 + nodes of a tree, 1 + the adaptive
+        controller's probe k): graphs are keyed by the smallest registered size >= the step's longest
+        query, so steps with fewer drafts (near max_tokens, adaptive k) pad up to a registered size
+        and share the graphs captured up front. The default powers of two below the largest
+        registered size are dropped; those above it stay (longer steps)."""
         if 1 <= q <= self.MAX_Q:
-            self.q_sizes = sorted({1, q} | {x for x in self.q_sizes if x > q})
+            self.registered.add(q)
+            top = max(self.registered)
+            self.q_sizes = sorted({1} | self.registered | {x for x in self.q_sizes if x > top})
 
     def capture_all(self, q: int, num_layers: Optional[int] = None) -> None:
         """Capture now the graphs of every sequence bucket for steps of up to q tokens per sequence."""

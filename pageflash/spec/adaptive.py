@@ -302,25 +302,36 @@ class SpecController:
             extra += self._state(proposer).propose_cost.get(_bucket(num_seqs), 0.0) / base
         return max(cfg.probe_interval, int(np.ceil(cfg.probe_steps * max(extra, 0.0) / cfg.probe_budget)))
 
+    def skip_step(self, proposer: str, num_seqs: int) -> bool:
+        """The cheap part of :meth:`choose`, which it runs first: True when this step goes without
+        drafts whatever the requests (no plain-decode baseline at this batch size yet, or off between
+        evaluations), so that the caller can skip building its per-request inputs. Counts the step;
+        a False answer must be followed by ``choose(..., prechecked=True)``."""
+        st = self._state(proposer)
+        if not self.costs.has_baseline(num_seqs):
+            return True  # measure plain decode at this batch size first: every decision needs it
+        st.steps_in_mode += 1
+        # off: decide again every few steps only, so plain steps stay cheap
+        return not st.on and st.probing == 0 and st.steps_in_mode % self.config.off_eval_interval != 0
+
     def choose(
-        self, request_ids: Sequence[str], proposer: str = "default", max_k: Optional[Sequence[int]] = None
+        self, request_ids: Sequence[str], proposer: str = "default", max_k: Optional[Sequence[int]] = None,
+        prechecked: bool = False,
     ) -> list[int]:
         """k for each request this step (0 = no drafts). max_k optionally caps each request
-        (remaining max_tokens, room left in the context window)."""
+        (remaining max_tokens, room left in the context window). prechecked: skip_step was called
+        for this step and said False."""
         cfg = self.config
         st = self._state(proposer)
         bsz = len(request_ids)
         if bsz == 0:
             return []
         zeros = [0] * bsz
+        if not prechecked and self.skip_step(proposer, bsz):
+            return zeros
         caps = [cfg.k_max] * bsz if max_k is None else [max(0, min(cfg.k_max, m)) for m in max_k]
         for r in request_ids:
             st.idle[r] = st.idle.get(r, 0) + 1
-        if not self.costs.has_baseline(bsz):
-            return zeros  # measure plain decode at this batch size first: every decision needs it
-        st.steps_in_mode += 1
-        if not st.on and st.probing == 0 and st.steps_in_mode % cfg.off_eval_interval:
-            return zeros  # off: decide again every few steps only, so plain steps stay cheap
         ks, speedup = self.allocate(proposer, [self.alpha(proposer, r) for r in request_ids], caps)
         st.last_speedup = speedup
 

@@ -221,14 +221,19 @@ class SpecDecoder:
         other shapes (fewer drafts, draft steps) are captured when they recur."""
         eng = self.engine
         max_batch = min(eng.config.max_num_seqs, 256)
+        sizes = [1 + self.max_draft_nodes]
+        if self.ctrl is not None and not self.is_tree:  # the adaptive controller's probes
+            sizes.append(1 + self.ctrl.config.probe_k)
         for r in {id(x): x for x in (eng.runner, self.draft_runner) if x is not None}.values():
             if r.step_graphs is None:
                 r.enable_step_graphs(max_batch)
             if r.step_graphs is not None:
-                r.step_graphs.add_query_size(1 + self.max_draft_nodes)
+                for q in sizes:
+                    r.step_graphs.add_query_size(q)
         sg = eng.runner.step_graphs
         if sg is not None:
-            sg.capture_all(1 + self.max_draft_nodes)
+            for q in sizes:
+                sg.capture_all(q)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def remove_request(self, req: Request) -> None:
@@ -254,6 +259,8 @@ class SpecDecoder:
         cands = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
         if not cands:
             return
+        if self.ctrl is not None and self.ctrl.skip_step(self.name, len(cands)):
+            return  # speculation off this step: no per-request work at all
         caps, depth_caps = [], []
         for r in cands:
             p = r.params
@@ -263,7 +270,7 @@ class SpecDecoder:
             nodes = min(self.k, eng.max_model_len - r.num_tokens)
             caps.append(max(0, nodes if self.is_tree else min(nodes, left - 1)))
         if self.ctrl is not None:
-            ks = self.ctrl.choose([r.request_id for r in cands], self.name, caps)
+            ks = self.ctrl.choose([r.request_id for r in cands], self.name, caps, prechecked=True)
         else:
             ks = caps
         asked = [(r, k, d) for r, k, d in zip(cands, ks, depth_caps) if k > 0 and d > 0]
