@@ -169,6 +169,30 @@ class ModelRunner:
             seq_lens.append(c + n)
         return ids, pos, slots, qlens, seq_lens, logit_idx, rows
 
+    def metadata(
+        self, qlens: list[int], seq_lens: list[int], slots: list[int], block_tables: list[list[int]],
+        tree_mask: Optional[torch.Tensor] = None,
+    ) -> AttentionMetadata:
+        """A step's AttentionMetadata on the device, from prepare()'s host lists."""
+        dev = self.device
+        width = max(len(b) for b in block_tables)
+        bt = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for i, b in enumerate(block_tables):
+            bt[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(qlens, dtype=torch.int32).cumsum(0)
+        nb = dev.type == "cuda"
+        return AttentionMetadata(
+            query_start_loc=qsl.to(dev, non_blocking=nb),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=nb),
+            block_tables=bt.to(dev, non_blocking=nb),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=nb),
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
+            tree_mask=tree_mask,
+        )
+
     @torch.inference_mode()
     def execute(
         self,
@@ -182,7 +206,8 @@ class ModelRunner:
     ) -> StepResult:
         """Run one step. block_tables[i]: physical blocks of scheduled seq i.
         tree_mask / positions_override serve token-tree verification; num_layers early-exit drafts;
-        need_hidden: the result must carry hidden states (Medusa), so no CUDA-graph replay."""
+        need_hidden: the result must carry hidden states (Medusa): not the decode graphs (StepGraphs
+        carry them)."""
         self.copy_blocks(sched.block_copies)
         if (
             self.graphs is not None and tree_mask is None and positions_override is None and num_layers is None
@@ -198,24 +223,9 @@ class ModelRunner:
             res = sg.run(ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers)
             if res is not None:
                 return res
+        meta = self.metadata(qlens, seq_lens, slots, block_tables, tree_mask)
         dev = self.device
-        width = max(len(b) for b in block_tables)
-        bt = torch.zeros(len(block_tables), width, dtype=torch.int32)
-        for i, b in enumerate(block_tables):
-            bt[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
-        qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(qlens, dtype=torch.int32).cumsum(0)
         nb = dev.type == "cuda"
-        meta = AttentionMetadata(
-            query_start_loc=qsl.to(dev, non_blocking=nb),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=nb),
-            block_tables=bt.to(dev, non_blocking=nb),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=nb),
-            query_lens_cpu=qlens,
-            seq_lens_cpu=seq_lens,
-            block_size=self.block_size,
-            tree_mask=tree_mask,
-        )
         plan = self.backend.plan(meta)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=nb)
         positions = torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=nb)
@@ -239,9 +249,7 @@ class DecodeGraphs:
         self.runner = runner
         dev = runner.device
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        self.buckets = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch + 1, 16))
-        if not self.buckets or self.buckets[-1] < max_batch:
-            self.buckets.append(max_batch)
+        self.buckets = _buckets(max_batch)
         self.max_batch = self.buckets[-1]
         n = self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -269,17 +277,7 @@ class DecodeGraphs:
             plan = self.plans[b] = r.backend.plan(meta)  # the captured kernels may read its tensors
             fwd = lambda: r.model.compute_logits(  # noqa: E731
                 r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan))
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fwd()  # warm-up: Triton compiles and autotunes outside the capture
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=r.graph_pool):
-                self.logits[b] = fwd()
-            if r.graph_pool is None:
-                r.graph_pool = g.pool()
-            self.graphs[b] = g
+            self.graphs[b], self.logits[b] = _capture_graph(r, fwd)
         torch.cuda.synchronize()
 
     def run(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
@@ -306,6 +304,29 @@ class DecodeGraphs:
         self.block_tables[:bucket].copy_(torch.from_numpy(bt), non_blocking=True)
         self.graphs[bucket].replay()
         return StepResult(self.logits[bucket][:b], [(i, 1) for i in range(b)])
+
+
+def _capture_graph(runner: ModelRunner, fwd) -> tuple[Any, Any]:
+    """(CUDA graph of fwd, fwd's output in the graph's memory), captured into the runner's shared pool
+    after one warm-up run (Triton compiles, the skinny-GEMM choice, plan caches) outside the capture.
+    capture_begin/end on a side stream: what torch.cuda.graph does, minus its gc.collect() and
+    empty_cache(), which cost tens of ms when a graph is captured in the middle of serving."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fwd()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin(pool=runner.graph_pool)
+        try:
+            out = fwd()
+        finally:
+            g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    if runner.graph_pool is None:
+        runner.graph_pool = g.pool()
+    return g, out
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -424,30 +445,11 @@ class StepGraphs:
         fwd = self._forward(key)
         if not self.cuda_graphs:
             return None, fwd
-        r = self.runner
-        # warm-up outside the capture (Triton compiles, the skinny-GEMM choice, the plan's tile list)
-        # with no sequence: nothing is read or stored
+        # warm-up with no sequence: nothing is read or stored
         self.qsl.zero_()
         self.seq_lens.zero_()
         self.slots.fill_(-1)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fwd()
-        torch.cuda.current_stream().wait_stream(s)
-        # capture_begin/end on a side stream: what torch.cuda.graph does, minus its gc.collect() and
-        # empty_cache(), which cost tens of ms in the middle of serving
-        g = torch.cuda.CUDAGraph()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            g.capture_begin(pool=r.graph_pool)
-            try:
-                fwd()
-            finally:
-                g.capture_end()
-        torch.cuda.current_stream().wait_stream(s)
-        if r.graph_pool is None:
-            r.graph_pool = g.pool()
+        g, _ = _capture_graph(self.runner, fwd)
         return g, fwd
 
     def run(self, ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers):
@@ -494,5 +496,5 @@ class StepGraphs:
             fwd()
         self.replays += 1
         out_rows = [(logit_idx[first], cnt) if cnt else (0, 0) for first, cnt in rows]
-        # logits: valid until the next step; hidden rows outlive it (Medusa keeps them), hence a copy
-        return StepResult(self.out_logits[:n], out_rows, self.out_hidden[:n].clone())
+        # views of the shared output buffers: valid until the next step (a consumer that keeps rows copies them)
+        return StepResult(self.out_logits[:n], out_rows, self.out_hidden[:n])

@@ -249,12 +249,20 @@ def flash_decode(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1 and not fused:
-        _decode_combine_kernel[(hq, b)](
-            o, po, plse, o.stride(0), o.stride(1), num_splits,
-            NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=max(16, triton.next_power_of_2(num_splits)), num_warps=4 if d >= 128 else 2,
-        )
+        combine_partials(o, po, plse)
     return o
+
+
+def combine_partials(o: torch.Tensor, po: torch.Tensor, plse: torch.Tensor) -> None:
+    """o[r, h] = the splits' partial outputs po [R, Hq, S, D] (fp32) weighted by their log2-domain
+    log-sum-exps plse [R, Hq, S]; a row whose splits are all empty (lse -inf) becomes zeros. The tile
+    over splits is at least 16, so that the batch buckets' split counts share a few compiles."""
+    rows, hq, num_splits, d = po.shape
+    _decode_combine_kernel[(hq, rows)](
+        o, po, plse, o.stride(0), o.stride(1), num_splits,
+        NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_S=max(16, triton.next_power_of_2(num_splits)), num_warps=4 if d >= 128 else 2,
+    )
 
 
 def flash_decode_ref(

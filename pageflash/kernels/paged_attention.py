@@ -285,7 +285,6 @@ def paged_attention(
         plse = torch.empty((t, hq, num_splits), device=q.device, dtype=torch.float32)
     else:
         po = plse = o
-    block_d = max(16, triton.next_power_of_2(d))
     _paged_prefill_kernel[(tile_seq.numel(), hkv, num_splits)](
         q, k_cache, v_cache, o, po, plse, block_tables, seq_lens, query_start_loc, tile_seq, tile_qb,
         tree_mask if tree_mask is not None else q,
@@ -294,25 +293,14 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), tree_mask.stride(0) if tree_mask is not None else 0,
         scale * LOG2E, num_splits,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=block_d,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page,
         USE_TREE=tree_mask is not None, SPLIT=split, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:
-        from pageflash.kernels.flash_decoding import _decode_combine_kernel
+        from pageflash.kernels.flash_decoding import combine_partials
 
         # rows no tile wrote (padding rows of a CUDA-graph step) get lse -inf from every split: a zero output
-        _decode_combine_kernel[(hq, t)](
-            o, po, plse, o.stride(0), o.stride(1), num_splits,
-            NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=combine_block_s(num_splits), num_warps=4 if d >= 128 else 2,
-        )
+        combine_partials(o, po, plse)
     return o
-
-
-def combine_block_s(num_splits: int) -> int:
-    """The split-combine kernel's tile over splits: at least 16, so that the split counts of the batch
-    buckets share a few compiles (cold start, and no compile when a new bucket's graph is captured)."""
-    return max(16, triton.next_power_of_2(num_splits))
-

@@ -326,6 +326,9 @@ class SpecDecoder:
         """Verify this step's drafts and emit their tokens; returns the touched group ids."""
         spec = [(i, s) for i, s in enumerate(sched.seqs) if s.num_spec_tokens > 0]
         if self.needs_hidden and result.hidden is not None:
+            # requests keep rows of it across steps; a graph-replayed step's hidden is a view of a
+            # buffer the next step overwrites
+            result.hidden = result.hidden.clone()
             for (start, count), s in zip(result.rows, sched.seqs):
                 if count and not s.num_spec_tokens and not s.request.is_finished:
                     _state(s.request).hidden = result.hidden[start]

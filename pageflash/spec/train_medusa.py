@@ -41,7 +41,6 @@ def forward_hidden(engine, seqs: Sequence[Sequence[int]], max_tokens: int = 8192
     sequences per forward up to max_tokens tokens.
     """
     from pageflash.engine.scheduler import ScheduledSeq, SchedulerOutput
-    from pageflash.layers.attention import AttentionMetadata
     from pageflash.spec.draft import Feed
 
     runner, kv = engine.runner, engine.kv
@@ -64,17 +63,7 @@ def forward_hidden(engine, seqs: Sequence[Sequence[int]], max_tokens: int = 8192
             tables = [kv.block_ids(r) for r in ids]
             tok, pos, slots, qlens, seq_lens, _, _ = runner.prepare(sched, tables)
             dev = runner.device
-            width = max(len(t) for t in tables)
-            bt = torch.zeros(len(tables), width, dtype=torch.int32)
-            for r, t in enumerate(tables):
-                bt[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
-            qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
-            qsl[1:] = torch.tensor(qlens, dtype=torch.int32).cumsum(0)
-            meta = AttentionMetadata(
-                query_start_loc=qsl.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-                block_tables=bt.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
-                query_lens_cpu=qlens, seq_lens_cpu=seq_lens, block_size=runner.block_size,
-            )
+            meta = runner.metadata(qlens, seq_lens, slots, tables)
             with torch.inference_mode():
                 h = runner.model(torch.tensor(tok, device=dev), torch.tensor(pos, device=dev), runner.kv_caches,
                                  runner.backend, runner.backend.plan(meta))
