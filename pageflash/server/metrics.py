@@ -89,21 +89,17 @@ def spec_metrics(spec: dict, model_name: str) -> Iterator[Metric]:
         ("num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
         ("num_emitted_tokens", "spec_decode_num_emitted_tokens", "Tokens emitted by verify steps."),
     )
-    for key, name, doc in counters:
-        c = CounterMetricFamily(PREFIX + name, doc, labels=lbl)
-        for prop, st in spec.items():
-            c.add_metric([model_name, prop], float(st.get(key, 0)))
-        yield c
     gauges = (
         ("acceptance_rate", "spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start."),
         ("mean_accepted_per_step", "spec_decode_mean_accepted_per_step", "Accepted drafts per verify step."),
         ("mean_emitted_per_step", "spec_decode_mean_emitted_per_step", "Tokens per verify step (1 = no gain)."),
     )
-    for key, name, doc in gauges:
-        g = GaugeMetricFamily(PREFIX + name, doc, labels=lbl)
-        for prop, st in spec.items():
-            g.add_metric([model_name, prop], float(st.get(key, 0.0)))
-        yield g
+    for family, rows in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):
+        for key, name, doc in rows:
+            m = family(PREFIX + name, doc, labels=lbl)
+            for prop, st in spec.items():
+                m.add_metric([model_name, prop], float(st.get(key, 0)))
+            yield m
     h = CounterMetricFamily(PREFIX + "spec_decode_accepted_per_step", "Verify steps by number of accepted drafts.",
                             labels=lbl + ["accepted"])
     for prop, st in spec.items():
