@@ -33,6 +33,7 @@ class LLM:
         load_format: str = "auto",
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        async_scheduling: Optional[bool] = None,
         speculative_config: Optional[Union[dict, str, Any]] = None,
     ) -> None:
         """Engine settings as EngineConfig's. speculative_config: e.g. {"method": "ngram",
@@ -44,7 +45,8 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
                 load_format=load_format, attention_backend=attention_backend,
-                enforce_eager=enforce_eager, speculative_config=speculative_config,
+                enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+                speculative_config=speculative_config,
             )
         )
 

@@ -185,6 +185,8 @@ def test_abort_from_elsewhere_ends_the_stream(fake):
         await aeng.abort("victim")
         outs = [o async for o in stream]  # ends, does not hang
         assert all(not o.finished for o in outs)
+        # the engine thread applies the abort between steps, possibly after the stream ended
+        await _wait_until(lambda: "victim" in eng.aborted)
 
     run(go())
     assert "victim" in eng.aborted

@@ -61,6 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str, copy_bandwid
     g.add_argument("--attention-backend", default=None)
     g.add_argument("--enforce-eager", action="store_const", const=True, default=None,
                    help="no CUDA graphs (passed only if the engine accepts enforce_eager)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap host work with the device (default: the engine's, on for CUDA)")
     g = p.add_argument_group("ceilings")
     if copy_bandwidth:
         g.add_argument("--copy-bandwidth", type=float, default=None, metavar="GBPS",
@@ -76,7 +78,7 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str, copy_bandwid
 ENGINE_KEYS = (
     "model", "tokenizer", "load_format", "dtype", "device", "block_size", "num_kv_blocks",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "enable_prefix_caching", "seed", "attention_backend", "enforce_eager",
+    "enable_prefix_caching", "seed", "attention_backend", "enforce_eager", "async_scheduling",
 )
 
 

@@ -228,10 +228,15 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     def params(m: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
 
-    if a.warmup:  # untimed: first-call compilation and autotuning, a few prompt lengths of the real run
+    if a.warmup:  # untimed: first-call compilation and autotuning, prompt lengths of the real run
         rng = random.Random(a.seed + 1)
-        k = min(8, len(reqs))
-        wl = [len(p["prompt_token_ids"]) if isinstance(p, dict) else 32 for p, _ in reqs[:k]]
+        # enough prompt tokens for two full steps, so that chunked prefill and steps mixing prefill
+        # chunks with decodes (kernel variants of their own) compile here, not in the timed run
+        lens = [len(p["prompt_token_ids"]) if isinstance(p, dict) else 32 for p, _ in reqs]
+        k = 0
+        while k < len(lens) and (k < 8 or sum(lens[:k]) <= 2 * eng.max_num_batched_tokens):
+            k += 1
+        wl = lens[:k]
         hi = min(a.max_token_id, cfg.vocab_size)
         wp = [{"prompt_token_ids": [rng.randrange(hi) for _ in range(n)]} for n in wl]
         llm.generate(wp, [params(min(4, m)) for _, m in reqs[:k]], use_tqdm=False)

@@ -59,6 +59,9 @@ class EngineConfig:
     load_format: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # schedule and launch step N+1 before step N's sampled tokens reach the host, and process them
+    # while the device runs N+1 (None: on for CUDA). Off for speculative decoding.
+    async_scheduling: Optional[bool] = None
     # speculative decoding: a dict / JSON string (vLLM style), parsed into a SpeculativeConfig
     speculative_config: Optional[Union[SpeculativeConfig, dict, str]] = None
 
@@ -83,6 +86,46 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+
+
+def _needs_history(req: Request) -> bool:
+    p = req.params
+    return (
+        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        or req.num_output_tokens < p.min_tokens
+    )
+
+
+class _Inflight:
+    """A launched step's sampling: the requests per row, the sampled ids on the device (the next
+    step's inputs), and their copies on their way to the host."""
+
+    def __init__(self, reqs: list[Request], out: Any, may_overlap: bool) -> None:
+        self.reqs = reqs
+        self.tokens: torch.Tensor = out.token_ids
+        self.may_overlap = may_overlap
+        dev = out.token_ids.device
+        parts = [out.token_ids]
+        if out.logprobs is not None:
+            parts += [out.logprobs, out.logprob_token_ids, out.sampled_ranks]
+        self.event = None
+        if dev.type == "cuda":
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
+            for h, t in zip(host, parts):
+                h.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            parts = host
+        self.host = parts
+
+    def fetch(self) -> tuple[list[int], Optional[tuple]]:
+        if self.event is not None:
+            self.event.synchronize()
+        token_ids = self.host[0].tolist()
+        lp = None
+        if len(self.host) > 1:
+            lp = (self.host[1].tolist(), self.host[2].tolist(), self.host[3].tolist())
+        return token_ids, lp
 
 
 class LLMEngine:
@@ -149,6 +192,11 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.bind(num_blocks)
         self.sampler = Sampler()
+        self.async_scheduling = (
+            (self.device.type == "cuda" if config.async_scheduling is None else bool(config.async_scheduling))
+            and self.spec is None
+        )
+        self._inflight: Optional[_Inflight] = None  # a launched step whose sampled tokens are not processed
         self.groups: dict[str, list[Request]] = {}  # user request id -> its sequences (n of them)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -252,35 +300,64 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One step. Returns a RequestOutput for every request that progressed (only the finished
-        ones with final_only, which offline generation uses to skip building partial outputs)."""
+        ones with final_only, which offline generation uses to skip building partial outputs).
+
+        With async scheduling, step N+1 is scheduled and launched before step N's sampled tokens
+        are read: its requests' newest input tokens are copied on the device from step N's samples.
+        Step N's tokens are then processed (stops, text, outputs) while the device runs N+1, so the
+        outputs returned are one step behind the launches. A request that stopped at step N had one
+        more token computed in N+1, which is dropped; its KV writes land in blocks it owned.
+        """
         spec = self.spec
+        touched: list[str] = []
+        prev = self._inflight
+        if prev is not None and not (self.async_scheduling and prev.may_overlap):
+            touched += self._resolve(prev)
+            prev = self._inflight = None
         if spec is not None:
             spec.propose()  # draft tokens -> req.spec_token_ids, which the scheduler counts
         sched = self.scheduler.schedule()
         if not sched:
-            return []
+            if prev is not None:
+                self._inflight = None
+                touched += self._resolve(prev)
+            return self._outputs(touched, final_only)
         now = time.monotonic()
         for s in sched.seqs:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
         extra = spec.execute_kwargs(sched) if spec is not None else {}
+        if prev is not None:
+            extra["prev_tokens"] = prev.tokens
         result = self.runner.execute(sched, [self.kv.block_ids(s.request.request_id) for s in sched.seqs], **extra)
-        touched = self._process(sched, result.logits, result.rows)
+        launched = self._launch(sched, result.logits, result.rows)
+        self._inflight = None
+        if prev is not None:  # the device runs the step just launched meanwhile
+            touched += self._resolve(prev)
+        if launched is not None:
+            if self.async_scheduling and launched.may_overlap:
+                self._inflight = launched
+            else:
+                touched += self._resolve(launched)
         if spec is not None:  # verify the drafts, roll back rejected KV, emit accepted tokens
-            touched = list(dict.fromkeys(touched + spec.finish_step(sched, result)))
+            touched += spec.finish_step(sched, result)
+        return self._outputs(touched, final_only)
+
+    def _outputs(self, touched: list[str], final_only: bool) -> list[RequestOutput]:
+        groups = [g for g in dict.fromkeys(touched) if g in self.groups]
         if final_only:
-            touched = [g for g in touched if self._group_finished(g)]
-        return [self._make_output(gid) for gid in touched]
+            groups = [g for g in groups if self._group_finished(g)]
+        return [self._make_output(gid) for gid in groups]
 
     def _group_finished(self, group_id: str) -> bool:
         reqs = self.groups.get(group_id)
         return reqs is not None and reqs[0].forked and all(r.is_finished for r in reqs)
 
-    def _process(self, sched: SchedulerOutput, logits: torch.Tensor, rows: list[tuple[int, int]]) -> list[str]:
-        """Advance computed counts, sample where a step reached a request's end, apply stops."""
+    def _launch(self, sched: SchedulerOutput, logits: torch.Tensor, rows: list[tuple[int, int]]) -> Optional[_Inflight]:
+        """Advance computed counts and launch sampling where a step reached a request's end (no sync:
+        the tokens are copied to the host asynchronously and read by _resolve)."""
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
-        touched: dict[str, None] = {}
         for s, (start, count) in zip(sched.seqs, rows):
             req = s.request
             if s.num_spec_tokens:
@@ -293,7 +370,7 @@ class LLMEngine:
                 sample_rows.append(start)
                 sample_reqs.append(r)
         if not sample_reqs:
-            return list(touched)
+            return None
         batch = SamplingBatch.build(
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sample_reqs],
             vocab_size=self.vocab_size, device=self.device, eos_token_ids=sorted(self.eos_token_ids),
@@ -301,12 +378,23 @@ class LLMEngine:
         if sample_rows != list(range(logits.shape[0])):  # decode steps: every row samples, once
             logits = logits[torch.tensor(sample_rows, device=logits.device)]
         out = self.sampler(logits, batch)
-        token_ids = out.token_ids.tolist()
-        lp = None
-        if out.logprobs is not None:
-            lp = (out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.sampled_ranks.tolist())
+        for i, r in enumerate(sample_reqs):
+            r.num_pending += 1
+            r.pending_row = i
+        # The next step may overlap only if no request sampled here needs its newest token on the
+        # host to build its next sampling row (penalties read the outputs; min_tokens their count).
+        may_overlap = not any(_needs_history(r) for r in sample_reqs)
+        return _Inflight(sample_reqs, out, may_overlap)
+
+    def _resolve(self, inf: _Inflight) -> list[str]:
+        """Read a launched step's sampled tokens and apply them: append, stops, finish."""
+        token_ids, lp = inf.fetch()
+        touched: dict[str, None] = {}
         now = time.monotonic()
-        for i, (req, tok) in enumerate(zip(sample_reqs, token_ids)):
+        for i, (req, tok) in enumerate(zip(inf.reqs, token_ids)):
+            req.num_pending -= 1
+            if req.is_finished:  # stopped (or aborted) while this step ran: its extra token is dropped
+                continue
             rlp = None if lp is None or req.logprobs is None else (lp[0][i], lp[1][i], lp[2][i])
             self._append_token(req, tok, rlp, now)
             touched[req.group_id] = None
@@ -391,7 +479,7 @@ class LLMEngine:
                 return
         if p.max_tokens is not None and n_out >= p.max_tokens:
             req.finish_reason = "length"
-        elif req.num_tokens >= self.max_model_len:
+        elif len(req.token_ids) >= self.max_model_len:
             req.finish_reason = "length"
 
     def _make_output(self, group_id: str) -> RequestOutput:

@@ -153,12 +153,12 @@ class KVCacheManager:
 
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Publish the blocks that became full and computed (token_ids: the sequence's tokens)."""
-        if not self.pool.enable_caching:
+        sb = self.seqs.get(seq_id)
+        if not self.pool.enable_caching or sb is None:  # None: preempted while its last token was in flight
             return
-        sb = self.seqs[seq_id]
         bs = self.block_size
         parent = sb.hashes[-1] if sb.hashes else None
-        for i in range(len(sb.hashes), num_computed // bs):
+        for i in range(len(sb.hashes), min(num_computed, len(token_ids)) // bs):
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             self.pool.cache(sb.block_ids[i], h)
             sb.hashes.append(h)

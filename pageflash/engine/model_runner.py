@@ -134,8 +134,10 @@ class ModelRunner:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     # -- the step ---------------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]]):
-        """Host-side index arithmetic for one step. block_tables[i]: physical blocks of seq i."""
+    def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]], fixes: Optional[list] = None):
+        """Host-side index arithmetic for one step. block_tables[i]: physical blocks of seq i.
+        fixes: where given, (input index, pending row) pairs are appended for input tokens still on
+        the device (async scheduling); their ids are placeholders the caller overwrites."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -148,7 +150,13 @@ class ModelRunner:
             r = s.request
             c, n = r.num_computed_tokens, s.num_new_tokens
             real = n - s.num_spec_tokens
-            ids.extend(r.token_ids[c : c + real])
+            known = r.token_ids[c : c + real]
+            ids.extend(known)
+            if len(known) < real:  # the newest token was sampled by the step still in flight
+                if fixes is None or len(known) + 1 != real or r.num_pending == 0:
+                    raise RuntimeError(f"{r.request_id}: input tokens not known yet")
+                fixes.append((len(ids), r.pending_row))
+                ids.append(0)
             ids.extend(r.spec_token_ids[: s.num_spec_tokens])
             pos.extend(range(c, c + n))
             p = c
@@ -203,23 +211,27 @@ class ModelRunner:
         num_layers: Optional[int] = None,
         kv_caches: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
         need_hidden: bool = False,
+        prev_tokens: Optional[torch.Tensor] = None,
     ) -> StepResult:
         """Run one step. block_tables[i]: physical blocks of scheduled seq i.
         tree_mask / positions_override serve token-tree verification; num_layers early-exit drafts;
         need_hidden: the result must carry hidden states (Medusa): not the decode graphs (StepGraphs
-        carry them)."""
+        carry them). prev_tokens: the sampled token ids of the step still in flight, on the device,
+        which the requests with a pending token read at their pending_row (async scheduling)."""
         self.copy_blocks(sched.block_copies)
         if (
             self.graphs is not None and tree_mask is None and positions_override is None and num_layers is None
             and kv_caches is None and not need_hidden and all(s.num_new_tokens == 1 and s.samples for s in sched.seqs)
             and len(sched.seqs) <= self.graphs.max_batch
         ):
-            return self.graphs.run(sched, block_tables)
-        ids, pos, slots, qlens, seq_lens, logit_idx, rows = self.prepare(sched, block_tables)
+            return self.graphs.run(sched, block_tables, prev_tokens)
+        fixes: list[tuple[int, int]] = []
+        ids, pos, slots, qlens, seq_lens, logit_idx, rows = self.prepare(
+            sched, block_tables, fixes if prev_tokens is not None else None)
         if positions_override is not None:
             pos = positions_override
         sg = self.step_graphs
-        if sg is not None and kv_caches is None:
+        if sg is not None and kv_caches is None and not fixes:
             res = sg.run(ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers)
             if res is not None:
                 return res
@@ -228,6 +240,8 @@ class ModelRunner:
         nb = dev.type == "cuda"
         plan = self.backend.plan(meta)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=nb)
+        if fixes:
+            _fill_pending(input_ids, fixes, prev_tokens)
         positions = torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=nb)
         hidden = self.model(input_ids, positions, kv_caches or self.kv_caches, self.backend, plan, num_layers)
         idx = torch.tensor(logit_idx, dtype=torch.int64).to(dev, non_blocking=nb)
@@ -280,7 +294,9 @@ class DecodeGraphs:
             self.graphs[b], self.logits[b] = _capture_graph(r, fwd)
         torch.cuda.synchronize()
 
-    def run(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
+    def run(
+        self, sched: SchedulerOutput, block_tables: list[list[int]], prev_tokens: Optional[torch.Tensor] = None,
+    ) -> StepResult:
         b = len(sched.seqs)
         bucket = next(x for x in self.buckets if x >= b)
         bs = self.runner.block_size
@@ -289,21 +305,44 @@ class DecodeGraphs:
         slots = [-1] * bucket
         lens = [1] * bucket
         bt = np.zeros((bucket, self.max_blocks), dtype=np.int32)
+        fixes: list[tuple[int, int]] = []
         for i, (s, table) in enumerate(zip(sched.seqs, block_tables)):
             req = s.request
             p = req.num_computed_tokens
-            ids[i] = req.token_ids[p]
+            if p < len(req.token_ids):
+                ids[i] = req.token_ids[p]
+            elif prev_tokens is not None and req.num_pending:
+                fixes.append((i, req.pending_row))
+            else:
+                raise RuntimeError(f"{req.request_id}: input token not known yet")
             pos[i] = p
             slots[i] = table[p // bs] * bs + p % bs
             lens[i] = p + 1
             bt[i, : len(table)] = table
         self.input_ids[:bucket].copy_(torch.tensor(ids), non_blocking=True)
+        if fixes:
+            _fill_pending(self.input_ids, fixes, prev_tokens)
         self.positions[:bucket].copy_(torch.tensor(pos), non_blocking=True)
         self.slots[:bucket].copy_(torch.tensor(slots), non_blocking=True)
         self.seq_lens[:bucket].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         self.block_tables[:bucket].copy_(torch.from_numpy(bt), non_blocking=True)
         self.graphs[bucket].replay()
         return StepResult(self.logits[bucket][:b], [(i, 1) for i in range(b)])
+
+
+def _fill_pending(input_ids: torch.Tensor, fixes: list[tuple[int, int]], prev_tokens: torch.Tensor) -> None:
+    """input_ids[i] = prev_tokens[row] for each (i, row): tokens sampled by the step in flight, copied
+    on the device in stream order (no sync). The common case, a decode batch in the same order as
+    the previous step's, is one slice copy."""
+    n = len(fixes)
+    if all(i == j and i == r for j, (i, r) in enumerate(fixes)):
+        input_ids[:n].copy_(prev_tokens[:n])
+        return
+    dev = input_ids.device
+    nb = dev.type == "cuda"
+    idx = torch.tensor([i for i, _ in fixes], dtype=torch.int64).to(dev, non_blocking=nb)
+    src = torch.tensor([r for _, r in fixes], dtype=torch.int64).to(dev, non_blocking=nb)
+    input_ids[idx] = prev_tokens[src]
 
 
 def _capture_graph(runner: ModelRunner, fwd) -> tuple[Any, Any]:

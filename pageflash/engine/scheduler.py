@@ -9,6 +9,8 @@ Policy per step, under a token budget (max_num_batched_tokens) and max_num_seqs:
 1. Running requests first, in arrival order, so decodes never starve behind prefills. When the pool
    cannot hold a request's new tokens, the most recently admitted running request is preempted: its
    blocks are freed and it goes back to the head of the queue to be recomputed later.
+   A request whose sampled token is still in flight (async scheduling) is scheduled as if that
+   token were known, unless it is sure to finish by length with it.
 2. Then waiting requests, first come first served, each starting from its longest prefix-cache hit;
    a prompt larger than the remaining budget is chunked. Nothing is admitted in a step that preempted.
 """
@@ -106,12 +108,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
+    def _ends_by_length(self, req: Request) -> bool:
+        """Whether the request finishes by length once its tokens in flight are known."""
+        m = req.params.max_tokens
+        return req.num_tokens >= self.max_model_len or (
+            m is not None and req.num_output_tokens + req.num_pending >= m
+        )
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and self._ends_by_length(req):
+                i += 1  # its token in flight is its last: nothing more to compute
+                continue
             num_spec = len(req.spec_token_ids)
             want = req.num_tokens + num_spec - req.num_computed_tokens
             # Never past the context: draft tokens beyond max_model_len are dropped.

@@ -24,6 +24,11 @@ class Request:
 
     The scheduler only reasons about token counts: num_tokens (prompt + output), num_computed_tokens
     (with KV in the cache), and spec_token_ids (draft tokens to verify this step).
+
+    With async scheduling a sampled token may still be on the device while the next step is
+    scheduled: num_pending counts those (0 or 1 at scheduling time, up to 2 while the next step is
+    launched); they are part of num_tokens but not yet of token_ids, and pending_row is the row of
+    the in-flight step's sampled tokens that holds the newest one.
     """
 
     def __init__(
@@ -48,6 +53,8 @@ class Request:
         self.status = Status.WAITING
         self.generator = generator
         self.spec_token_ids: list[int] = []
+        self.num_pending = 0  # sampled on the device, not yet in token_ids (async scheduling)
+        self.pending_row = -1
         self.spec_state: Any = None  # proposer's per-request state
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
         self.cumulative_logprob: float = 0.0
@@ -64,7 +71,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:

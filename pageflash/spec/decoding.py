@@ -6,7 +6,7 @@ One engine step with speculation (LLMEngine.step)::
     sched = scheduler.schedule()        # "this request wants 1 + len(tree) tokens" (may trim drafts)
     kw = spec.execute_kwargs(sched)     # tree mask + positions when a batch holds real trees
     result = runner.execute(sched, block_tables, **kw)
-    engine._process(sched, result)     # requests without drafts: plain sampling
+    engine._launch(...); _resolve(...)  # requests without drafts: plain sampling
     spec.finish_step(sched, result)     # verify drafts, roll back KV, emit tokens, metrics
 
 Per request with a draft tree of n nodes whose root (its last token) sits at position ``base``:

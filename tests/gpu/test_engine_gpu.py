@@ -44,3 +44,22 @@ def test_parallel_sampling_and_preemption_on_cuda():
                         SamplingParams(n=2, temperature=1.0, max_tokens=40, ignore_eos=True, seed=3), use_tqdm=False)
     assert all(len(c.token_ids) == 40 for o in outs for c in o.outputs)
     assert llm.llm_engine.kv.num_free_blocks == 24
+
+
+def test_async_scheduling_equals_sync_fp32_graphs():
+    """Async scheduling (default on CUDA) feeds each decode graph the tokens sampled by the step
+    still in flight; the outputs must equal synchronous stepping (float32: batch composition, which
+    differs by the dropped extra steps, must not change a row's result beyond rounding)."""
+    params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=30, stop_token_ids=[5, 6, 7, 8, 9])
+              for i in range(len(PROMPTS))]
+    outs = {}
+    for mode in (None, False):
+        llm = LLM("smollm2-135m", load_format="dummy", max_model_len=512, num_kv_blocks=512, dtype="float32",
+                  async_scheduling=mode)
+        assert llm.llm_engine.async_scheduling == (mode is None) and llm.llm_engine.runner.graphs is not None
+        res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        outs[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in res]
+        eng = llm.llm_engine
+        assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+    assert outs[None] == outs[False]
