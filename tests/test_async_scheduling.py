@@ -162,3 +162,27 @@ def test_stop_strings_real_model():
         assert _no_leak(llm)
     assert outs[True] == outs[False]
     assert outs[True][0][2] == "stop" and outs[True][0][3] == " 9"
+
+
+def test_speculative_decoder_attached_at_run_time(model):
+    """`pageflash bench spec` attaches and detaches SpecDecoders on one engine: steps with a
+    decoder attached are synchronous (speculation reads every token on the host), and the step
+    left in flight before attaching is resolved first."""
+    from pageflash.spec.config import SpeculativeConfig
+    from pageflash.spec.decoding import SpecDecoder
+
+    llm = LLM(model, num_kv_blocks=400, async_scheduling=True, **ENGINE)
+    eng = llm.llm_engine
+    prompts = [[5, 6, 7, 8] * 5, [3, 1, 4, 1, 5, 9] * 3, *_prompts(4, seed=4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, stop_token_ids=[40 + i], ignore_eos=True)
+              for i in range(len(prompts))]
+    ref = _run(LLM(model, num_kv_blocks=400, async_scheduling=False, **ENGINE), prompts, params)
+    assert _run(llm, prompts, params) == ref
+    d = SpecDecoder(eng, SpeculativeConfig.parse(dict(method="ngram", num_speculative_tokens=3)))
+    d.bind(eng.kv.pool.num_blocks)
+    for spec in (d, None, d):
+        eng.spec = spec
+        assert eng.async_scheduling == (spec is None)
+        assert _run(llm, prompts, params) == ref
+        assert _no_leak(llm)
+    assert d.metrics.as_dict()["ngram"]["num_accepted_tokens"] > 0

@@ -192,15 +192,20 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.bind(num_blocks)
         self.sampler = Sampler()
-        self.async_scheduling = (
-            (self.device.type == "cuda" if config.async_scheduling is None else bool(config.async_scheduling))
-            and self.spec is None
+        self._async_scheduling = (
+            self.device.type == "cuda" if config.async_scheduling is None else bool(config.async_scheduling)
         )
         self._inflight: Optional[_Inflight] = None  # a launched step whose sampled tokens are not processed
         self.groups: dict[str, list[Request]] = {}  # user request id -> its sequences (n of them)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._ids = itertools.count()
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether steps overlap now: asked for (or CUDA) and no speculative decoder attached
+        (one may be attached and detached at run time, as `pageflash bench spec` does)."""
+        return self._async_scheduling and self.spec is None
 
     @property
     def vocab_size(self) -> int:

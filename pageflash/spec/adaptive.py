@@ -23,9 +23,19 @@ the text becomes predictable -- less often when a probe step costs much more tha
 ``probe_budget`` of the plain decoding time between them, so that being off costs little; while on, a step of plain decode every ``probe_interval`` steps keeps
 the baseline cost fresh, and requests left at k = 0 get a probe as well.
 
+Calibration against the outcome: the cost model sees only part of a step (the forward and
+verification), and the i.i.d. acceptance model is optimistic for drafts whose acceptance comes in
+bursts. So the controller also measures what speculation delivered: the whole step's wall time
+(drafting, scheduling, forward, verification, output) and tokens emitted, against the same for
+plain decode steps of the batch bucket. While on, an EMA of realized / predicted speedup scales
+every prediction at that batch bucket (``calibration``), so a cost model that promises a gain speculation does not
+deliver is corrected within a few steps and turns speculation off; the correction also raises
+the bar for turning it back on.
+
 The engine calls, per step: ``choose`` before proposing, ``observe_propose`` / ``observe_step`` with
 wall times of decode-or-verify-only steps (a step carrying prefill chunks says nothing about
-verify cost and should not be reported), and ``observe_acceptance`` per request after verification.
+verify cost and should not be reported), ``observe_acceptance`` per request after verification,
+and ``observe_outcome`` with the whole step's wall time and emitted tokens (decode-only steps).
 """
 
 from __future__ import annotations
@@ -60,6 +70,8 @@ class AdaptiveConfig:
     off_eval_interval: while off, the decision is re-evaluated every this many steps (its numpy
                       work would otherwise weigh on fast, CUDA-graph decode steps).
     probe_k:          k used while probing.
+    min_calibration:  floor of the realized / predicted speedup scale (keeps probes able to turn
+                      speculation back on when acceptance improves a lot); its inverse is the ceiling.
     prior_alpha:      acceptance assumed before any observation.
     prior_token_cost: cost of one extra query token per sequence, relative to a decode step, used
                       until two token counts of a batch bucket have been measured.
@@ -76,6 +88,7 @@ class AdaptiveConfig:
     probe_k: int = 2
     prior_alpha: float = 0.5
     prior_token_cost: float = 0.05
+    min_calibration: float = 0.5
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -96,6 +109,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.probe_k must be in [1, k_max={self.k_max}], got {self.probe_k}")
         if not 0.0 <= self.prior_alpha < 1.0:
             raise ValueError(f"AdaptiveConfig.prior_alpha must be in [0, 1), got {self.prior_alpha}")
+        if not 0.0 < self.min_calibration <= 1.0:
+            raise ValueError(f"AdaptiveConfig.min_calibration must be in (0, 1], got {self.min_calibration}")
         if self.prior_token_cost < 0:
             raise ValueError(f"AdaptiveConfig.prior_token_cost must be >= 0, got {self.prior_token_cost}")
 
@@ -204,7 +219,10 @@ class _ProposerState:
     steps_in_mode: int = 0
     probing: int = 0  # speculative probe steps left
     propose_cost: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per step
-    last_speedup: float = 0.0
+    last_speedup: float = 0.0  # predicted (uncalibrated) speedup of the last allocation
+    last_mode: str = "off"  # what the last choose() did: "off", "on" or "probe"
+    # bucket -> EMA of realized / predicted speedup over steps that speculated while on (1 = trusted)
+    calibration: dict[int, float] = field(default_factory=dict)
 
 
 class SpecController:
@@ -214,6 +232,7 @@ class SpecController:
         self.config = config or AdaptiveConfig()
         self.costs = StepCostModel(self.config.ema, self.config.prior_token_cost)
         self._states: dict[str, _ProposerState] = {}
+        self._plain_rate: dict[int, float] = {}  # bucket -> tokens/s of whole plain decode steps
 
     def _state(self, proposer: str) -> _ProposerState:
         st = self._states.get(proposer)
@@ -227,6 +246,27 @@ class SpecController:
     def observe_step(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
         """Wall time of a decode or verify step (model forward + sampling/verification)."""
         self.costs.observe(num_seqs, num_tokens, seconds)
+
+    def observe_outcome(self, proposer: str, num_seqs: int, num_emitted: int, seconds: float, speculated: bool) -> None:
+        """A whole decode-only step: wall time from drafting to processed outputs, tokens emitted.
+        Plain steps set the bucket's baseline rate; steps that speculated while on update the
+        proposer's calibration (realized / predicted speedup)."""
+        if num_seqs <= 0 or seconds <= 0:
+            return
+        b = _bucket(num_seqs)
+        w = self.config.ema
+        rate = num_emitted / seconds
+        if not speculated:
+            old = self._plain_rate.get(b)
+            self._plain_rate[b] = rate if old is None else (1 - w) * old + w * rate
+            return
+        st = self._state(proposer)
+        base = self._plain_rate.get(b)
+        if base is None or st.last_mode != "on" or st.last_speedup <= 0:
+            return
+        ratio = (rate / base) / st.last_speedup
+        c = (1 - w) * st.calibration.get(b, 1.0) + w * ratio
+        st.calibration[b] = min(1.0 / self.config.min_calibration, max(self.config.min_calibration, c))
 
     def observe_propose(self, proposer: str, num_seqs: int, seconds: float) -> None:
         """Wall time the proposer spent drafting for a batch of num_seqs (draft models cost real time)."""
@@ -334,25 +374,29 @@ class SpecController:
             st.idle[r] = st.idle.get(r, 0) + 1
         ks, speedup = self.allocate(proposer, [self.alpha(proposer, r) for r in request_ids], caps)
         st.last_speedup = speedup
+        speedup *= st.calibration.get(_bucket(bsz), 1.0)  # delivered so far against predicted
+        st.last_mode = "probe" if st.probing > 0 else "on" if st.on else "off"
 
         if st.probing > 0:
             st.probing -= 1
             ks = [min(cfg.probe_k, c) for c in caps]
         elif st.on:
             if speedup < cfg.off_threshold:
-                st.on, st.steps_in_mode = False, 0
+                st.on, st.steps_in_mode, st.last_mode = False, 0, "off"
                 return zeros
             if st.steps_in_mode % cfg.probe_interval == 0:
+                st.last_mode = "off"
                 return zeros  # refresh the decode baseline now and then
             for i, r in enumerate(request_ids):
                 if ks[i] == 0 and caps[i] > 0 and st.idle[r] >= cfg.probe_interval:
                     ks[i] = min(cfg.probe_k, caps[i])  # give a request left out a fresh look
         else:
             if speedup >= cfg.on_threshold:
-                st.on, st.steps_in_mode = True, 0
+                st.on, st.steps_in_mode, st.last_mode = True, 0, "on"
             elif st.steps_in_mode >= self.probe_interval(proposer, bsz):
                 st.steps_in_mode = 0
                 st.probing = cfg.probe_steps - 1
+                st.last_mode = "probe"
                 ks = [min(cfg.probe_k, c) for c in caps]
             else:
                 return zeros
@@ -369,6 +413,7 @@ class SpecController:
                 "alpha": round(st.acceptance.alpha, 4),
                 "accepted_per_step": round(st.acceptance.accepted_per_step, 4),
                 "predicted_speedup": round(st.last_speedup, 4),
+                "calibration": {b: round(c, 4) for b, c in sorted(st.calibration.items())},
                 "probing": st.probing > 0,
             }
             for name, st in self._states.items()

@@ -124,6 +124,8 @@ class SpecDecoder:
         self.proposer: Proposer
         self._medusa = None
         self._step_t0 = 0.0
+        self._outcome_t0 = 0.0
+        self._emitted0 = 0
         self._step_decode_only = False
         self._load()
 
@@ -249,6 +251,8 @@ class SpecDecoder:
     def propose(self) -> None:
         """Draft for every running request in decode state (only its last token lacks KV)."""
         eng = self.engine
+        self._outcome_t0 = time.perf_counter()  # the whole step, for the controller's calibration
+        self._emitted0 = eng.generation_tokens_total
         running = eng.scheduler.running
         for r in running:
             r.spec_token_ids = []
@@ -334,7 +338,12 @@ class SpecDecoder:
                     _state(s.request).hidden = result.hidden[start]
         touched = self._verify(spec, result) if spec else []
         if self.ctrl is not None and self._step_decode_only:
-            self.ctrl.observe_step(len(sched.seqs), sched.num_tokens, time.perf_counter() - self._step_t0)
+            now = time.perf_counter()
+            self.ctrl.observe_step(len(sched.seqs), sched.num_tokens, now - self._step_t0)
+            self.ctrl.observe_outcome(
+                self.name, len(sched.seqs), self.engine.generation_tokens_total - self._emitted0,
+                now - self._outcome_t0, speculated=sched.num_tokens > len(sched.seqs),
+            )
         return touched
 
     def _verify(self, spec: list, result: StepResult) -> list[str]:
