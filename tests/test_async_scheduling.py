@@ -186,3 +186,25 @@ def test_speculative_decoder_attached_at_run_time(model):
         assert _run(llm, prompts, params) == ref
         assert _no_leak(llm)
     assert d.metrics.as_dict()["ngram"]["num_accepted_tokens"] > 0
+
+    # Adaptive: the steps its controller keeps plain (decided without the newest tokens) overlap;
+    # the others are synchronous. Either way the output is plain greedy's.
+    ad = SpecDecoder(eng, SpeculativeConfig.parse(dict(method="ngram", num_speculative_tokens=3, adaptive=True)))
+    ad.bind(eng.kv.pool.num_blocks)
+    eng.spec = ad
+    assert eng.async_scheduling
+    for _ in range(2):
+        rids = [eng.add_request(None, {"prompt_token_ids": p}, sp) for p, sp in zip(prompts, params)]
+        final, overlapped, synced = {}, 0, 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    final[o.request_id] = o
+            if eng._inflight is not None:
+                overlapped += 1
+            else:
+                synced += 1
+        assert _result([final[r] for r in rids]) == ref
+        assert _no_leak(llm)
+        assert overlapped > 0 and synced > 0
+    assert ad.metrics.as_dict()["ngram"]["num_steps"] > 0  # it did speculate in between

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap host work with the device in steps without drafts (default: on for CUDA)")
     g.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     return p
@@ -180,7 +182,8 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         print(f"[bench spec] {msg}", file=sys.stderr, flush=True)
 
     kw: dict[str, Any] = dict(model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
-                              max_model_len=a.max_model_len, seed=a.seed, enforce_eager=a.enforce_eager)
+                              max_model_len=a.max_model_len, seed=a.seed, enforce_eager=a.enforce_eager,
+                              async_scheduling=a.async_scheduling)
     for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(a, k) is not None:
             kw[k] = getattr(a, k)

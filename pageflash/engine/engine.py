@@ -203,9 +203,10 @@ class LLMEngine:
 
     @property
     def async_scheduling(self) -> bool:
-        """Whether steps overlap now: asked for (or CUDA) and no speculative decoder attached
-        (one may be attached and detached at run time, as `pageflash bench spec` does)."""
-        return self._async_scheduling and self.spec is None
+        """Whether steps may overlap now: asked for (or CUDA), and no speculative decoder attached
+        or one whose plain steps can overlap (adaptive, while it keeps speculation off). A decoder
+        may be attached and detached at run time, as `pageflash bench spec` does."""
+        return self._async_scheduling and (self.spec is None or self.spec.may_overlap_plain_steps)
 
     @property
     def vocab_size(self) -> int:
@@ -316,7 +317,10 @@ class LLMEngine:
         spec = self.spec
         touched: list[str] = []
         prev = self._inflight
-        if prev is not None and not (self.async_scheduling and prev.may_overlap):
+        # Speculative steps need every token on the host (drafts follow it): only steps known to
+        # carry no drafts overlap.
+        overlap = self._async_scheduling and (spec is None or spec.plain_step_ahead())
+        if prev is not None and not (overlap and prev.may_overlap):
             touched += self._resolve(prev)
             prev = self._inflight = None
         if spec is not None:
@@ -340,7 +344,7 @@ class LLMEngine:
         if prev is not None:  # the device runs the step just launched meanwhile
             touched += self._resolve(prev)
         if launched is not None:
-            if self.async_scheduling and launched.may_overlap:
+            if overlap and launched.may_overlap:
                 self._inflight = launched
             else:
                 touched += self._resolve(launched)

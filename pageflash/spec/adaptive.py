@@ -27,7 +27,8 @@ Calibration against the outcome: the cost model sees only part of a step (the fo
 verification), and the i.i.d. acceptance model is optimistic for drafts whose acceptance comes in
 bursts. So the controller also measures what speculation delivered: the whole step's wall time
 (drafting, scheduling, forward, verification, output) and tokens emitted, against the same for
-plain decode steps of the batch bucket. While on, an EMA of realized / predicted speedup scales
+plain decode steps of the batch bucket. Over steps that speculate (on, or probing), an EMA of
+realized / predicted speedup scales
 every prediction at that batch bucket (``calibration``), so a cost model that promises a gain speculation does not
 deliver is corrected within a few steps and turns speculation off; the correction also raises
 the bar for turning it back on.
@@ -72,6 +73,8 @@ class AdaptiveConfig:
     probe_k:          k used while probing.
     min_calibration:  floor of the realized / predicted speedup scale (keeps probes able to turn
                       speculation back on when acceptance improves a lot); its inverse is the ceiling.
+    calibration_ema:  weight of one step in the calibration (slow: one step's realized speedup is
+                      noisy, and a noisy scale would flap decisions inside the hysteresis band).
     prior_alpha:      acceptance assumed before any observation.
     prior_token_cost: cost of one extra query token per sequence, relative to a decode step, used
                       until two token counts of a batch bucket have been measured.
@@ -89,6 +92,7 @@ class AdaptiveConfig:
     prior_alpha: float = 0.5
     prior_token_cost: float = 0.05
     min_calibration: float = 0.5
+    calibration_ema: float = 0.025
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -109,6 +113,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.probe_k must be in [1, k_max={self.k_max}], got {self.probe_k}")
         if not 0.0 <= self.prior_alpha < 1.0:
             raise ValueError(f"AdaptiveConfig.prior_alpha must be in [0, 1), got {self.prior_alpha}")
+        if not 0.0 < self.calibration_ema <= 1.0:
+            raise ValueError(f"AdaptiveConfig.calibration_ema must be in (0, 1], got {self.calibration_ema}")
         if not 0.0 < self.min_calibration <= 1.0:
             raise ValueError(f"AdaptiveConfig.min_calibration must be in (0, 1], got {self.min_calibration}")
         if self.prior_token_cost < 0:
@@ -221,7 +227,7 @@ class _ProposerState:
     propose_cost: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per step
     last_speedup: float = 0.0  # predicted (uncalibrated) speedup of the last allocation
     last_mode: str = "off"  # what the last choose() did: "off", "on" or "probe"
-    # bucket -> EMA of realized / predicted speedup over steps that speculated while on (1 = trusted)
+    # bucket -> EMA of realized / predicted speedup over steps that speculated (on or probing)
     calibration: dict[int, float] = field(default_factory=dict)
 
 
@@ -249,7 +255,7 @@ class SpecController:
 
     def observe_outcome(self, proposer: str, num_seqs: int, num_emitted: int, seconds: float, speculated: bool) -> None:
         """A whole decode-only step: wall time from drafting to processed outputs, tokens emitted.
-        Plain steps set the bucket's baseline rate; steps that speculated while on update the
+        Plain steps set the bucket's baseline rate; steps that speculated (on or probing) update the
         proposer's calibration (realized / predicted speedup)."""
         if num_seqs <= 0 or seconds <= 0:
             return
@@ -257,14 +263,17 @@ class SpecController:
         w = self.config.ema
         rate = num_emitted / seconds
         if not speculated:
+            if num_emitted == 0:  # e.g. the first of overlapped steps, whose tokens come a step later
+                return
             old = self._plain_rate.get(b)
             self._plain_rate[b] = rate if old is None else (1 - w) * old + w * rate
             return
         st = self._state(proposer)
         base = self._plain_rate.get(b)
-        if base is None or st.last_mode != "on" or st.last_speedup <= 0:
+        if not base or st.last_mode == "off" or st.last_speedup <= 0:
             return
         ratio = (rate / base) / st.last_speedup
+        w = self.config.calibration_ema
         c = (1 - w) * st.calibration.get(b, 1.0) + w * ratio
         st.calibration[b] = min(1.0 / self.config.min_calibration, max(self.config.min_calibration, c))
 
@@ -332,6 +341,22 @@ class SpecController:
         ks = np.bincount(order[:best] // cfg.k_max, minlength=bsz)
         return [int(k) for k in ks], float(tput[best] / tput[0])
 
+    def predicted_speedup(self, proposer: str, alphas: Sequence[float], ks: Sequence[int]) -> float:
+        """The cost model's speedup over plain decode of a given allocation (probes' k)."""
+        bsz = len(ks)
+        if bsz == 0:
+            return 1.0
+        tokens = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
+        n = bsz + sum(ks)
+        cost = self.costs.predict(bsz, np.array([bsz, n], dtype=np.float64))
+        if cost is None:
+            base, t = 1.0, 1.0 + self.config.prior_token_cost * (n - bsz) / bsz
+        else:
+            base, t = float(cost[0]), float(cost[1])
+        if n > bsz:
+            t += self._state(proposer).propose_cost.get(_bucket(bsz), 0.0)
+        return (tokens / t) / (bsz / base)
+
     def probe_interval(self, proposer: str, num_seqs: int) -> int:
         """Steps between probes while off: probe_interval, or more when a probe step's extra cost
         over a decode step (verify + drafting, from the cost model) would exceed probe_budget."""
@@ -372,7 +397,8 @@ class SpecController:
         caps = [cfg.k_max] * bsz if max_k is None else [max(0, min(cfg.k_max, m)) for m in max_k]
         for r in request_ids:
             st.idle[r] = st.idle.get(r, 0) + 1
-        ks, speedup = self.allocate(proposer, [self.alpha(proposer, r) for r in request_ids], caps)
+        alphas = [self.alpha(proposer, r) for r in request_ids]
+        ks, speedup = self.allocate(proposer, alphas, caps)
         st.last_speedup = speedup
         speedup *= st.calibration.get(_bucket(bsz), 1.0)  # delivered so far against predicted
         st.last_mode = "probe" if st.probing > 0 else "on" if st.on else "off"
@@ -380,6 +406,7 @@ class SpecController:
         if st.probing > 0:
             st.probing -= 1
             ks = [min(cfg.probe_k, c) for c in caps]
+            st.last_speedup = self.predicted_speedup(proposer, alphas, ks)
         elif st.on:
             if speedup < cfg.off_threshold:
                 st.on, st.steps_in_mode, st.last_mode = False, 0, "off"
@@ -398,6 +425,7 @@ class SpecController:
                 st.probing = cfg.probe_steps - 1
                 st.last_mode = "probe"
                 ks = [min(cfg.probe_k, c) for c in caps]
+                st.last_speedup = self.predicted_speedup(proposer, alphas, ks)
             else:
                 return zeros
         for r, k in zip(request_ids, ks):

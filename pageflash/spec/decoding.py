@@ -127,6 +127,7 @@ class SpecDecoder:
         self._outcome_t0 = 0.0
         self._emitted0 = 0
         self._step_decode_only = False
+        self._planned: Optional[tuple] = None  # (plan,) decided by plain_step_ahead for propose()
         self._load()
 
     @property
@@ -248,6 +249,51 @@ class SpecDecoder:
         req.spec_state = None
 
     # -- before scheduling ---------------------------------------------------------------------
+    @property
+    def may_overlap_plain_steps(self) -> bool:
+        """Whether steps without drafts can be known as such before the previous step's tokens are
+        (so the engine may overlap them, async scheduling): speculation switched off, or decided by
+        the adaptive controller's token-free pre-check. Not Medusa, whose heads read every step's
+        hidden states."""
+        return not self.needs_hidden and (self.ctrl is not None or not self.enabled)
+
+    def plain_step_ahead(self) -> bool:
+        """Called by the engine before anything else in a step: True when this step will carry no
+        drafts for anyone, decided without the newest tokens (which may still be on the device: the
+        controller needs only counts and its own estimates). The plan is kept for propose(), which
+        must follow in the same step."""
+        self._planned = None
+        if not self.may_overlap_plain_steps:
+            return False
+        if not self.enabled:
+            return True
+        cands = [r for r in self.engine.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        plan = self._plan(cands) if cands else None
+        self._planned = (plan,)
+        return plan is None
+
+    def _plan(self, cands: list[Request]) -> Optional[dict[str, tuple[int, int]]]:
+        """request id -> (draft nodes k, depth cap) for the requests that get drafts this step;
+        None when none does. Counts include a token still in flight (async scheduling)."""
+        eng = self.engine
+        if self.ctrl is not None and self.ctrl.skip_step(self.name, len(cands)):
+            return None  # speculation off this step: no per-request work at all
+        caps, depth_caps = [], []
+        for r in cands:
+            p = r.params
+            n_out = r.num_output_tokens + r.num_pending
+            left = (p.max_tokens - n_out) if p.max_tokens is not None else self.k + 1
+            # Emitting depth + 1 tokens should not pass max_tokens; every node needs a slot in the context.
+            depth_caps.append(max(0, left - 1))
+            nodes = min(self.k, eng.max_model_len - r.num_tokens)
+            caps.append(max(0, nodes if self.is_tree else min(nodes, left - 1)))
+        if self.ctrl is not None:
+            ks = self.ctrl.choose([r.request_id for r in cands], self.name, caps, prechecked=True)
+        else:
+            ks = caps
+        plan = {r.request_id: (k, d) for r, k, d in zip(cands, ks, depth_caps) if k > 0 and d > 0}
+        return plan or None
+
     def propose(self) -> None:
         """Draft for every running request in decode state (only its last token lacks KV)."""
         eng = self.engine
@@ -260,24 +306,15 @@ class SpecDecoder:
                 r.spec_state.tree = None
         if not self.enabled:
             return
+        planned, self._planned = self._planned, None
         cands = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
         if not cands:
             return
-        if self.ctrl is not None and self.ctrl.skip_step(self.name, len(cands)):
-            return  # speculation off this step: no per-request work at all
-        caps, depth_caps = [], []
-        for r in cands:
-            p = r.params
-            left = (p.max_tokens - r.num_output_tokens) if p.max_tokens is not None else self.k + 1
-            # Emitting depth + 1 tokens should not pass max_tokens; every node needs a slot in the context.
-            depth_caps.append(max(0, left - 1))
-            nodes = min(self.k, eng.max_model_len - r.num_tokens)
-            caps.append(max(0, nodes if self.is_tree else min(nodes, left - 1)))
-        if self.ctrl is not None:
-            ks = self.ctrl.choose([r.request_id for r in cands], self.name, caps, prechecked=True)
-        else:
-            ks = caps
-        asked = [(r, k, d) for r, k, d in zip(cands, ks, depth_caps) if k > 0 and d > 0]
+        plan = planned[0] if planned is not None else self._plan(cands)
+        if plan is None:
+            return
+        # (planned ahead: requests that finished since are no longer running)
+        asked = [(r, *plan[r.request_id]) for r in cands if r.request_id in plan]
         if not asked:
             return
         preqs = []
