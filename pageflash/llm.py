@@ -53,6 +53,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        """Forget cached prompt blocks no request holds (as vLLM's); returns how many."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],

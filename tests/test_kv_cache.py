@@ -142,3 +142,19 @@ def test_random_operation_sequences_keep_invariants(seq, block_size, num_blocks,
         kv.free(sid)
     check_invariants(kv)
     assert kv.pool.num_free == num_blocks
+
+
+def test_reset_cache_forgets_free_blocks_only():
+    from pageflash.engine.kv_cache import KVCacheManager
+
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    a, b = list(range(12)), list(range(100, 112))
+    for sid, toks in (("a", a), ("b", b)):
+        assert kv.allocate(sid, 0, len(toks))
+        kv.cache_full_blocks(sid, toks, len(toks))
+    kv.free("a")
+    assert len(kv.find_cached_prefix(a + [1])) == 3 and len(kv.find_cached_prefix(b + [1])) == 3
+    assert kv.pool.reset_cache() == 3  # a's three free blocks; b still holds its own
+    assert kv.find_cached_prefix(a + [1]) == [] and len(kv.find_cached_prefix(b + [1])) == 3
+    kv.free("b")
+    assert kv.pool.num_free == 16

@@ -155,8 +155,11 @@ def _prompts(eng, task: str, n: int, a: argparse.Namespace) -> list[dict]:
 
 
 def _generate(eng, prompts: list[dict], params, batch: int) -> tuple[list, float]:
-    """Run prompts in waves of `batch` (all of a wave submitted at once); (outputs, seconds)."""
+    """Run prompts in waves of `batch` (all of a wave submitted at once); (outputs, seconds).
+    Starts from an empty prefix cache, so that every run computes its prompts (the runs repeat the
+    same prompts: otherwise each task's first run would be the only one without cache hits)."""
     outs: list = []
+    eng.reset_prefix_cache()
     sync(eng.device)
     t0 = time.perf_counter()
     for w in range(0, len(prompts), batch):

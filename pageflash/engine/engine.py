@@ -297,6 +297,14 @@ class LLMEngine:
                     req.finish_reason = "abort"
                     self._finish(req)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's entries for blocks no request holds (benchmarks: every timed run
+        then computes its prompts). Returns how many blocks were dropped."""
+        n = self.kv.pool.reset_cache()
+        if self.spec is not None and self.spec.draft_kv is not None:
+            n += self.spec.draft_kv.pool.reset_cache()
+        return n
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 

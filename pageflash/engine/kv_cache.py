@@ -77,6 +77,18 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue[bid] = None
 
+    def reset_cache(self) -> int:
+        """Forget the hashes of every free block (in-use blocks keep theirs); returns how many."""
+        n = 0
+        for bid in self.free_queue:
+            b = self.blocks[bid]
+            if b.block_hash is not None:
+                if self.cached.get(b.block_hash) == bid:
+                    del self.cached[b.block_hash]
+                b.block_hash = None
+                n += 1
+        return n
+
     def lookup(self, block_hash: int) -> Optional[int]:
         return self.cached.get(block_hash) if self.enable_caching else None
 

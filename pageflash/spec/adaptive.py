@@ -73,8 +73,9 @@ class AdaptiveConfig:
     probe_k:          k used while probing.
     min_calibration:  floor of the realized / predicted speedup scale (keeps probes able to turn
                       speculation back on when acceptance improves a lot); its inverse is the ceiling.
-    calibration_ema:  weight of one step in the calibration (slow: one step's realized speedup is
-                      noisy, and a noisy scale would flap decisions inside the hysteresis band).
+    calibration_ema:  weight of one step in the calibration (slower than ``ema``: one step's
+                      realized speedup is noisy, and a noisy scale would flap decisions inside the
+                      hysteresis band; a loss is still cut within ~20 steps).
     prior_alpha:      acceptance assumed before any observation.
     prior_token_cost: cost of one extra query token per sequence, relative to a decode step, used
                       until two token counts of a batch bucket have been measured.
@@ -92,7 +93,7 @@ class AdaptiveConfig:
     prior_alpha: float = 0.5
     prior_token_cost: float = 0.05
     min_calibration: float = 0.5
-    calibration_ema: float = 0.025
+    calibration_ema: float = 0.05
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -227,8 +228,10 @@ class _ProposerState:
     propose_cost: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per step
     last_speedup: float = 0.0  # predicted (uncalibrated) speedup of the last allocation
     last_mode: str = "off"  # what the last choose() did: "off", "on" or "probe"
-    # bucket -> EMA of realized / predicted speedup over steps that speculated (on or probing)
+    # bucket -> realized / predicted speedup over steps that speculated (on or probing): a ratio
+    # of two EMAs (bucket -> [realized, predicted]), less biased by noise than an EMA of ratios
     calibration: dict[int, float] = field(default_factory=dict)
+    _cal_sums: dict[int, list[float]] = field(default_factory=dict)
 
 
 class SpecController:
@@ -272,10 +275,12 @@ class SpecController:
         base = self._plain_rate.get(b)
         if not base or st.last_mode == "off" or st.last_speedup <= 0:
             return
-        ratio = (rate / base) / st.last_speedup
         w = self.config.calibration_ema
-        c = (1 - w) * st.calibration.get(b, 1.0) + w * ratio
-        st.calibration[b] = min(1.0 / self.config.min_calibration, max(self.config.min_calibration, c))
+        sums = st._cal_sums.setdefault(b, [1.0, 1.0])  # a prior of one trusted step
+        sums[0] = (1 - w) * sums[0] + w * (rate / base)
+        sums[1] = (1 - w) * sums[1] + w * st.last_speedup
+        lo = self.config.min_calibration
+        st.calibration[b] = min(1.0 / lo, max(lo, sums[0] / sums[1]))
 
     def observe_propose(self, proposer: str, num_seqs: int, seconds: float) -> None:
         """Wall time the proposer spent drafting for a batch of num_seqs (draft models cost real time)."""
