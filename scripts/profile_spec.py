@@ -1,6 +1,6 @@
 """Why is a speculative step slow on the GPU? Step time with and without n-gram speculation on the
-dummy smollm2-135m config (batch 1), the GPU-synced time of runner.execute inside it, and the host
-functions that take the rest (cProfile). Usage: python scripts/profile_spec.py"""
+dummy smollm2-135m config (BATCH sequences, default 1), the GPU-synced time of runner.execute inside
+it, and the host functions that take the rest (cProfile). Usage: [BATCH=64] python scripts/profile_spec.py"""
 
 import cProfile
 import io
@@ -18,12 +18,13 @@ sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 MAX_TOKENS = int(os.environ.get("MAX_TOKENS", "200"))
 
 rng = random.Random(0)
-base = [rng.randrange(1000, 9000) for _ in range(64)]
-prompt = base * 8  # repetitive: n-gram lookup always finds a continuation
+BATCH = int(os.environ.get("BATCH", "1"))
+# repetitive: n-gram lookup always finds a continuation
+prompts = [{"prompt_token_ids": [rng.randrange(1000, 9000) for _ in range(64)] * 8} for _ in range(BATCH)]
 
 
 def run(spec):
-    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=2048, num_kv_blocks=2048,
+    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=2048, num_kv_blocks=2048 * BATCH,
               speculative_config=spec)
     eng = llm.llm_engine
     runner = eng.runner
@@ -42,15 +43,15 @@ def run(spec):
     runner.execute = timed
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for _ in range(2):  # warm-up: compiles, graph captures, and the prefix-cache-hit prefill of the timed run
-        llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)
+        llm.generate(prompts, sp, use_tqdm=False)
     ex.update(t=0.0, n=0)
     pr = cProfile.Profile()
     t = time.perf_counter()
     pr.enable()
-    out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)
+    out = llm.generate(prompts, sp, use_tqdm=False)
     pr.disable()
     wall = time.perf_counter() - t
-    n = len(out[0].outputs[0].token_ids)
+    n = sum(len(o.outputs[0].token_ids) for o in out)
     print(f"spec={spec}: {n / wall:.1f} tok/s, {ex['n']} steps, {wall / ex['n'] * 1e3:.2f} ms/step, "
           f"execute {ex['t'] / ex['n'] * 1e3:.2f} ms/step, accepted/step {eng.get_stats().get('spec')}")
     s = io.StringIO()

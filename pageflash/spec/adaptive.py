@@ -72,7 +72,8 @@ class AdaptiveConfig:
                       work would otherwise weigh on fast, CUDA-graph decode steps).
     probe_k:          k used while probing.
     min_calibration:  floor of the realized / predicted speedup scale (keeps probes able to turn
-                      speculation back on when acceptance improves a lot); its inverse is the ceiling.
+                      speculation back on when acceptance improves a lot).
+    max_calibration:  its ceiling (a cost model too pessimistic is corrected up to this factor).
     calibration_ema:  weight of one step in the calibration (slower than ``ema``: one step's
                       realized speedup is noisy, and a noisy scale would flap decisions inside the
                       hysteresis band; a loss is still cut within ~20 steps).
@@ -92,7 +93,8 @@ class AdaptiveConfig:
     probe_k: int = 2
     prior_alpha: float = 0.5
     prior_token_cost: float = 0.05
-    min_calibration: float = 0.5
+    min_calibration: float = 0.25
+    max_calibration: float = 2.0
     calibration_ema: float = 0.05
 
     def __post_init__(self) -> None:
@@ -116,8 +118,11 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.prior_alpha must be in [0, 1), got {self.prior_alpha}")
         if not 0.0 < self.calibration_ema <= 1.0:
             raise ValueError(f"AdaptiveConfig.calibration_ema must be in (0, 1], got {self.calibration_ema}")
-        if not 0.0 < self.min_calibration <= 1.0:
-            raise ValueError(f"AdaptiveConfig.min_calibration must be in (0, 1], got {self.min_calibration}")
+        if not 0.0 < self.min_calibration <= 1.0 <= self.max_calibration:
+            raise ValueError(
+                f"AdaptiveConfig needs 0 < min_calibration <= 1 <= max_calibration, got "
+                f"{self.min_calibration} and {self.max_calibration}"
+            )
         if self.prior_token_cost < 0:
             raise ValueError(f"AdaptiveConfig.prior_token_cost must be >= 0, got {self.prior_token_cost}")
 
@@ -279,8 +284,7 @@ class SpecController:
         sums = st._cal_sums.setdefault(b, [1.0, 1.0])  # a prior of one trusted step
         sums[0] = (1 - w) * sums[0] + w * (rate / base)
         sums[1] = (1 - w) * sums[1] + w * st.last_speedup
-        lo = self.config.min_calibration
-        st.calibration[b] = min(1.0 / lo, max(lo, sums[0] / sums[1]))
+        st.calibration[b] = min(self.config.max_calibration, max(self.config.min_calibration, sums[0] / sums[1]))
 
     def observe_propose(self, proposer: str, num_seqs: int, seconds: float) -> None:
         """Wall time the proposer spent drafting for a batch of num_seqs (draft models cost real time)."""
