@@ -52,12 +52,14 @@ def test_bench_spec_cpu_smoke(tmp_path):
                "early_exit-tree", "medusa", "--batch-size", "1", "2", "--temperature", "0", "1", "--tasks",
                "grounded", "--num-prompts", "2", "--max-tokens", "8", "--text-tokens", "16",
                "--medusa-train-prompts", "4", "--medusa-train-tokens", "8", "--medusa-epochs", "1",
-               "--json", str(out)])
+               "--num-iters", "2", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert len(res["results"]) == 3 * 2 * 2
     for r in res["results"]:
         assert r["spec_tok_s"] > 0 and r["baseline_tok_s"] > 0
+        assert len(r["spec_tok_s_rounds"]) == len(r["baseline_tok_s_rounds"]) == 2
+        assert r["spec_tok_s"] in r["spec_tok_s_rounds"] and r["baseline_tok_s"] in r["baseline_tok_s_rounds"]
         if r["temperature"] == 0.0:
             assert r["greedy_equal"] == f"{r['num_prompts']}/{r['num_prompts']}"
     assert res["medusa_training"]["val_top1_per_head"]

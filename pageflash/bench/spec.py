@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=4,
                    help="prompts per cell (at least one wave of --batch-size) (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--num-iters", type=int, default=3,
+                   help="timed rounds per cell, each running the baseline then every method (interleaved, so "
+                        "drifts hit all alike); tok/s are medians over rounds (default: 3)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     p.add_argument("--text-tokens", type=int, default=1000, help="quoted text of grounded prompts")
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens of chains (default: %(default)s)")
@@ -89,8 +92,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if m.startswith("draft_model") and not a.draft_model:
             print("error: the draft_model methods need --draft-model", file=sys.stderr)
             return 2
-    if min(a.batch_size) < 1 or a.num_prompts < 1 or a.max_tokens < 1 or a.k < 1:
-        print("error: --batch-size, --num-prompts, --max-tokens and --k must be >= 1", file=sys.stderr)
+    if min(a.batch_size) < 1 or a.num_prompts < 1 or a.max_tokens < 1 or a.k < 1 or a.num_iters < 1:
+        print("error: --batch-size, --num-prompts, --max-tokens, --k and --num-iters must be >= 1", file=sys.stderr)
         return 2
     try:
         return _run(a, argv)
@@ -254,18 +257,31 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
             for temp in a.temperature:
                 params = SamplingParams(temperature=temp, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos,
                                         seed=None)
-                torch.manual_seed(a.seed)
-                eng.spec = None
-                base_outs, base_s = _generate(eng, prompts, params, b)
-                base_tokens = sum(len(o.outputs[0].token_ids) for o in base_outs)
-                base_tps = base_tokens / base_s
-                log(f"{task} batch {b} T={temp}: baseline {base_tps:.1f} tok/s")
-                for m, d in decoders.items():
-                    eng.spec = d
+                base_runs: list[tuple[float, int]] = []  # (seconds, tokens) per round
+                runs: dict[str, list[tuple[float, int]]] = {m: [] for m in decoders}
+                spec_outs: dict[str, list] = {}
+                for d in decoders.values():
                     d.metrics.reset()
-                    torch.manual_seed(a.seed)
+                for it in range(a.num_iters):
+                    torch.manual_seed(a.seed + it)
+                    eng.spec = None
                     outs, secs = _generate(eng, prompts, params, b)
-                    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+                    base_runs.append((secs, sum(len(o.outputs[0].token_ids) for o in outs)))
+                    if it == 0:
+                        base_outs = outs
+                    for m, d in decoders.items():
+                        eng.spec = d
+                        torch.manual_seed(a.seed + it)
+                        outs, secs = _generate(eng, prompts, params, b)
+                        runs[m].append((secs, sum(len(o.outputs[0].token_ids) for o in outs)))
+                        if it == 0:
+                            spec_outs[m] = outs
+                base_s, base_tokens, base_tps = _median_run(base_runs)
+                log(f"{task} batch {b} T={temp}: baseline {base_tps:.1f} tok/s "
+                    f"(rounds: {', '.join(f'{t / s:.0f}' for s, t in base_runs)})")
+                for m, d in decoders.items():
+                    outs = spec_outs[m]
+                    secs, toks, _ = _median_run(runs[m])
                     st = d.metrics.as_dict().get(d.name, {})
                     row = {
                         "method": m, "task": task, "batch_size": b, "temperature": temp, "num_prompts": len(prompts),
@@ -273,6 +289,9 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
                         "baseline_tokens": base_tokens, "baseline_s": base_s, "baseline_tok_s": base_tps,
                         "spec_tokens": toks, "spec_s": secs, "spec_tok_s": toks / secs,
                         "speedup": (toks / secs) / base_tps,
+                        "num_iters": a.num_iters,
+                        "baseline_tok_s_rounds": [t / s for s, t in base_runs],
+                        "spec_tok_s_rounds": [t / s for s, t in runs[m]],
                         "acceptance_rate": st.get("acceptance_rate", 0.0),
                         "mean_accepted_per_step": st.get("mean_accepted_per_step", 0.0),
                         "mean_emitted_per_step": st.get("mean_emitted_per_step", 0.0),
@@ -312,6 +331,12 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     del llm, eng, decoders
     gc.collect()
     return 0
+
+
+def _median_run(runs: list[tuple[float, int]]) -> tuple[float, int, float]:
+    """(seconds, tokens, tok/s) of the round with the median tok/s."""
+    s, t = sorted(runs, key=lambda r: r[1] / r[0])[len(runs) // 2]
+    return s, t, t / s
 
 
 def print_report(result: dict) -> None:
