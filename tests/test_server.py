@@ -80,7 +80,8 @@ class Srv:
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[Srv]:
-    llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN)
+    # async scheduling, as the server runs on CUDA by default (outputs one step behind the launches)
+    llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN, async_scheduling=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     # Offline references, computed before the engine thread owns the engine.
     refs = {
