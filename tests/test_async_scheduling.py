@@ -208,3 +208,19 @@ def test_speculative_decoder_attached_at_run_time(model):
         assert _no_leak(llm)
         assert overlapped > 0 and synced > 0
     assert ad.metrics.as_dict()["ngram"]["num_steps"] > 0  # it did speculate in between
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_min_tokens_reached_then_stop_token(model, mode):
+    """min_tokens masks stop ids only while fewer outputs exist: once reached, a stop token ends the
+    request at its first occurrence (the sampling row must see the true output count, even though
+    rows without penalties are not given their outputs)."""
+    llm = LLM(model, num_kv_blocks=400, async_scheduling=mode, **ENGINE)
+    prompt = {"prompt_token_ids": _prompts(2, seed=11)[1]}
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    j = next(i for i, t in enumerate(free) if i >= 3 and t not in free[:i])  # a token first seen at j >= 3
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30, min_tokens=2, ignore_eos=True,
+                                              stop_token_ids=[free[j]]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[: j + 1]
+    assert _no_leak(llm)

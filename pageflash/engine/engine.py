@@ -88,6 +88,14 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
 
+def _reads_outputs(p: SamplingParams) -> bool:
+    """Whether sampling reads a row's outputs (penalties: the tokens; min_tokens: their count)."""
+    return (
+        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        or p.min_tokens > 0
+    )
+
+
 def _needs_history(req: Request) -> bool:
     p = req.params
     return (
@@ -388,8 +396,11 @@ class LLMEngine:
                 sample_reqs.append(r)
         if not sample_reqs:
             return None
+        # Only rows with penalties or min_tokens read their outputs: the others get an empty list
+        # instead of a copy of their outputs (O(length) per row per step otherwise).
         batch = SamplingBatch.build(
-            [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sample_reqs],
+            [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids if _reads_outputs(r.params) else (),
+                         r.generator) for r in sample_reqs],
             vocab_size=self.vocab_size, device=self.device, eos_token_ids=sorted(self.eos_token_ids),
         )
         if sample_rows != list(range(logits.shape[0])):  # decode steps: every row samples, once
