@@ -50,8 +50,8 @@ def test_async_scheduling_equals_sync_fp32_graphs():
     """Async scheduling (default on CUDA) feeds each decode graph the tokens sampled by the step
     still in flight; the outputs must equal synchronous stepping (float32: batch composition, which
     differs by the dropped extra steps, must not change a row's result beyond rounding)."""
-    params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True) if i % 2 else
-              SamplingParams(temperature=1.0, seed=i, max_tokens=30, stop_token_ids=[5, 6, 7, 8, 9])
+    params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True, logprobs=2 if i % 4 == 1 else None)
+              if i % 2 else SamplingParams(temperature=1.0, seed=i, max_tokens=30, stop_token_ids=[5, 6, 7, 8, 9])
               for i in range(len(PROMPTS))]
     outs = {}
     for mode in (None, False):
@@ -59,7 +59,9 @@ def test_async_scheduling_equals_sync_fp32_graphs():
                   async_scheduling=mode)
         assert llm.llm_engine.async_scheduling == (mode is None) and llm.llm_engine.runner.graphs is not None
         res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        outs[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in res]
+        outs[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                       [sorted((t, round(lp.logprob, 3)) for t, lp in d.items()) for d in o.outputs[0].logprobs or []])
+                      for o in res]
         eng = llm.llm_engine
         assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
     assert outs[None] == outs[False]
