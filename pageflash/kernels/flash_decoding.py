@@ -29,8 +29,9 @@ __all__ = ["flash_decode", "flash_decode_ref", "choose_num_splits", "decode_conf
 LOG2E = 1.4426950408889634
 
 
-# num_splits is not specialized: the batch buckets' split counts share one compile (cold start)
-@triton.jit(do_not_specialize=["num_splits"])
+# num_splits is not specialized: the batch buckets' split counts share one compile (cold start);
+# nor is the block-table width, which eager steps size to their longest sequence
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     Q, KC, VC, O, PO, PLSE, BT, SEQ_LENS, COUNTERS,
     stride_qb, stride_qh, stride_ob, stride_oh,

@@ -91,7 +91,9 @@ def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# The block-table width (stride_bt) and the tree-mask stride change from step to step: specializing
+# on them (divisibility by 16) would compile new variants in the middle of serving.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_tree"])
 def _paged_prefill_kernel(
     Q, KC, VC, O, PO, PLSE, BT, SEQ_LENS, QSL, TILE_SEQ, TILE_QB, TREE,
     stride_qt, stride_qh, stride_ot, stride_oh,
