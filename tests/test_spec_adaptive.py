@@ -270,3 +270,34 @@ def test_calibration_keeps_a_real_gain() -> None:
     hist = simulate(ctrl, 600, 8, 0.5, CHEAP, random.Random(6))
     assert ctrl.is_on("ngram") and spec_fraction(hist[-200:]) > 0.9
     assert 0.8 < ctrl.as_dict()["ngram"]["calibration"][8] < 1.25
+
+
+def test_probes_priced_by_whole_step_time() -> None:
+    """Probes while off cost at most ~probe_budget even when the cost model cannot see what makes a
+    speculative step expensive (here: whole speculative steps take 4x a plain step, as when plain
+    steps overlap with the GPU and speculative ones cannot), and drafts are worthless anyway."""
+    ctrl = SpecController()
+    rng = random.Random(9)
+    ids = [f"r{i}" for i in range(8)]
+    tokens = seconds = 0.0
+    plain_t = CHEAP(8, 8)
+    for _ in range(6000):
+        ks = ctrl.choose(ids, "ngram")
+        n = sum(k + 1 for k in ks)
+        fwd = CHEAP(8, n)
+        t = fwd if n == 8 else 4 * plain_t
+        ctrl.observe_step(8, n, fwd)
+        emitted = 0
+        for r, k in zip(ids, ks):
+            a = 0
+            while a < k and rng.random() < 0.05:
+                a += 1
+            emitted += a + 1
+            if k:
+                ctrl.observe_acceptance("ngram", r, k, a)
+        ctrl.observe_outcome("ngram", 8, emitted, t, speculated=n > 8)
+        tokens += emitted
+        seconds += t
+    assert not ctrl.is_on("ngram")
+    assert ctrl.probe_interval("ngram", 8) >= 3 * ctrl.config.probe_steps / ctrl.config.probe_budget
+    assert (tokens / seconds) / (8 / plain_t) >= 0.93

@@ -237,6 +237,7 @@ class _ProposerState:
     # of two EMAs (bucket -> [realized, predicted]), less biased by noise than an EMA of ratios
     calibration: dict[int, float] = field(default_factory=dict)
     _cal_sums: dict[int, list[float]] = field(default_factory=dict)
+    spec_step_s: dict[int, float] = field(default_factory=dict)  # bucket -> whole speculating step, EMA
 
 
 class SpecController:
@@ -247,6 +248,7 @@ class SpecController:
         self.costs = StepCostModel(self.config.ema, self.config.prior_token_cost)
         self._states: dict[str, _ProposerState] = {}
         self._plain_rate: dict[int, float] = {}  # bucket -> tokens/s of whole plain decode steps
+        self._plain_step_s: dict[int, float] = {}  # bucket -> seconds of a whole plain decode step
 
     def _state(self, proposer: str) -> _ProposerState:
         st = self._states.get(proposer)
@@ -275,8 +277,12 @@ class SpecController:
                 return
             old = self._plain_rate.get(b)
             self._plain_rate[b] = rate if old is None else (1 - w) * old + w * rate
+            old = self._plain_step_s.get(b)
+            self._plain_step_s[b] = seconds if old is None else (1 - w) * old + w * seconds
             return
         st = self._state(proposer)
+        old = st.spec_step_s.get(b)
+        st.spec_step_s[b] = seconds if old is None else (1 - w) * old + w * seconds
         base = self._plain_rate.get(b)
         if not base or st.last_mode == "off" or st.last_speedup <= 0:
             return
@@ -368,12 +374,19 @@ class SpecController:
 
     def probe_interval(self, proposer: str, num_seqs: int) -> int:
         """Steps between probes while off: probe_interval, or more when a probe step's extra cost
-        over a decode step (verify + drafting, from the cost model) would exceed probe_budget."""
+        over a decode step would exceed probe_budget. The extra cost is the cost model's (verify +
+        drafting) or, when larger, the measured one of whole steps that speculated against whole
+        plain steps (which sees what the model does not, e.g. a plain step overlapped with the
+        GPU's work against a speculative step that cannot be)."""
         cfg = self.config
+        st = self._state(proposer)
+        b = _bucket(num_seqs)
         extra = self.costs.ratio(num_seqs, cfg.probe_k) - 1.0
         base = self.costs.predict(num_seqs, num_seqs)
         if base is not None:
-            extra += self._state(proposer).propose_cost.get(_bucket(num_seqs), 0.0) / base
+            extra += st.propose_cost.get(b, 0.0) / base
+        if b in st.spec_step_s and self._plain_step_s.get(b):
+            extra = max(extra, st.spec_step_s[b] / self._plain_step_s[b] - 1.0)
         return max(cfg.probe_interval, int(np.ceil(cfg.probe_steps * max(extra, 0.0) / cfg.probe_budget)))
 
     def skip_step(self, proposer: str, num_seqs: int) -> bool:
