@@ -243,11 +243,12 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     t0 = time.perf_counter()
     for b in sorted(set(a.batch_size)):
-        wp = prompt_sets[a.tasks[0]][:b]
-        for d in [None, *decoders.values()]:
-            eng.spec = d
-            for _ in range(2):
-                _generate(eng, wp, warm, b)
+        for task in a.tasks:  # each task's prompt lengths (kernel variants of their own)
+            wp = prompt_sets[task][:b]
+            for d in [None, *decoders.values()]:
+                eng.spec = d
+                for _ in range(2):
+                    _generate(eng, wp, warm, b)
     log(f"warm-up {time.perf_counter() - t0:.1f} s")
 
     rows: list[dict[str, Any]] = []
