@@ -325,6 +325,11 @@ class AsyncLLMEngine:
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
         reason = "shut down"
+        dev = getattr(self.engine, "device", None)
+        if dev is not None and dev.type == "cuda" and dev.index is not None:
+            import torch
+
+            torch.cuda.set_device(dev)  # the current device is per thread
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished_requests()

@@ -122,7 +122,7 @@ class _Inflight:
             for h, t in zip(host, parts):
                 h.copy_(t, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(dev))
             parts = host
         self.host = parts
 
@@ -148,6 +148,10 @@ class LLMEngine:
             self.device = torch.device(config.device)
             if self.device.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError("device='cuda' was requested but CUDA is not available on this machine")
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches, graph capture and events use the current device: make it this one
+            # (the server's engine thread does the same when it starts)
+            torch.cuda.set_device(self.device)
         if config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
