@@ -188,6 +188,13 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
+    def reads_outputs(self, num_output: Optional[int] = None) -> bool:
+        """Whether sampling reads the outputs so far: their tokens (penalties) or their count
+        (min_tokens, while fewer than min_tokens exist; with num_output None: at any point)."""
+        if self.uses_penalties:
+            return True
+        return self.min_tokens > 0 if num_output is None else num_output < self.min_tokens
+
     def all_stop_token_ids(self, eos_token_id: Union[int, list[int], None]) -> set[int]:
         """Token ids that end this request: stop_token_ids, plus EOS unless ignore_eos.
 

@@ -23,8 +23,11 @@ PROPORTIONAL: CostFn = lambda b, n: 0.001 * n  # noqa: E731
 
 
 def simulate(
-    ctrl: SpecController, steps: int, bsz: int, alpha: float, cost: CostFn, rng: random.Random, metrics=None
+    ctrl: SpecController, steps: int, bsz: int, alpha: float, cost: CostFn, rng: random.Random, metrics=None,
+    whole: CostFn | None = None, log: list | None = None,
 ) -> list[list[int]]:
+    """cost: what the forward costs (observe_step); whole: what the whole step costs (observe_outcome,
+    default: the same). log, if given, gets (tokens emitted, whole-step seconds, controller on) per step."""
     ids = [f"r{i}" for i in range(bsz)]
     history = []
     for _ in range(steps):
@@ -43,8 +46,10 @@ def simulate(
             ctrl.observe_acceptance("ngram", r, k, a)
             if metrics is not None:
                 metrics.record("ngram", k, a)
-        # the whole step costs what the forward costs here: the calibration must keep its trust
-        ctrl.observe_outcome("ngram", bsz, emitted, cost(bsz, n), speculated=n > bsz)
+        t = cost(bsz, n) if whole is None else whole(bsz, n)
+        ctrl.observe_outcome("ngram", bsz, emitted, t, speculated=n > bsz)
+        if log is not None:
+            log.append((emitted, t, ctrl.is_on("ngram")))
         history.append(ks)
     return history
 
@@ -236,32 +241,13 @@ def test_calibration_turns_off_speculation_that_does_not_deliver() -> None:
     delivered ~0.65x: the realized/predicted calibration must turn speculation off and keep it off,
     so that throughput stays >= 0.9x of plain decoding."""
     ctrl = SpecController()
-    rng = random.Random(5)
-    ids = [f"r{i}" for i in range(8)]
-    plain = 8 / CHEAP(8, 8)
-    tokens = seconds = 0.0
-    on_steps = 0
-    for step in range(3000):
-        ks = ctrl.choose(ids, "ngram")
-        n = sum(k + 1 for k in ks)
-        fwd = CHEAP(8, n)
-        t = fwd + (0.02 if n > 8 else 0.0)
-        ctrl.observe_step(8, n, fwd)
-        emitted = 0
-        for r, k in zip(ids, ks):
-            a = 0
-            while a < k and rng.random() < 0.5:
-                a += 1
-            emitted += a + 1
-            if k:
-                ctrl.observe_acceptance("ngram", r, k, a)
-        ctrl.observe_outcome("ngram", 8, emitted, t, speculated=n > 8)
-        tokens += emitted
-        seconds += t
-        on_steps += step >= 1000 and ctrl.is_on("ngram")
-    assert not ctrl.is_on("ngram") and on_steps == 0
+    log: list = []
+    hidden: CostFn = lambda b, n: CHEAP(b, n) + (0.02 if n > b else 0.0)  # noqa: E731
+    simulate(ctrl, 3000, 8, 0.5, CHEAP, random.Random(5), whole=hidden, log=log)
+    tokens, seconds = sum(e for e, _, _ in log), sum(t for _, t, _ in log)
+    assert not ctrl.is_on("ngram") and not any(on for _, _, on in log[1000:])
     assert ctrl.as_dict()["ngram"]["calibration"][8] < 0.7
-    assert (tokens / seconds) / plain >= 0.9
+    assert (tokens / seconds) / (8 / CHEAP(8, 8)) >= 0.9
 
 
 def test_calibration_keeps_a_real_gain() -> None:
@@ -277,27 +263,11 @@ def test_probes_priced_by_whole_step_time() -> None:
     speculative step expensive (here: whole speculative steps take 4x a plain step, as when plain
     steps overlap with the GPU and speculative ones cannot), and drafts are worthless anyway."""
     ctrl = SpecController()
-    rng = random.Random(9)
-    ids = [f"r{i}" for i in range(8)]
-    tokens = seconds = 0.0
     plain_t = CHEAP(8, 8)
-    for _ in range(6000):
-        ks = ctrl.choose(ids, "ngram")
-        n = sum(k + 1 for k in ks)
-        fwd = CHEAP(8, n)
-        t = fwd if n == 8 else 4 * plain_t
-        ctrl.observe_step(8, n, fwd)
-        emitted = 0
-        for r, k in zip(ids, ks):
-            a = 0
-            while a < k and rng.random() < 0.05:
-                a += 1
-            emitted += a + 1
-            if k:
-                ctrl.observe_acceptance("ngram", r, k, a)
-        ctrl.observe_outcome("ngram", 8, emitted, t, speculated=n > 8)
-        tokens += emitted
-        seconds += t
+    log: list = []
+    four_x: CostFn = lambda b, n: CHEAP(b, n) if n == b else 4 * plain_t  # noqa: E731
+    simulate(ctrl, 6000, 8, 0.05, CHEAP, random.Random(9), whole=four_x, log=log)
+    tokens, seconds = sum(e for e, _, _ in log), sum(t for _, t, _ in log)
     assert not ctrl.is_on("ngram")
     assert ctrl.probe_interval("ngram", 8) >= 3 * ctrl.config.probe_steps / ctrl.config.probe_budget
     assert (tokens / seconds) / (8 / plain_t) >= 0.93

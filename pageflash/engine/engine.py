@@ -21,7 +21,7 @@ from pageflash.engine.kv_cache import KVCacheManager
 from pageflash.engine.model_runner import ModelRunner
 from pageflash.engine.sampler import Sampler, SamplingBatch, SamplingRow
 from pageflash.engine.scheduler import Scheduler, SchedulerOutput
-from pageflash.engine.sequence import Request, Status
+from pageflash.engine.sequence import Request
 from pageflash.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import CompletionOutput, Logprob, RequestOutput
@@ -60,7 +60,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # schedule and launch step N+1 before step N's sampled tokens reach the host, and process them
-    # while the device runs N+1 (None: on for CUDA). Off for speculative decoding.
+    # while the device runs N+1 (None: on for CUDA). With speculative decoding only for the steps
+    # the adaptive controller keeps plain.
     async_scheduling: Optional[bool] = None
     # speculative decoding: a dict / JSON string (vLLM style), parsed into a SpeculativeConfig
     speculative_config: Optional[Union[SpeculativeConfig, dict, str]] = None
@@ -86,22 +87,6 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-
-
-def _reads_outputs(p: SamplingParams) -> bool:
-    """Whether sampling reads a row's outputs (penalties: the tokens; min_tokens: their count)."""
-    return (
-        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-        or p.min_tokens > 0
-    )
-
-
-def _needs_history(req: Request) -> bool:
-    p = req.params
-    return (
-        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-        or req.num_output_tokens < p.min_tokens
-    )
 
 
 class _Inflight:
@@ -403,7 +388,7 @@ class LLMEngine:
         # Only rows with penalties or min_tokens read their outputs: the others get an empty list
         # instead of a copy of their outputs (O(length) per row per step otherwise).
         batch = SamplingBatch.build(
-            [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids if _reads_outputs(r.params) else (),
+            [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids if r.params.reads_outputs() else (),
                          r.generator) for r in sample_reqs],
             vocab_size=self.vocab_size, device=self.device, eos_token_ids=sorted(self.eos_token_ids),
         )
@@ -415,7 +400,7 @@ class LLMEngine:
             r.pending_row = i
         # The next step may overlap only if no request sampled here needs its newest token on the
         # host to build its next sampling row (penalties read the outputs; min_tokens their count).
-        may_overlap = not any(_needs_history(r) for r in sample_reqs)
+        may_overlap = not any(r.params.reads_outputs(r.num_output_tokens) for r in sample_reqs)
         return _Inflight(sample_reqs, out, may_overlap)
 
     def _resolve(self, inf: _Inflight) -> list[str]:

@@ -157,6 +157,12 @@ class AcceptanceEMA:
         return min(self.successes / max(self.trials, 1e-9), 0.999)
 
 
+def _ema(d: dict, key, value: float, w: float) -> None:
+    """d[key] <- EMA of value with weight w (value itself the first time)."""
+    old = d.get(key)
+    d[key] = value if old is None else (1 - w) * old + w * value
+
+
 def _bucket(num_seqs: int) -> int:
     """Batch-size bucket: the next power of two (1, 2, 4, ...)."""
     return 1 << max(0, (num_seqs - 1).bit_length())
@@ -233,10 +239,9 @@ class _ProposerState:
     propose_cost: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per step
     last_speedup: float = 0.0  # predicted (uncalibrated) speedup of the last allocation
     last_mode: str = "off"  # what the last choose() did: "off", "on" or "probe"
-    # bucket -> realized / predicted speedup over steps that speculated (on or probing): a ratio
-    # of two EMAs (bucket -> [realized, predicted]), less biased by noise than an EMA of ratios
-    calibration: dict[int, float] = field(default_factory=dict)
-    _cal_sums: dict[int, list[float]] = field(default_factory=dict)
+    # bucket -> [EMA of realized speedup, EMA of predicted speedup] over steps that speculated (on
+    # or probing); their ratio, clamped, is the calibration (less biased by noise than an EMA of ratios)
+    cal_sums: dict[int, list[float]] = field(default_factory=dict)
     spec_step_s: dict[int, float] = field(default_factory=dict)  # bucket -> whole speculating step, EMA
 
 
@@ -275,29 +280,29 @@ class SpecController:
         if not speculated:
             if num_emitted == 0:  # e.g. the first of overlapped steps, whose tokens come a step later
                 return
-            old = self._plain_rate.get(b)
-            self._plain_rate[b] = rate if old is None else (1 - w) * old + w * rate
-            old = self._plain_step_s.get(b)
-            self._plain_step_s[b] = seconds if old is None else (1 - w) * old + w * seconds
+            _ema(self._plain_rate, b, rate, w)
+            _ema(self._plain_step_s, b, seconds, w)
             return
         st = self._state(proposer)
-        old = st.spec_step_s.get(b)
-        st.spec_step_s[b] = seconds if old is None else (1 - w) * old + w * seconds
+        _ema(st.spec_step_s, b, seconds, w)
         base = self._plain_rate.get(b)
         if not base or st.last_mode == "off" or st.last_speedup <= 0:
             return
         w = self.config.calibration_ema
-        sums = st._cal_sums.setdefault(b, [1.0, 1.0])  # a prior of one trusted step
+        sums = st.cal_sums.setdefault(b, [1.0, 1.0])  # a prior of one trusted step
         sums[0] = (1 - w) * sums[0] + w * (rate / base)
         sums[1] = (1 - w) * sums[1] + w * st.last_speedup
-        st.calibration[b] = min(self.config.max_calibration, max(self.config.min_calibration, sums[0] / sums[1]))
+
+    def calibration(self, proposer: str, num_seqs: int) -> float:
+        """Realized / predicted speedup at this batch bucket, clamped (1 before any observation)."""
+        sums = self._state(proposer).cal_sums.get(_bucket(num_seqs))
+        if sums is None:
+            return 1.0
+        return min(self.config.max_calibration, max(self.config.min_calibration, sums[0] / sums[1]))
 
     def observe_propose(self, proposer: str, num_seqs: int, seconds: float) -> None:
         """Wall time the proposer spent drafting for a batch of num_seqs (draft models cost real time)."""
-        st = self._state(proposer)
-        b = _bucket(num_seqs)
-        old = st.propose_cost.get(b)
-        st.propose_cost[b] = seconds if old is None else (1 - self.config.ema) * old + self.config.ema * seconds
+        _ema(self._state(proposer).propose_cost, _bucket(num_seqs), seconds, self.config.ema)
 
     def observe_acceptance(self, proposer: str, request_id: str, num_proposed: int, num_accepted: int) -> None:
         """After verification: the request had num_proposed draft positions and num_accepted were kept."""
@@ -422,7 +427,7 @@ class SpecController:
         alphas = [self.alpha(proposer, r) for r in request_ids]
         ks, speedup = self.allocate(proposer, alphas, caps)
         st.last_speedup = speedup
-        speedup *= st.calibration.get(_bucket(bsz), 1.0)  # delivered so far against predicted
+        speedup *= self.calibration(proposer, bsz)  # delivered so far against predicted
         st.last_mode = "probe" if st.probing > 0 else "on" if st.on else "off"
 
         if st.probing > 0:
@@ -463,7 +468,7 @@ class SpecController:
                 "alpha": round(st.acceptance.alpha, 4),
                 "accepted_per_step": round(st.acceptance.accepted_per_step, 4),
                 "predicted_speedup": round(st.last_speedup, 4),
-                "calibration": {b: round(c, 4) for b, c in sorted(st.calibration.items())},
+                "calibration": {b: round(self.calibration(name, b), 4) for b in sorted(st.cal_sums)},
                 "probing": st.probing > 0,
             }
             for name, st in self._states.items()

@@ -94,16 +94,6 @@ def _state(req: Request) -> _ReqState:
     return req.spec_state
 
 
-def _needs_context(params, num_output: int) -> bool:
-    """Whether the target's distribution at a draft node depends on the draft tokens before it."""
-    return (
-        params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or num_output < params.min_tokens  # EOS / stop ids masked at some nodes but maybe not others
-    )
-
-
 class SpecDecoder:
     """Speculative decoding for one LLMEngine: proposer, verification, KV rollback, metrics."""
 
@@ -267,10 +257,14 @@ class SpecDecoder:
             return False
         if not self.enabled:
             return True
-        cands = [r for r in self.engine.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        cands = self._decode_ready()
         plan = self._plan(cands) if cands else None
         self._planned = (plan,)
         return plan is None
+
+    def _decode_ready(self) -> list[Request]:
+        """Running requests in decode state: only their last token lacks KV (it may be in flight)."""
+        return [r for r in self.engine.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
 
     def _plan(self, cands: list[Request]) -> Optional[dict[str, tuple[int, int]]]:
         """request id -> (draft nodes k, depth cap) for the requests that get drafts this step;
@@ -307,7 +301,7 @@ class SpecDecoder:
         if not self.enabled:
             return
         planned, self._planned = self._planned, None
-        cands = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        cands = self._decode_ready()
         if not cands:
             return
         plan = planned[0] if planned is not None else self._plan(cands)
@@ -397,7 +391,9 @@ class SpecDecoder:
         logits = result.logits[torch.tensor(row_idx, device=result.logits.device)]
 
         greedy = [r.params.greedy for r in reqs]
-        ctxs = [_needs_context(r.params, r.num_output_tokens) for r in reqs]
+        # whether the target's distribution at a node depends on the draft tokens before it
+        # (penalties; min_tokens masking EOS / stop ids at some nodes but maybe not others)
+        ctxs = [r.params.reads_outputs(r.num_output_tokens) for r in reqs]
         if all(greedy) and not any(ctxs):
             probs = logits  # plain greedy: the verifier only takes argmaxes
         else:
