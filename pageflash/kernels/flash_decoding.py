@@ -24,9 +24,23 @@ import triton.language as tl
 
 from pageflash.layers.attention import _decode_batched_ref
 
-__all__ = ["flash_decode", "flash_decode_ref", "choose_num_splits", "decode_config"]
+__all__ = ["flash_decode", "flash_decode_ref", "choose_num_splits", "decode_config", "split_range"]
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def split_range(end, split, num_splits, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """Keys [lo, hi) of program `split` of num_splits over keys [0, end): equal chunks in multiples of
+    BLOCK_N (the last ones may be short or empty); all of them without SPLIT."""
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(end, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, end)
+    else:
+        lo = 0
+        hi = end
+    return lo, hi
 
 
 # num_splits is not specialized: the batch buckets' split counts share one compile (cold start);
@@ -48,13 +62,7 @@ def _decode_split_kernel(
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
     seq_len = tl.load(SEQ_LENS + b)
-    if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, seq_len)
-    else:
-        lo = 0
-        hi = seq_len
+    lo, hi = split_range(seq_len, split, num_splits, BLOCK_N, SPLIT)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.flash_decoding import split_range
 from pageflash.layers.attention import paged_attention_ref
 
 __all__ = ["paged_attention", "paged_attention_ref", "build_tiles", "prefill_config"]
@@ -142,13 +143,8 @@ def _paged_prefill_kernel(
         shared_end = ctx + qb * (BLOCK_M // GROUP_PAD)
         kv_end = tl.minimum(seq_len, shared_end + BLOCK_M // GROUP_PAD)
     full = shared_end - shared_end % BLOCK_N
-    if SPLIT:  # Flash-Decoding over the keys: this program takes one BLOCK_N-aligned chunk of [0, kv_end)
-        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, kv_end)
-    else:
-        lo = 0
-        hi = kv_end
+    # Flash-Decoding over the keys with SPLIT: this program takes one BLOCK_N-aligned chunk of [0, kv_end)
+    lo, hi = split_range(kv_end, split, num_splits, BLOCK_N, SPLIT)
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  lo, tl.minimum(full, hi), seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
