@@ -47,7 +47,7 @@ from pageflash.spec.config import SpeculativeConfig
 from pageflash.spec.metrics import SpecMetrics
 from pageflash.spec.proposer import ProposalRequest, Proposer, truncate_tree
 from pageflash.spec.tree import DraftTree, ExpansionConfig, flat_tree_mask, kv_compaction, positions, tree_attention_mask
-from pageflash.spec.verify import verify_chains, verify_trees
+from pageflash.spec.verify import TreeVerifyResult, verify_chains, verify_greedy, verify_trees
 
 if TYPE_CHECKING:
     from pageflash.engine.engine import LLMEngine
@@ -388,38 +388,24 @@ class SpecDecoder:
             assert count == 1 + len(t), f"verify rows {count} != 1 + {len(t)} drafts"
             firsts.append(len(row_idx))
             row_idx.extend(range(start, start + count))
-        logits = result.logits[torch.tensor(row_idx, device=result.logits.device)]
-
         greedy = [r.params.greedy for r in reqs]
         # whether the target's distribution at a node depends on the draft tokens before it
         # (penalties; min_tokens masking EOS / stop ids at some nodes but maybe not others)
         ctxs = [r.params.reads_outputs(r.num_output_tokens) for r in reqs]
+        logits: Optional[torch.Tensor] = None
         if all(greedy) and not any(ctxs):
-            probs = logits  # plain greedy: the verifier only takes argmaxes
+            # Plain greedy: only the target's argmax matters. One argmax over the step's rows and one
+            # read, then the walk on the host (no row gather, no per-step verification kernels).
+            res = verify_greedy(trees, result.logits.argmax(-1).tolist(), [result.rows[i][0] for i, _ in spec])
         else:
-            # The target's distribution at every query row; a node sees its own path as outputs so far.
-            srows: list[SamplingRow] = []
-            for r, t, ctx in zip(reqs, trees, ctxs):
-                outs = r.output_token_ids
-                row = SamplingRow(r.params, r.prompt_token_ids, outs, r.generator)
-                srows.append(row)
-                for j in range(len(t)):
-                    srows.append(SamplingRow(r.params, r.prompt_token_ids, outs + t.path_tokens(j), r.generator)
-                                 if ctx else row)
-            batch = SamplingBatch.build(srows, eng.vocab_size, logits.device, eos_token_ids=sorted(eng.eos_token_ids))
-            probs = compute_probs(logits, batch)
-        gens = [r.generator for r in reqs]
-        if all(t.is_chain for t in trees):
-            out = verify_chains([list(t.tokens) for t in trees], probs, [t.draft_probs for t in trees],
-                                greedy=greedy, generators=gens)
-            emitted = out.to_lists()
-            paths = [list(range(len(e) - 1)) for e in emitted]
-        else:
-            res = verify_trees(trees, probs, greedy=greedy, generators=gens)
-            paths = [v.path for v in res]
-            emitted = [v.tokens for v in res]
+            logits = result.logits[torch.tensor(row_idx, device=result.logits.device)]
+            res = self._verify_sampled(reqs, trees, logits, greedy, ctxs)
+        paths = [v.path for v in res]
+        emitted = [v.tokens for v in res]
 
         self._compact_kv(reqs, paths)
+        if logits is None and any(r.params.logprobs is not None for r in reqs):
+            logits = result.logits[torch.tensor(row_idx, device=result.logits.device)]
         lps = self._logprobs(reqs, paths, emitted, firsts, logits)
 
         now = time.monotonic()
@@ -444,6 +430,30 @@ class SpecDecoder:
             if self.ctrl is not None:
                 self.ctrl.observe_acceptance(self.name, r.request_id, t.max_depth, len(path))
         return list(touched)
+
+    def _verify_sampled(self, reqs: list[Request], trees: list[DraftTree], logits: torch.Tensor,
+                        greedy: list[bool], ctxs: list[bool]) -> list[TreeVerifyResult]:
+        """Verification against the distributions the requests sample from (temperature, top-k/p,
+        penalties, min_tokens; greedy rows take the argmax of theirs): rejection sampling on the
+        device, one read. logits: the requests' rows, gathered."""
+        eng = self.engine
+        # The target's distribution at every query row; a node sees its own path as outputs so far.
+        srows: list[SamplingRow] = []
+        for r, t, ctx in zip(reqs, trees, ctxs):
+            outs = r.output_token_ids
+            row = SamplingRow(r.params, r.prompt_token_ids, outs, r.generator)
+            srows.append(row)
+            for j in range(len(t)):
+                srows.append(SamplingRow(r.params, r.prompt_token_ids, outs + t.path_tokens(j), r.generator)
+                             if ctx else row)
+        batch = SamplingBatch.build(srows, eng.vocab_size, logits.device, eos_token_ids=sorted(eng.eos_token_ids))
+        probs = compute_probs(logits, batch)
+        gens = [r.generator for r in reqs]
+        if all(t.is_chain for t in trees):
+            out = verify_chains([list(t.tokens) for t in trees], probs, [t.draft_probs for t in trees],
+                                greedy=greedy, generators=gens)
+            return [TreeVerifyResult(path=list(range(len(e) - 1)), tokens=e) for e in out.to_lists()]
+        return verify_trees(trees, probs, greedy=greedy, generators=gens)
 
     def _compact_kv(self, reqs: list[Request], paths: list[list[int]]) -> None:
         """Move accepted tree nodes' KV next to the root (query row 1 + path[i] -> row 1 + i)."""

@@ -281,8 +281,7 @@ def verify_trees(
         o += t.num_query_tokens
 
     if all(greedy_l):
-        amax_l = target_probs.argmax(-1).tolist()
-        return [_greedy_walk(t, amax_l, o) for t, o in zip(trees, offsets)]
+        return verify_greedy(trees, target_probs.argmax(-1).tolist(), offsets)
 
     # Flat host arrays over the stochastic trees' nodes. Row of node j of tree b: off_b + 1 + j.
     sto = [b for b in range(bsz) if not greedy_l[b]]
@@ -357,7 +356,14 @@ def verify_trees(
     return out
 
 
-def _greedy_walk(tree: DraftTree, amax: list[int], offset: int) -> TreeVerifyResult:
+def verify_greedy(trees: Sequence[DraftTree], amax: Sequence[int], offsets: Sequence[int]) -> list[TreeVerifyResult]:
+    """Greedy verification of chains and trees on the host, from the target's argmax of every row
+    (amax, already read from the device) and each tree's root row in it (offsets): the accepted
+    path and the tokens it emits. Rows of amax that belong to no tree are ignored."""
+    return [_greedy_walk(t, amax, o) for t, o in zip(trees, offsets)]
+
+
+def _greedy_walk(tree: DraftTree, amax: Sequence[int], offset: int) -> TreeVerifyResult:
     """Greedy walk with the target's argmax of every row (amax) and the tree's first row offset."""
     return _walk(
         tree, lambda j: tree.tokens[j] == amax[offset + 1 + tree.parents[j]], lambda node: amax[offset + 1 + node]
