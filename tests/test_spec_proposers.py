@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pageflash.spec.ngram import NgramProposer, ngram_lookup
+from pageflash.spec.ngram import SCAN_PER_WIDTH, NgramProposer, NgramTreeProposer, ngram_candidates, ngram_lookup
 from pageflash.spec.proposer import ExpansionProposer, MergedProposer, ProposalRequest, truncate_tree
 from pageflash.spec.tree import DraftTree, ExpansionConfig
 
@@ -126,6 +126,43 @@ def test_expansion_proposer_builds_trees_within_k() -> None:
         last = int(table[last].argmax())
         expect.append(last)
     assert t.is_chain and list(t.tokens) == expect and t.draft_probs is None
+
+
+def candidates_ref(tokens: list[int], n_min: int, n_max: int, k: int, width: int) -> list[list[int]]:
+    """Plain loops: longest n first; per n the SCAN_PER_WIDTH * width most recent earlier windows,
+    most recent first; the k tokens after each (copying on past the end); distinct ones, <= width."""
+    length = len(tokens)
+    out: list[list[int]] = []
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        suffix = tokens[length - n:]
+        starts = [s for s in range(length - n - 1, -1, -1) if tokens[s: s + n] == suffix]
+        for start in starts[: SCAN_PER_WIDTH * width]:
+            ext = list(tokens)
+            for i in range(k):
+                ext.append(ext[start + n + i])
+            cont = ext[length:]
+            if cont not in out:
+                out.append(cont)
+                if len(out) == width:
+                    return out
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=60), st.integers(1, 3), st.integers(0, 3),
+       st.integers(1, 6), st.integers(1, 4))
+def test_ngram_candidates_match_reference(tokens, n_min, extra, k, width) -> None:
+    got = [c.tolist() for c in ngram_candidates(tokens, n_min, n_min + extra, k, width)]
+    assert got == candidates_ref(tokens, n_min, n_min + extra, k, width)
+
+
+def test_ngram_tree_on_long_periodic_text() -> None:
+    # thousands of 1-gram matches sharing one continuation, plus one recent different continuation
+    tokens = [1, 2, 3, 4] * 3000 + [1, 9, 9] + [1, 2, 3, 4] * 2 + [1]
+    conts = [c.tolist() for c in ngram_candidates(tokens, 1, 3, 4, 3)]
+    assert conts == [[2, 3, 4, 1], [9, 9, 1, 2]]
+    tree = NgramTreeProposer(n_max=3, k=8, width=2).propose([ProposalRequest("a", tokens, 8)])[0]
+    assert {tuple(tree.path_tokens(j)) for j in range(len(tree)) if tree.depths[j] == 4} == {(2, 3, 4, 1), (9, 9, 1, 2)}
 
 
 def test_merged_proposer_dedups_and_caps() -> None:

@@ -81,6 +81,9 @@ class NgramProposer:
         return out
 
 
+SCAN_PER_WIDTH = 8
+
+
 def ngram_candidates(
     tokens: Union[Sequence[int], np.ndarray], n_min: int, n_max: int, k: int, width: int
 ) -> list[np.ndarray]:
@@ -89,7 +92,9 @@ def ngram_candidates(
     Matches of the longest suffix n-gram come first, most recent first; then those of shorter n.
     The first entry is what :func:`ngram_lookup` returns (continuations copy on periodically past the
     end, as there). Continuations equal to an earlier one are skipped (their tokens, not their
-    positions, decide).
+    positions, decide). At most ``SCAN_PER_WIDTH * width`` matches per n are looked at (the most
+    recent): in repetitive text thousands of matches share one continuation, and the scan would
+    otherwise cost O(matches) Python work per step.
     """
     arr = np.asarray(tokens, dtype=np.int64)
     length = arr.shape[0]
@@ -107,7 +112,7 @@ def ngram_candidates(
     out: list[np.ndarray] = []
     seen: set[tuple[int, ...]] = set()
     for n in range(len(levels), n_min - 1, -1):
-        for j in levels[n - 1][::-1].tolist():
+        for j in levels[n - 1][::-1][: SCAN_PER_WIDTH * width].tolist():
             cont = _copy_from(arr, j + 1, k)
             key = tuple(cont.tolist())
             if cont.size and key not in seen:
