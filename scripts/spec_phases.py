@@ -1,7 +1,7 @@
 """Host time per phase of batch-1 steps, plain vs n-gram speculation (dummy smollm2-135m, repetitive
 prompt so that drafts are found): each phase's wall time per step, measured by wrapping the engine's
 methods (no added syncs; the wait for the GPU lands in the phase that reads results).
-Usage: [MAX_TOKENS=256 SPEC=ngram|ngram-tree] python scripts/spec_phases.py"""
+Usage: [MAX_TOKENS=256 SPEC=ngram|ngram-tree MODEL=path] python scripts/spec_phases.py"""
 
 import collections
 import functools
@@ -33,7 +33,9 @@ def wrap(obj, name, acc, label=None):
 
 
 def run(spec):
-    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=2048, num_kv_blocks=4096, speculative_config=spec)
+    model = os.environ.get("MODEL")  # a real model (path): detokenization and its tokenizer's EOS included
+    llm = LLM(model or "smollm2-135m", load_format="auto" if model else "dummy", max_model_len=2048,
+              num_kv_blocks=4096, speculative_config=spec)
     eng = llm.llm_engine
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for _ in range(3):

@@ -49,13 +49,15 @@ def test_bench_spec_cpu_smoke(tmp_path):
     folder = make_random_hf_folder(tmp_path / "m", cfg)
     out = tmp_path / "spec.json"
     rc = main(["--model", folder, "--max-model-len", "96", "--num-kv-blocks", "200", "--methods", "ngram",
-               "early_exit-tree", "medusa", "--batch-size", "1", "2", "--temperature", "0", "1", "--tasks",
+               "ngram@3", "early_exit-tree", "medusa", "--batch-size", "1", "2", "--temperature", "0", "1", "--tasks",
                "grounded", "--num-prompts", "2", "--max-tokens", "8", "--text-tokens", "16",
                "--medusa-train-prompts", "4", "--medusa-train-tokens", "8", "--medusa-epochs", "1",
                "--num-iters", "2", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
-    assert len(res["results"]) == 3 * 2 * 2
+    assert len(res["results"]) == 4 * 2 * 2
+    ks = {r["method"]: r["spec_config"].get("num_speculative_tokens") for r in res["results"]}
+    assert ks["ngram"] == 5 and ks["ngram@3"] == 3
     for r in res["results"]:
         assert r["spec_tok_s"] > 0 and r["baseline_tok_s"] > 0
         assert len(r["spec_tok_s_rounds"]) == len(r["baseline_tok_s_rounds"]) == 2
@@ -63,3 +65,21 @@ def test_bench_spec_cpu_smoke(tmp_path):
         if r["temperature"] == 0.0:
             assert r["greedy_equal"] == f"{r['num_prompts']}/{r['num_prompts']}"
     assert res["medusa_training"]["val_top1_per_head"]
+
+
+def test_bench_spec_method_names(capsys):
+    import argparse
+
+    from pageflash.bench.spec import main, parse_method, spec_config
+
+    assert parse_method("ngram") == ("ngram", None, False)
+    assert parse_method("ngram-tree@8+adaptive") == ("ngram-tree", 8, True)
+    a = argparse.Namespace(k=5, ngram_width=3, tree="3,2,1", early_exit_layers=None)
+    assert spec_config("ngram@10+adaptive", a, 30, None) == {"method": "ngram", "adaptive": True,
+                                                             "num_speculative_tokens": 10}
+    assert spec_config("ngram-tree@4", a, 30, None) == {"method": "ngram", "adaptive": False,
+                                                        "num_speculative_tokens": 12, "tree": [3]}
+    assert spec_config("early_exit@2", a, 30, None)["num_speculative_tokens"] == 2
+    for bad in ("ngram@0", "ngram@x", "bogus", "ngram@"):
+        assert main(["--methods", bad]) == 2
+        assert "error:" in capsys.readouterr().err

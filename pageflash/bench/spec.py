@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pageflash bench spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=["ngram", "ngram-tree", "early_exit", "medusa", "medusa-tree"],
-                   help=f"any of {', '.join(METHODS)}, each optionally with +adaptive (default: %(default)s)")
+                   help=f"any of {', '.join(METHODS)}, each optionally with @K (its own k instead of --k; "
+                        f"for ngram-tree the depth of each continuation) and +adaptive, e.g. ngram@10+adaptive "
+                        f"(default: %(default)s)")
     p.add_argument("--tasks", nargs="+", default=["grounded", "chat"], choices=["grounded", "chat"])
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
@@ -86,8 +88,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
     for m in a.methods:
-        if m.removesuffix("+adaptive") not in METHODS:
-            print(f"error: unknown method {m!r}; choose from {', '.join(METHODS)} (+adaptive)", file=sys.stderr)
+        try:
+            parse_method(m)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
         if m.startswith("draft_model") and not a.draft_model:
             print("error: the draft_model methods need --draft-model", file=sys.stderr)
@@ -102,26 +106,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
 
-def spec_config(method: str, a: argparse.Namespace, num_layers: int, medusa_path: Optional[str]) -> dict:
+def parse_method(method: str) -> tuple[str, Optional[int], bool]:
+    """'ngram-tree@8+adaptive' -> ('ngram-tree', 8, True): the base method, its own k (None: --k),
+    and whether the adaptive controller drives it. Raises ValueError on an unknown method or k."""
     adaptive = method.endswith("+adaptive")
-    base = method.removesuffix("+adaptive")
+    base, at, k = method.removesuffix("+adaptive").partition("@")
+    if base not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)} (optionally @K, +adaptive)")
+    if at and not (k.isdigit() and int(k) >= 1):
+        raise ValueError(f"method {method!r}: the k after '@' must be an integer >= 1")
+    return base, int(k) if at else None, adaptive
+
+
+def spec_config(method: str, a: argparse.Namespace, num_layers: int, medusa_path: Optional[str]) -> dict:
+    base, k, adaptive = parse_method(method)
+    k = a.k if k is None else k
     kind, _, tree = base.partition("-")
     tree_cfg = [int(x) for x in a.tree.split(",")]
     cfg: dict[str, Any] = {"method": kind, "adaptive": adaptive}
     if kind == "ngram":
-        cfg.update(num_speculative_tokens=a.k * (a.ngram_width if tree else 1))
+        cfg.update(num_speculative_tokens=k * (a.ngram_width if tree else 1))
         if tree:
             cfg["tree"] = [a.ngram_width]
     elif tree:
         cfg["tree"] = tree_cfg
     else:
-        cfg["num_speculative_tokens"] = a.k
+        cfg["num_speculative_tokens"] = k
     if kind == "early_exit":
         cfg["num_layers"] = a.early_exit_layers or max(1, num_layers // 2)
     elif kind == "medusa":
         cfg["medusa_path"] = medusa_path
         if not tree:
-            cfg["num_speculative_tokens"] = min(a.k, _medusa_heads(medusa_path))
+            cfg["num_speculative_tokens"] = min(k, _medusa_heads(medusa_path))
     elif kind == "draft_model":
         cfg["model"] = a.draft_model
     return cfg
