@@ -88,8 +88,8 @@ class AdaptiveConfig:
     off_threshold: float = 1.02
     probe_interval: int = 64
     probe_steps: int = 4
-    probe_budget: float = 0.05
-    off_eval_interval: int = 8
+    probe_budget: float = 0.025
+    off_eval_interval: int = 16
     probe_k: int = 2
     prior_alpha: float = 0.5
     prior_token_cost: float = 0.05

@@ -118,6 +118,7 @@ class SpecDecoder:
         self._emitted0 = 0
         self._step_decode_only = False
         self._planned: Optional[tuple] = None  # (plan,) decided by plain_step_ahead for propose()
+        self._drafted: list[Request] = []  # requests given drafts by the last propose()
         self._load()
 
     @property
@@ -293,14 +294,17 @@ class SpecDecoder:
         eng = self.engine
         self._outcome_t0 = time.perf_counter()  # the whole step, for the controller's calibration
         self._emitted0 = eng.generation_tokens_total
-        running = eng.scheduler.running
-        for r in running:
+        # last step's drafts are spent (verified or dropped); only requests that had some are reset
+        for r in self._drafted:
             r.spec_token_ids = []
             if r.spec_state is not None:
                 r.spec_state.tree = None
+        self._drafted = []
         if not self.enabled:
             return
         planned, self._planned = self._planned, None
+        if planned is not None and planned[0] is None:
+            return  # planned ahead: no drafts this step (the common case while adaptive keeps it off)
         cands = self._decode_ready()
         if not cands:
             return
@@ -327,6 +331,7 @@ class SpecDecoder:
                 continue
             r.spec_state.tree = tree
             r.spec_token_ids = list(tree.tokens)
+            self._drafted.append(r)
 
     # -- the forward ---------------------------------------------------------------------------
     def execute_kwargs(self, sched: SchedulerOutput) -> dict[str, Any]:
