@@ -271,3 +271,45 @@ def test_probes_priced_by_whole_step_time() -> None:
     assert not ctrl.is_on("ngram")
     assert ctrl.probe_interval("ngram", 8) >= 3 * ctrl.config.probe_steps / ctrl.config.probe_budget
     assert (tokens / seconds) / (8 / plain_t) >= 0.93
+
+
+def test_new_request_gets_one_probe_of_its_own_while_off() -> None:
+    """While off, a request never seen speculating gets one early probe (a short, predictable
+    request would end before the next batch-wide probe), then the decision is made again at once;
+    a predictable newcomer turns speculation on, an unpredictable one costs that one probe only."""
+    ctrl = SpecController(AdaptiveConfig(probe_interval=10**6))  # no batch-wide probes
+    moderate: CostFn = lambda b, n: 0.010 + 0.0004 * n  # noqa: E731
+    simulate(ctrl, 300, 1, 0.02, moderate, random.Random(5))
+    assert not ctrl.is_on("ngram")
+
+    def run(rid: str, alpha: float, steps: int, rng: random.Random) -> list[int]:
+        ks_seen = []
+        for _ in range(steps):
+            if ctrl.skip_step("ngram", 1):
+                ks = [0]
+            else:
+                ks = ctrl.choose([rid], "ngram", prechecked=True)
+            k = ks[0]
+            ks_seen.append(k)
+            ctrl.observe_step(1, 1 + k, moderate(1, 1 + k))
+            emitted = 1
+            if k:
+                a = 0
+                while a < k and rng.random() < alpha:
+                    a += 1
+                emitted += a
+                ctrl.observe_acceptance("ngram", rid, k, a)
+            ctrl.observe_outcome("ngram", 1, emitted, moderate(1, 1 + k), speculated=k > 0)
+        return ks_seen
+
+    rng = random.Random(6)
+    ks = run("hard", 0.0, 64, rng)  # unpredictable: one probe, then off again
+    assert sum(k > 0 for k in ks) == 1 and ks.index(next(k for k in ks if k)) < ctrl.config.off_eval_interval
+    assert not ctrl.is_on("ngram")
+    ctrl.remove_request("hard")
+    ks = run("easy", 1.0, 64, rng)  # quotes its prompt: probed early, then on
+    first = next(i for i, k in enumerate(ks) if k)
+    assert first < ctrl.config.off_eval_interval and ctrl.is_on("ngram")
+    assert sum(k > 0 for k in ks[first + 1:]) > 0.8 * len(ks[first + 1:])
+    ctrl.remove_request("easy")
+    assert "easy" not in ctrl._state("ngram").probed

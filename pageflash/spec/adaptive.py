@@ -233,6 +233,7 @@ class _ProposerState:
     acceptance: AcceptanceEMA
     requests: dict[str, AcceptanceEMA] = field(default_factory=dict)
     idle: dict[str, int] = field(default_factory=dict)  # steps since a request last speculated
+    probed: set = field(default_factory=set)  # requests given their first probe while off
     on: bool = False
     steps_in_mode: int = 0
     probing: int = 0  # speculative probe steps left
@@ -318,6 +319,7 @@ class SpecController:
         for st in self._states.values():
             st.requests.pop(request_id, None)
             st.idle.pop(request_id, None)
+            st.probed.discard(request_id)
 
     # -- decisions ------------------------------------------------------------------------------
 
@@ -454,7 +456,21 @@ class SpecController:
                 ks = [min(cfg.probe_k, c) for c in caps]
                 st.last_speedup = self.predicted_speedup(proposer, alphas, ks)
             else:
-                return zeros
+                # A request not seen speculating yet gets one probe of its own: its text may be far
+                # more predictable than the average (a request that quotes its prompt), and a short
+                # request would end before the next batch-wide probe. Decided again the next step.
+                fresh = [i for i, r in enumerate(request_ids)
+                         if caps[i] > 0 and r not in st.requests and r not in st.probed]
+                if not fresh:
+                    return zeros
+                ks = list(zeros)
+                for i in fresh:
+                    ks[i] = min(cfg.probe_k, caps[i])
+                    st.probed.add(request_ids[i])
+                st.last_mode = "probe"
+                st.last_speedup = self.predicted_speedup(proposer, alphas, ks)
+                st.steps_in_mode = max(0, st.steps_in_mode - 1) // cfg.off_eval_interval * cfg.off_eval_interval \
+                    + cfg.off_eval_interval - 1
         for r, k in zip(request_ids, ks):
             if k > 0:
                 st.idle[r] = 0
