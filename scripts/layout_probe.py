@@ -42,7 +42,7 @@ for b, L in DECODE_SHAPES:
                 name = f"{layout} {'default' if cfg is None else 'n%d w%d s%d' % (cfg['BLOCK_N'], cfg['num_warps'], cfg['num_stages'])} sp{sp}"
                 res[name] = ms * 1e3 if ms else None
         outs[layout] = flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits)
-        del kc, vc
+        kc = vc = None  # free the HND copy before the next shape
     kk = kc0[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
     vv = vc0[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
     del kc0, vc0
@@ -53,7 +53,7 @@ for b, L in DECODE_SHAPES:
     sdpa()
     torch.cuda.synchronize()
     res["SDPA default"] = _bench(sdpa, graph=True) * 1e3
-    del kk, vv
+    kk = vv = None
     torch.cuda.empty_cache()
     gbs = {k: nbytes / (v * 1e-6) / 1e9 for k, v in res.items() if v}
     print(f"\nB{b} L{L} (splits {splits}); max |HND - NHD| {diff}", flush=True)
