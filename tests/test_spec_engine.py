@@ -154,6 +154,26 @@ def test_mixed_batch_options_match_plain(env):
         assert _no_leaks(llm)
 
 
+def test_greedy_logprobs_match_plain(env):
+    """All requests plain greedy (the host-side verification path), some asking for logprobs."""
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=lp) for lp in (None, 0, 3)]
+    prompts = PROMPTS[4:6] + PROMPTS[1:2]
+    want = _run(env["plain"], params, prompts)
+    for name in ("ngram", "ngram-tree"):
+        llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, name), **ENGINE)
+        got = _run(llm, params, prompts)
+        assert llm.llm_engine.get_stats()["spec"]["ngram"]["num_accepted_tokens"] > 0
+        for w, g in zip(want, got):
+            cw, cg = w.outputs[0], g.outputs[0]
+            assert cg.token_ids == cw.token_ids
+            assert (cg.logprobs is None) == (cw.logprobs is None)
+            for a, b in zip(cw.logprobs or [], cg.logprobs or []):
+                assert a.keys() == b.keys()
+                for t in a:
+                    assert a[t].rank == b[t].rank and abs(a[t].logprob - b[t].logprob) < 1e-4
+        assert _no_leaks(llm)
+
+
 def test_parallel_sampling_with_speculation(env):
     llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, "draft_model"), **ENGINE)
     out = llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(n=3, temperature=0.0, max_tokens=NEW,
