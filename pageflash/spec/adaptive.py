@@ -469,8 +469,7 @@ class SpecController:
                     st.probed.add(request_ids[i])
                 st.last_mode = "probe"
                 st.last_speedup = self.predicted_speedup(proposer, alphas, ks)
-                st.steps_in_mode = max(0, st.steps_in_mode - 1) // cfg.off_eval_interval * cfg.off_eval_interval \
-                    + cfg.off_eval_interval - 1
+                st.steps_in_mode -= 1  # (a multiple of off_eval_interval here) the next step evaluates again
         for r, k in zip(request_ids, ks):
             if k > 0:
                 st.idle[r] = 0

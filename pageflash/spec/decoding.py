@@ -386,32 +386,28 @@ class SpecDecoder:
         eng = self.engine
         reqs: list[Request] = [s.request for _, s in spec]
         trees: list[DraftTree] = [r.spec_state.tree for r in reqs]
-        row_idx: list[int] = []
-        firsts: list[int] = []
+        starts: list[int] = []  # each request's root row in result.logits / result.hidden (its rows follow)
         for (i, s), t in zip(spec, trees):
             start, count = result.rows[i]
             assert count == 1 + len(t), f"verify rows {count} != 1 + {len(t)} drafts"
-            firsts.append(len(row_idx))
-            row_idx.extend(range(start, start + count))
+            starts.append(start)
         greedy = [r.params.greedy for r in reqs]
         # whether the target's distribution at a node depends on the draft tokens before it
         # (penalties; min_tokens masking EOS / stop ids at some nodes but maybe not others)
         ctxs = [r.params.reads_outputs(r.num_output_tokens) for r in reqs]
-        logits: Optional[torch.Tensor] = None
         if all(greedy) and not any(ctxs):
             # Plain greedy: only the target's argmax matters. One argmax over the step's rows and one
             # read, then the walk on the host (no row gather, no per-step verification kernels).
-            res = verify_greedy(trees, result.logits.argmax(-1).tolist(), [result.rows[i][0] for i, _ in spec])
+            res = verify_greedy(trees, result.logits.argmax(-1).tolist(), starts)
         else:
-            logits = result.logits[torch.tensor(row_idx, device=result.logits.device)]
+            rows = [j for st, t in zip(starts, trees) for j in range(st, st + 1 + len(t))]
+            logits = result.logits[torch.tensor(rows, device=result.logits.device)]
             res = self._verify_sampled(reqs, trees, logits, greedy, ctxs)
         paths = [v.path for v in res]
         emitted = [v.tokens for v in res]
 
         self._compact_kv(reqs, paths)
-        if logits is None and any(r.params.logprobs is not None for r in reqs):
-            logits = result.logits[torch.tensor(row_idx, device=result.logits.device)]
-        lps = self._logprobs(reqs, paths, emitted, firsts, logits)
+        lps = self._logprobs(reqs, paths, emitted, starts, result.logits)
 
         now = time.monotonic()
         touched: dict[str, None] = {}
@@ -428,7 +424,7 @@ class SpecDecoder:
                 eng.kv.truncate(r.request_id, r.num_computed_tokens)
                 if self.needs_hidden and result.hidden is not None:
                     last = 0 if not path else 1 + path[-1]
-                    r.spec_state.hidden = result.hidden[row_idx[firsts[b] + last]]
+                    r.spec_state.hidden = result.hidden[starts[b] + last]
             touched[r.group_id] = None
             self.metrics.record(self.name, len(t), len(path), n_emit)
             r.metrics.spec_accepted.append(len(path))
@@ -481,8 +477,9 @@ class SpecDecoder:
             dev = kvc.device
             flat[:, :, torch.tensor(dst_slots, device=dev)] = flat[:, :, torch.tensor(src_slots, device=dev)]
 
-    def _logprobs(self, reqs, paths, emitted, firsts, logits) -> list[Optional[list[tuple]]]:
-        """Raw logprobs of every emitted token (and the top ones), for requests that asked."""
+    def _logprobs(self, reqs, paths, emitted, starts, logits) -> list[Optional[list[tuple]]]:
+        """Raw logprobs of every emitted token (and the top ones), for requests that asked.
+        logits: the step's rows; request b's root row is starts[b], its node j's is starts[b] + 1 + j."""
         want = [r.params.logprobs is not None for r in reqs]
         out: list[Optional[list[tuple]]] = [None] * len(reqs)
         if not any(want):
@@ -492,7 +489,7 @@ class SpecDecoder:
             if not want[b]:
                 continue
             for i, tok in enumerate(em):
-                rows.append(firsts[b] + (0 if i == 0 else 1 + path[i - 1]))
+                rows.append(starts[b] + (0 if i == 0 else 1 + path[i - 1]))
                 toks.append(tok)
                 owners.append(b)
         k = max(r.params.logprobs for r, w in zip(reqs, want) if w)
