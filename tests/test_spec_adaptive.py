@@ -313,3 +313,81 @@ def test_new_request_gets_one_probe_of_its_own_while_off() -> None:
     assert sum(k > 0 for k in ks[first + 1:]) > 0.8 * len(ks[first + 1:])
     ctrl.remove_request("easy")
     assert "easy" not in ctrl._state("ngram").probed
+
+
+def test_follows_bursts_of_acceptance_per_request() -> None:
+    """Acceptance in bursts (a request quotes its prompt for a while, then writes its own words), as
+    n-gram drafts see it: with shadow drafts scored while it decodes plainly (every plain step
+    observes what a k_max draft would have accepted), the controller at batch 1 speculates in the
+    quoting spans and not in the others, and beats both always-on and always-off."""
+    cost: CostFn = lambda b, n: 0.010 * (1.5 if n > b else 1.0)  # a verify step costs 1.5 plain ones  # noqa: E731
+    rng = random.Random(11)
+    spans = [(0.95 if i % 2 == 0 else 0.05, 60) for i in range(12)]  # (alpha, tokens)
+
+    def draw(alpha: float, k: int) -> int:
+        a = 0
+        while a < k and rng.random() < alpha:
+            a += 1
+        return a
+
+    def run(policy: str) -> tuple[float, list[tuple[float, int]]]:
+        ctrl = SpecController(AdaptiveConfig(k_max=4, probe_interval=10**6))
+        ctrl.observe_step(1, 1, cost(1, 1))
+        tokens, seconds, trace = 0, 0.0, []
+        for alpha, length in spans:
+            left = length
+            while left > 0:
+                if policy == "on":
+                    k = 4
+                elif policy == "off":
+                    k = 0
+                else:
+                    k = 0 if ctrl.skip_step("ngram", 1) else ctrl.choose(["r"], "ngram", prechecked=True)[0]
+                a = draw(alpha, k if k else 4)
+                ctrl.observe_acceptance("ngram", "r", 4 if not k else k, a)  # shadow draft when k == 0
+                emitted = min(left, 1 + (a if k else 0))
+                t = cost(1, 1 + k)
+                ctrl.observe_step(1, 1 + k, t)
+                ctrl.observe_outcome("ngram", 1, emitted, t, speculated=k > 0)
+                trace.append((alpha, k))
+                tokens += emitted
+                seconds += t
+                left -= emitted
+        return tokens / seconds, trace
+
+    adaptive, trace = run("adaptive")
+    on, _ = run("on")
+    off, _ = run("off")
+    assert adaptive > 1.1 * off and adaptive > 1.05 * on
+    quoting = [k > 0 for alpha, k in trace if alpha > 0.5]
+    free = [k > 0 for alpha, k in trace if alpha < 0.5]
+    assert sum(quoting) > 0.8 * len(quoting) and sum(free) < 0.2 * len(free)
+
+
+def test_acceptance_conditioned_on_the_last_outcome() -> None:
+    ctrl = SpecController(AdaptiveConfig(cond_min_observations=20))
+    rng = random.Random(2)
+    hit = False
+    for _ in range(400):  # after a hit the first draft token is accepted with 0.9, after a miss 0.1
+        a = 0
+        while a < 4 and rng.random() < (0.9 if hit else 0.1):
+            a += 1
+        ctrl.observe_acceptance("ngram", "r", 4, a)
+        hit = a >= 1
+    st = ctrl._state("ngram")
+    assert st.cond[True].alpha > 0.8 and st.cond[False].alpha < 0.2
+    assert ctrl.alpha("ngram", "r") == st.cond[hit].alpha
+    ctrl.observe_acceptance("ngram", "new", 4, 0)  # one outcome: its state's estimate
+    assert ctrl.alpha("ngram", "new") == st.cond[False].alpha
+    assert ctrl.alpha("ngram", "unseen") == st.acceptance.alpha
+    ctrl.remove_request("r")
+    assert "r" not in st.last_hit
+    fresh = SpecController(AdaptiveConfig(cond_min_observations=20))
+    fresh.observe_acceptance("ngram", "r", 4, 4)
+    fresh.observe_acceptance("ngram", "r", 4, 4)  # too few observations: the request's own average
+    assert fresh.alpha("ngram", "r") == fresh._state("ngram").requests["r"].alpha
+
+
+def test_decides_every_step_at_small_batches_only() -> None:
+    ctrl = SpecController(AdaptiveConfig(off_eval_interval=16))
+    assert [ctrl.eval_interval(b) for b in (1, 4, 7, 8, 16, 64, 256)] == [1, 1, 1, 2, 4, 16, 16]

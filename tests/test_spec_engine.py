@@ -10,6 +10,7 @@ No KV block of the target's pool (or the draft model's) may leak.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -195,6 +196,28 @@ def test_abort_mid_speculation_frees_everything(env):
     assert eng.get_stats()["spec"]["draft_model"]["num_steps"] > 0
     eng.abort_request(ids)
     assert _no_leaks(llm)
+
+
+@pytest.mark.parametrize("name", ["ngram-adaptive", "ngram-tree"])
+def test_adaptive_shadow_drafts_watch_plain_requests(env, name):
+    """One request at a time (batch 1): while a request decodes plainly, the adaptive decoder drafts
+    from its history on the host and scores the draft against the tokens that come; those scores
+    reach the controller (more acceptance observations than verify steps, both outcome states
+    seen), never the spec metrics, and the output stays plain greedy."""
+    spec = _spec(env, name, adaptive=True)
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=spec, **ENGINE)
+    eng = llm.llm_engine
+    # speculation never pays here: off but for probes, so the requests decode plainly
+    eng.spec.ctrl.config = dataclasses.replace(eng.spec.ctrl.config, on_threshold=1e9, off_threshold=1e9)
+    outs = [_run(llm, prompts=[p])[0] for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outs] == env["ref"]
+    assert _no_leaks(llm)
+    st = eng.spec.ctrl._state(eng.spec.name)
+    verify_steps = sum(len(o.metrics.spec_accepted) for o in outs)
+    assert eng.get_stats()["spec"].get("ngram", {}).get("num_steps", 0) == verify_steps
+    assert st.acceptance.num_observations > verify_steps + 20
+    assert st.cond[True].num_observations > 0 and st.cond[False].num_observations > 0
+    assert not st.last_hit and not st.requests  # finished requests are forgotten
 
 
 def test_stats_and_disabled_toggle(env):

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from pageflash.spec.tree import DraftTree, ExpansionConfig, build_trees, chain, merge_trees
 from pageflash.spec.verify import (
+    greedy_match,
     verify_chains,
     verify_greedy_chain,
     verify_stochastic_chain,
@@ -153,6 +154,24 @@ def test_greedy_tree_brute_force(tree: DraftTree, data) -> None:
     probs = torch.nn.functional.one_hot(torch.tensor(amax), 3).float()
     assert verify_trees([tree], probs, greedy=True)[0] == res
     assert verify_trees([tree], probs, greedy=[True])[0] == res
+
+
+@settings(max_examples=100, deadline=None)
+@given(trees_with_unique_siblings(), st.lists(st.integers(0, 2), max_size=8))
+def test_greedy_match_brute_force(tree: DraftTree, actual: list[int]) -> None:
+    """A shadow draft's score: the deepest node whose whole path spells the start of what came."""
+    ok = [j for j in range(len(tree)) if tree.depths[j] <= len(actual)
+          and [tree.tokens[i] for i in tree.path_to(j)] == actual[: tree.depths[j]]]
+    assert greedy_match(tree, actual) == max((tree.depths[j] for j in ok), default=0)
+
+
+def test_greedy_match_examples() -> None:
+    assert greedy_match(chain([5, 6, 7]), [5, 6, 7, 8]) == 3
+    assert greedy_match(chain([5, 6, 7]), [5, 6]) == 2  # what is known so far
+    assert greedy_match(chain([5, 6, 7]), [5, 9, 7]) == 1
+    assert greedy_match(chain([5, 6, 7]), []) == 0
+    tree = DraftTree([1, 2, 3, 4], [-1, -1, 1, 1])  # 1 | 2 -> {3, 4}
+    assert greedy_match(tree, [2, 4]) == 2 and greedy_match(tree, [1, 4]) == 1 and greedy_match(tree, [7]) == 0
 
 
 def test_greedy_chain_examples() -> None:

@@ -47,7 +47,7 @@ from pageflash.spec.config import SpeculativeConfig
 from pageflash.spec.metrics import SpecMetrics
 from pageflash.spec.proposer import ProposalRequest, Proposer, truncate_tree
 from pageflash.spec.tree import DraftTree, ExpansionConfig, flat_tree_mask, kv_compaction, positions, tree_attention_mask
-from pageflash.spec.verify import TreeVerifyResult, verify_chains, verify_greedy, verify_trees
+from pageflash.spec.verify import TreeVerifyResult, greedy_match, verify_chains, verify_greedy, verify_trees
 
 if TYPE_CHECKING:
     from pageflash.engine.engine import LLMEngine
@@ -58,13 +58,16 @@ logger = logging.getLogger(__name__)
 class _ReqState:
     """What speculation keeps per request (``Request.spec_state``)."""
 
-    __slots__ = ("buf", "n", "tree", "hidden")
+    __slots__ = ("buf", "n", "tree", "hidden", "shadow")
 
     def __init__(self) -> None:
         self.buf: Optional[np.ndarray] = None  # token ids, appended incrementally (n-gram lookup)
         self.n = 0
         self.tree: Optional[DraftTree] = None  # this step's draft
         self.hidden: Optional[torch.Tensor] = None  # [H] hidden state that produced the last token
+        # (number of tokens it was drafted from, draft): a draft made while the request decodes
+        # plainly, scored against the tokens that come (adaptive controller's observations)
+        self.shadow: Optional[tuple[int, DraftTree]] = None
 
     def tokens(self, token_ids: list[int]) -> np.ndarray:
         """token_ids as an int64 array (a view of a growing buffer; tokens are only appended)."""
@@ -95,7 +98,17 @@ def _state(req: Request) -> _ReqState:
 
 
 class SpecDecoder:
-    """Speculative decoding for one LLMEngine: proposer, verification, KV rollback, metrics."""
+    """Speculative decoding for one LLMEngine: proposer, verification, KV rollback, metrics.
+
+    With the adaptive controller and a proposer that drafts on the host for free (n-gram), requests
+    that decode plainly get shadow drafts at batches of up to SHADOW_MAX_BATCH: drafted from their
+    history, never verified, scored against the tokens that then come (``verify.greedy_match``) and
+    reported to the controller as acceptance observations. So the controller sees each request's
+    acceptance, and the moment a request starts quoting its prompt, without spending verify steps
+    on probes. Larger batches leave it to probes (the host is what limits their steps).
+    """
+
+    SHADOW_MAX_BATCH = 8
 
     def __init__(self, engine: "LLMEngine", config: SpeculativeConfig) -> None:
         self.engine = engine
@@ -270,6 +283,44 @@ class SpecDecoder:
     def _plan(self, cands: list[Request]) -> Optional[dict[str, tuple[int, int]]]:
         """request id -> (draft nodes k, depth cap) for the requests that get drafts this step;
         None when none does. Counts include a token still in flight (async scheduling)."""
+        shadows = (self.ctrl is not None and len(cands) <= self.SHADOW_MAX_BATCH
+                   and getattr(self.proposer, "drafts_on_host", False))
+        if shadows:
+            self._score_shadows(cands)
+        plan = self._choose(cands)
+        if shadows:
+            self._new_shadows([r for r in cands if plan is None or r.request_id not in plan])
+        return plan
+
+    def _score_shadows(self, cands: list[Request]) -> None:
+        """Score the shadow drafts whose outcome the newest known tokens decide (a miss seen, or
+        every depth known), as acceptance observations of the controller."""
+        for r in cands:
+            st = r.spec_state
+            if st is None or st.shadow is None:
+                continue
+            start, tree = st.shadow
+            depth = tree.max_depth
+            known = r.token_ids[start : start + depth]
+            if not known:
+                continue
+            a = greedy_match(tree, known)
+            if a < len(known) or a == depth:
+                st.shadow = None
+                self.ctrl.observe_acceptance(self.name, r.request_id, depth, a)
+
+    def _new_shadows(self, reqs: list[Request]) -> None:
+        """Shadow drafts for requests without one, from the tokens known now (a token still in
+        flight is not: the draft is scored from that token on)."""
+        need = [r for r in reqs if r.spec_state is None or r.spec_state.shadow is None]
+        if not need:
+            return
+        preqs = [ProposalRequest(r.request_id, _state(r).tokens(r.token_ids), self.k, None, r.params) for r in need]
+        for r, tree in zip(need, self.proposer.propose(preqs)):
+            if tree is not None and len(tree):
+                r.spec_state.shadow = (len(r.token_ids), tree)
+
+    def _choose(self, cands: list[Request]) -> Optional[dict[str, tuple[int, int]]]:
         eng = self.engine
         if self.ctrl is not None and self.ctrl.skip_step(self.name, len(cands)):
             return None  # speculation off this step: no per-request work at all
@@ -330,6 +381,7 @@ class SpecDecoder:
                 self.metrics.record_no_draft(self.name)
                 continue
             r.spec_state.tree = tree
+            r.spec_state.shadow = None  # the real draft's outcome is observed instead
             r.spec_token_ids = list(tree.tokens)
             self._drafted.append(r)
 
@@ -412,6 +464,8 @@ class SpecDecoder:
         now = time.monotonic()
         touched: dict[str, None] = {}
         for b, (r, t, path, toks) in enumerate(zip(reqs, trees, paths, emitted)):
+            if self.ctrl is not None:  # (before the tokens: a request they finish is forgotten by the controller)
+                self.ctrl.observe_acceptance(self.name, r.request_id, t.max_depth, len(path))
             base = r.num_computed_tokens
             n_emit = 0
             for i, tok in enumerate(toks):
@@ -428,8 +482,6 @@ class SpecDecoder:
             touched[r.group_id] = None
             self.metrics.record(self.name, len(t), len(path), n_emit)
             r.metrics.spec_accepted.append(len(path))
-            if self.ctrl is not None:
-                self.ctrl.observe_acceptance(self.name, r.request_id, t.max_depth, len(path))
         return list(touched)
 
     def _verify_sampled(self, reqs: list[Request], trees: list[DraftTree], logits: torch.Tensor,

@@ -62,6 +62,8 @@ class NgramProposer:
     k: upper bound on the draft length; each request's num_speculative_tokens may lower it.
     """
 
+    drafts_on_host = True  # no device work: the adaptive decoder may draft from history for free
+
     def __init__(self, n_max: int = 4, n_min: int = 1, k: int = 5, name: str = "ngram") -> None:
         if n_min < 1:
             raise ValueError(f"NgramProposer: n_min must be >= 1, got {n_min}")
@@ -126,6 +128,8 @@ def ngram_candidates(
 class NgramTreeProposer:
     """Merged n-gram tree: the ``width`` best distinct continuations (longest n-gram first, most recent
     first), each up to ``k // width`` tokens, merged by token prefix (SpecInfer's merge-based tree)."""
+
+    drafts_on_host = True
 
     def __init__(self, n_max: int = 4, n_min: int = 1, k: int = 10, width: int = 2, name: str = "ngram") -> None:
         if n_min < 1 or n_max < n_min or k < 1 or width < 1:

@@ -363,6 +363,15 @@ def verify_greedy(trees: Sequence[DraftTree], amax: Sequence[int], offsets: Sequ
     return [_greedy_walk(t, amax, o) for t, o in zip(trees, offsets)]
 
 
+def greedy_match(tree: DraftTree, actual: Sequence[int]) -> int:
+    """Nodes greedy verification would accept when the target's tokens are already known: actual[i]
+    is the token that came at depth i + 1 (nothing deeper than len(actual) is accepted). Scores
+    shadow drafts, made from a request's history while it decodes plainly, against what came."""
+    depths = tree.depths
+    n = len(actual)
+    return len(_walk(tree, lambda j: depths[j] <= n and tree.tokens[j] == actual[depths[j] - 1], lambda node: -1).path)
+
+
 def _greedy_walk(tree: DraftTree, amax: Sequence[int], offset: int) -> TreeVerifyResult:
     """Greedy walk with the target's argmax of every row (amax) and the tree's first row offset."""
     return _walk(
