@@ -127,6 +127,7 @@ class SpecDecoder:
         self.proposer: Proposer
         self._medusa = None
         self._outcome_t0 = 0.0
+        self._began = False  # plain_step_ahead started this step's clock
         self._propose_s = 0.0
         self._emitted0 = 0
         self._step_decode_only = False
@@ -269,6 +270,7 @@ class SpecDecoder:
         self._planned = None
         if not self.may_overlap_plain_steps:
             return False
+        self._outcome_t0, self._began = time.perf_counter(), True  # the step's clock: its planning counts
         if not self.enabled:
             return True
         cands = self._decode_ready()
@@ -343,7 +345,9 @@ class SpecDecoder:
     def propose(self) -> None:
         """Draft for every running request in decode state (only its last token lacks KV)."""
         eng = self.engine
-        self._outcome_t0 = time.perf_counter()  # the whole step, for the controller
+        if not self._began:
+            self._outcome_t0 = time.perf_counter()  # the whole step, for the controller
+        self._began = False
         self._propose_s = 0.0
         self._emitted0 = eng.generation_tokens_total
         # last step's drafts are spent (verified or dropped); only requests that had some are reset
