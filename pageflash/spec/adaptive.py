@@ -47,12 +47,15 @@ every prediction at that batch bucket (``calibration``), so a cost model that pr
 deliver is corrected within a few steps and turns speculation off; the correction also raises
 the bar for turning it back on.
 
-The engine calls, per step: ``choose`` before proposing, ``observe_propose`` with the drafting time,
-``observe_step`` with the wall time of the whole step less drafting, for decode-or-verify-only
-steps (a step carrying prefill chunks says nothing about verify cost and should not be reported;
-whole steps, because an overlapped plain step's forward is only its launch, while a verify step
-waits for the GPU), ``observe_acceptance`` per request after verification (or shadow drafts),
-and ``observe_outcome`` with the whole step's wall time and emitted tokens (decode-only steps).
+The engine calls, per step: ``choose`` before proposing, ``observe_propose`` / ``observe_step`` with
+wall times of decode-or-verify-only steps (a step carrying prefill chunks says nothing about
+verify cost and should not be reported), ``observe_acceptance`` per request after verification
+(or shadow drafts), and ``observe_outcome`` with the whole step's wall time and emitted tokens
+(decode-only steps). The engine reports the forward + verification part of a step to
+``observe_step``: for a plain step overlapped with the GPU that is only its launch, so the cost
+model sees verification dearer than it is, and the calibration (clamped at max_calibration) takes
+back part of it. Whole-step times were tried instead: right on paper, but on the GPU they made
+probes frequent enough to cost sampled (T = 1) batch-1 decoding ~15% (docs/BENCHMARKS.md, run 15).
 """
 
 from __future__ import annotations
@@ -316,7 +319,7 @@ class SpecController:
     # -- observations ---------------------------------------------------------------------------
 
     def observe_step(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
-        """Wall time of a decode or verify step (the whole step, less drafting)."""
+        """Wall time of a decode or verify step (model forward + sampling/verification)."""
         self.costs.observe(num_seqs, num_tokens, seconds)
 
     def observe_outcome(self, proposer: str, num_seqs: int, num_emitted: int, seconds: float, speculated: bool) -> None:

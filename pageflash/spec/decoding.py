@@ -126,9 +126,8 @@ class SpecDecoder:
         self.draft_kv = None
         self.proposer: Proposer
         self._medusa = None
+        self._step_t0 = 0.0
         self._outcome_t0 = 0.0
-        self._began = False  # plain_step_ahead started this step's clock
-        self._propose_s = 0.0
         self._emitted0 = 0
         self._step_decode_only = False
         self._planned: Optional[tuple] = None  # (plan,) decided by plain_step_ahead for propose()
@@ -270,7 +269,6 @@ class SpecDecoder:
         self._planned = None
         if not self.may_overlap_plain_steps:
             return False
-        self._outcome_t0, self._began = time.perf_counter(), True  # the step's clock: its planning counts
         if not self.enabled:
             return True
         cands = self._decode_ready()
@@ -345,10 +343,7 @@ class SpecDecoder:
     def propose(self) -> None:
         """Draft for every running request in decode state (only its last token lacks KV)."""
         eng = self.engine
-        if not self._began:
-            self._outcome_t0 = time.perf_counter()  # the whole step, for the controller
-        self._began = False
-        self._propose_s = 0.0
+        self._outcome_t0 = time.perf_counter()  # the whole step, for the controller's calibration
         self._emitted0 = eng.generation_tokens_total
         # last step's drafts are spent (verified or dropped); only requests that had some are reset
         for r in self._drafted:
@@ -377,9 +372,8 @@ class SpecDecoder:
             preqs.append(ProposalRequest(r.request_id, st.tokens(r.token_ids), k, st.hidden, r.params))
         t0 = time.perf_counter()
         trees = self.proposer.propose(preqs)
-        self._propose_s = time.perf_counter() - t0
         if self.ctrl is not None:
-            self.ctrl.observe_propose(self.name, len(preqs), self._propose_s)
+            self.ctrl.observe_propose(self.name, len(preqs), time.perf_counter() - t0)
         for (r, _, depth_cap), tree in zip(asked, trees):
             if tree is not None and tree.max_depth > depth_cap:
                 tree = _prune_depth(tree, depth_cap)
@@ -394,6 +388,7 @@ class SpecDecoder:
     # -- the forward ---------------------------------------------------------------------------
     def execute_kwargs(self, sched: SchedulerOutput) -> dict[str, Any]:
         """Extra ModelRunner.execute arguments for this step (tree mask and positions)."""
+        self._step_t0 = time.perf_counter()
         self._step_decode_only = all(s.num_new_tokens - s.num_spec_tokens == 1 and s.samples for s in sched.seqs)
         kw: dict[str, Any] = {"need_hidden": True} if self.needs_hidden else {}
         trees = False
@@ -431,14 +426,11 @@ class SpecDecoder:
                     _state(s.request).hidden = result.hidden[start]
         touched = self._verify(spec, result) if spec else []
         if self.ctrl is not None and self._step_decode_only:
-            # Whole steps, from drafting to emitted tokens: what a step costs the throughput. (The
-            # forward alone would be the launch of an overlapped plain step but the wait for the
-            # GPU of a verify step, and make verification look several times dearer.)
-            whole = time.perf_counter() - self._outcome_t0
-            self.ctrl.observe_step(len(sched.seqs), sched.num_tokens, whole - self._propose_s)
+            now = time.perf_counter()
+            self.ctrl.observe_step(len(sched.seqs), sched.num_tokens, now - self._step_t0)
             self.ctrl.observe_outcome(
                 self.name, len(sched.seqs), self.engine.generation_tokens_total - self._emitted0,
-                whole, speculated=sched.num_tokens > len(sched.seqs),
+                now - self._outcome_t0, speculated=sched.num_tokens > len(sched.seqs),
             )
         return touched
 
