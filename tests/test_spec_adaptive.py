@@ -392,18 +392,3 @@ def test_decides_every_step_at_small_batches_only() -> None:
     ctrl = SpecController(AdaptiveConfig(off_eval_interval=16))
     assert [ctrl.eval_interval(b) for b in (1, 4, 7, 8, 16, 64, 256)] == [1, 1, 1, 2, 4, 16, 16]
 
-
-def test_cost_model_bounds_outliers() -> None:
-    """A graph capture or compile in one step (100x a normal step) must not hold the estimate up."""
-    m = StepCostModel(ema=0.1)
-    for _ in range(5):
-        m.observe(1, 1, 0.010)
-        m.observe(1, 6, 0.015)
-    m.observe(1, 6, 1.0)
-    assert m.predict(1, 6) == pytest.approx(0.9 * 0.015 + 0.1 * 3 * 0.015)
-    before = m.predict(1, 4)
-    m.observe(1, 4, 1.0)  # a count seen first in an outlier step: bounded by what its neighbours say
-    assert m.predict(1, 4) == pytest.approx(3 * before)
-    for _ in range(30):  # a real, lasting change still comes through
-        m.observe(1, 6, 0.060)
-    assert m.predict(1, 6) == pytest.approx(0.060, rel=0.05)

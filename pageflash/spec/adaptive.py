@@ -56,6 +56,9 @@ verify cost and should not be reported), ``observe_acceptance`` per request afte
 model sees verification dearer than it is, and the calibration (clamped at max_calibration) takes
 back part of it. Whole-step times were tried instead: right on paper, but on the GPU they made
 probes frequent enough to cost sampled (T = 1) batch-1 decoding ~15% (docs/BENCHMARKS.md, run 15).
+A bound on outlier steps was tried and dropped too: with these mixed measurements (launch-only and
+synchronous plain steps in one cell) it probably held the plain-step estimate low (one run:
+grounded batch 1 0.97x against 1.40x without it).
 """
 
 from __future__ import annotations
@@ -213,8 +216,6 @@ class StepCostModel:
     single measured count the slope comes from ``prior_token_cost``.
     """
 
-    OUTLIER = 3.0
-
     def __init__(self, ema: float = 0.1, prior_token_cost: float = 0.05, max_cells: int = 64) -> None:
         self.ema = ema
         self.prior_token_cost = prior_token_cost
@@ -223,18 +224,10 @@ class StepCostModel:
         self._has_decode: set[int] = set()
 
     def observe(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
-        """One step's time. A step far slower than its cell's estimate (a graph capture, a kernel
-        compile, a hiccup of the host) counts as OUTLIER times the estimate, and a first observation
-        of a count as at most OUTLIER times what the cell's neighbours predict: one such step
-        would otherwise hold an EMA up for dozens of steps (and a rarely seen count for good)."""
         if num_seqs <= 0 or num_tokens < num_seqs or seconds <= 0:
             return
         b = _bucket(num_seqs)
         cells = self._cells.setdefault(b, {})
-        old = cells.get(num_tokens)
-        bound = old if old is not None else (self.predict(num_seqs, num_tokens) if cells else None)
-        if bound is not None:
-            seconds = min(seconds, self.OUTLIER * bound)
         old = cells.pop(num_tokens, None)  # re-insert: dict order is recency order, for eviction
         cells[num_tokens] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
         if len(cells) > self.max_cells:
