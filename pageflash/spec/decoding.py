@@ -132,6 +132,7 @@ class SpecDecoder:
         self._step_decode_only = False
         self._planned: Optional[tuple] = None  # (plan,) decided by plain_step_ahead for propose()
         self._drafted: list[Request] = []  # requests given drafts by the last propose()
+        self._shadow_drafts = False  # set by bind(), once the proposer exists
         self._load()
 
     @property
@@ -219,6 +220,8 @@ class SpecDecoder:
             m = eng.runner.model
             w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
             self.proposer = MedusaProposer(self._medusa, w, c.expansion)
+        # drafting from history costs this proposer no device work: watch plain requests with it
+        self._shadow_drafts = self.ctrl is not None and getattr(self.proposer, "drafts_on_host", False)
         if not eng.config.enforce_eager:
             self._enable_graphs()
 
@@ -283,8 +286,7 @@ class SpecDecoder:
     def _plan(self, cands: list[Request]) -> Optional[dict[str, tuple[int, int]]]:
         """request id -> (draft nodes k, depth cap) for the requests that get drafts this step;
         None when none does. Counts include a token still in flight (async scheduling)."""
-        shadows = (self.ctrl is not None and len(cands) <= self.SHADOW_MAX_BATCH
-                   and getattr(self.proposer, "drafts_on_host", False))
+        shadows = self._shadow_drafts and len(cands) <= self.SHADOW_MAX_BATCH
         if shadows:
             self._score_shadows(cands)
         plan = self._choose(cands)
