@@ -77,8 +77,9 @@ def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # H100/H200 for llama-3-8b's qkv and o projections (split-K variants never won; each extra config
 # costs a Triton compile at cold start)
 _CONFIGS = [(16, 256, 1, 4, 4), (16, 512, 1, 4, 3), (32, 256, 1, 4, 4)]
-# Larger weights (gate_up, down, LM head) always went to cuBLAS, which streams them at ~95% of the
-# bandwidth: don't spend start-up time timing them.
+# Larger weights (gate_up, down) always went to cuBLAS, which streams them at ~95% of the bandwidth:
+# don't spend start-up time timing them. The LM head is timed (large=True): on an H100 the skinny
+# kernel read llama-3-8b's 1.05 GB head in 354 us against cuBLAS's 366-389 us (docs/BENCHMARKS.md).
 MAX_WEIGHT_ELEMENTS = 32 * 1024 * 1024
 
 
@@ -88,9 +89,10 @@ class SkinnyDispatch:
     def __init__(self) -> None:
         self.choice: dict[tuple[int, int, int, torch.dtype], Optional[tuple]] = {}
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
-        """The product via the skinny kernel when it won for this shape; None = use cuBLAS."""
-        if w.numel() > MAX_WEIGHT_ELEMENTS:
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, large: bool = False) -> Optional[torch.Tensor]:
+        """The product via the skinny kernel when it won for this shape; None = use cuBLAS.
+        large: time this shape even if its weight exceeds MAX_WEIGHT_ELEMENTS (the LM head)."""
+        if w.numel() > MAX_WEIGHT_ELEMENTS and not large:
             return None
         key = (w.shape[0], w.shape[1], x.shape[0], x.dtype)
         if key not in self.choice:
@@ -123,9 +125,9 @@ class SkinnyDispatch:
 _DISPATCH: Optional[SkinnyDispatch] = None
 
 
-def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
+def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor, large: bool = False) -> Optional[torch.Tensor]:
     """Decode-sized bf16/fp16 products on CUDA through the faster of cuBLAS and the skinny kernel."""
     global _DISPATCH
     if _DISPATCH is None:
         _DISPATCH = SkinnyDispatch()
-    return _DISPATCH(x, w)
+    return _DISPATCH(x, w, large)

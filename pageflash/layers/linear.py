@@ -22,6 +22,19 @@ def _skinny_enabled() -> bool:
     return os.environ.get("PAGEFLASH_SKINNY_GEMM", "1") != "0"
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, large: bool = False) -> torch.Tensor:
+    """x W^T (+ b). Decode-sized products on CUDA (<= 16 rows, 16-bit) go to the faster of cuBLAS and a
+    Triton skinny GEMM, timed once per shape; large=True times it for weights past the skinny
+    dispatch's size limit too (the LM head)."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= 16 and x.dtype in _SKINNY_DTYPES and _skinny_enabled():
+        from pageflash.kernels.skinny_gemm import maybe_skinny_linear
+
+        y = maybe_skinny_linear(x, weight, large)
+        if y is not None:
+            return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). weight: [out_features, in_features]."""
 
@@ -32,14 +45,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and x.shape[0] <= 16 and x.dtype in _SKINNY_DTYPES and _skinny_enabled():
-            # decode-sized products: the faster of cuBLAS and a Triton skinny GEMM (timed once per shape)
-            from pageflash.kernels.skinny_gemm import maybe_skinny_linear
-
-            y = maybe_skinny_linear(x, self.weight)
-            if y is not None:
-                return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[str] = None) -> None:
         if param.shape != loaded.shape:

@@ -16,7 +16,7 @@ from torch import nn
 from pageflash.config import ModelConfig
 from pageflash.layers.activation import silu_and_mul
 from pageflash.layers.attention import AttentionBackend
-from pageflash.layers.linear import GateUpLinear, Linear, QKVLinear, VocabEmbedding
+from pageflash.layers.linear import GateUpLinear, Linear, QKVLinear, VocabEmbedding, linear
 from pageflash.layers.norm import RMSNorm
 from pageflash.layers.rotary import RotaryEmbedding
 
@@ -43,8 +43,13 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale)
+        if getattr(backend, "fuses_rope", False) and rotary.fusable(q, k):
+            # the backend rotates q and k in the launch that stores k and v in the cache
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale,
+                                rope=(positions, rotary.cos, rotary.sin))
+        else:
+            q, k = rotary(positions, q, k)
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -108,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
+        return linear(hidden, w, large=True).float()
 
     # ---- weights -------------------------------------------------------------------------------
     # HF checkpoint name -> (our parameter name, shard id of a merged projection)
