@@ -145,6 +145,32 @@ def test_rotary_fused_qkv_views(t, hq, hkv, d, dtype):
     assert torch.equal(v, v0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hkv,d,bs", [(1, 4, 1, 64, 16), (9, 3, 3, 80, 4), (20, 6, 2, 32, 8)])
+def test_rotary_with_cache_store_equals_rotary_then_store(t, hq, hkv, d, bs, dtype):
+    """The fused rotary + K/V store writes exactly what rotary then store_kv_ref write: the rotated
+    k, the unchanged v, at shuffled slots with some -1 (skipped); nothing else in the cache moves."""
+    from pageflash.layers.attention import store_kv_ref
+
+    g = torch.Generator().manual_seed(t * 7 + d + bs)
+    _, q, k, v = _qkv_views(t, hq, hkv, d, dtype, g)
+    npos, nblocks = 64, 8
+    pos = torch.randint(0, npos, (t,), generator=g)
+    ang = torch.outer(torch.arange(npos, dtype=torch.float32), torch.rand(d // 2, generator=g))
+    cos, sin = ang.cos(), ang.sin()
+    slots = torch.randperm(nblocks * bs, generator=g)[:t]
+    slots[::3] = -1
+    kc, vc = rnd(nblocks, bs, hkv, d, dtype=dtype, g=g), rnd(nblocks, bs, hkv, d, dtype=dtype, g=g)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    ref_q, ref_k = apply_rotary_ref(q, k, pos, cos, sin)
+    store_kv_ref(ref_k, v, ref_kc, ref_vc, slots)
+    apply_rotary(q, k, pos, cos, sin, v=v, k_cache=kc, v_cache=vc, slot_mapping=slots)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+    with pytest.raises(ValueError, match="go together"):
+        apply_rotary(q, k, pos, cos, sin, v=v, k_cache=kc)
+
+
 def test_rotary_int32_positions_and_strided_tables():
     g = torch.Generator().manual_seed(3)
     t, hq, hkv, d = 5, 2, 1, 16

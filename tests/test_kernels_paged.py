@@ -213,6 +213,30 @@ def test_backend_vs_torch(specs, tree, dtype):
     assert torch.equal(out1, out2)
 
 
+@pytest.mark.parametrize("specs", [[(0, 1), (16, 1), (30, 1)], [(0, 9), (17, 1), (3, 16)]])
+def test_backend_rope_fused_with_store(specs):
+    """forward(..., rope=(positions, cos, sin)) on unrotated q, k == rotary reference, then the
+    reference backend: same caches (rotated k stored), same output."""
+    from pageflash.kernels.rotary import apply_rotary_ref
+
+    dtype = torch.float32
+    q, k, v, kc, vc, meta = make_case(specs, 4, 2, 64, 16, dtype, seed=5)
+    g = torch.Generator().manual_seed(1)
+    pos = torch.cat([torch.arange(c, c + n) for c, n in specs])
+    ang = torch.outer(torch.arange(64, dtype=torch.float32), torch.rand(32, generator=g))
+    cos, sin = ang.cos(), ang.sin()
+    qr, kr = apply_rotary_ref(q, k, pos, cos, sin)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = TorchBackend().forward(qr, kr, v, kc_ref, vc_ref, TorchBackend().plan(meta), 0.125)
+    be = get_backend("triton", torch.device("cpu"))
+    assert be.fuses_rope
+    q2, k2 = q.clone(), k.clone()
+    out = be.forward(q2, k2, v, kc, vc, be.plan(meta), 0.125, rope=(pos, cos, sin))
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    assert torch.equal(q2, qr) and torch.equal(k2, kr)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tree,splits", [(False, 2), (False, 5), (True, 3), (True, 8)])
 def test_paged_split_keys(tree, splits, dtype):

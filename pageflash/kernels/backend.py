@@ -10,6 +10,7 @@ cached in the plan for the other layers.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,6 +20,7 @@ from pageflash.kernels.flash_attention import flash_attn_varlen_fwd
 from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode
 from pageflash.kernels.kv_store import store_kv
 from pageflash.kernels.paged_attention import build_tiles, paged_attention, prefill_config
+from pageflash.kernels.rotary import apply_rotary
 from pageflash.layers.attention import AttentionMetadata, register_backend
 
 __all__ = ["TritonBackend", "TritonPlan"]
@@ -74,6 +76,8 @@ class TritonBackend:
 
     def __init__(self, num_sms: Optional[int] = None, fused_combine: bool = False) -> None:
         self._num_sms = num_sms
+        # forward(..., rope=(positions, cos, sin)): rotary and the K/V store in one launch
+        self.fuses_rope = os.environ.get("PAGEFLASH_FUSED_ROPE_STORE", "1") != "0"
         self._fused_combine = fused_combine
         self._counters: Optional[torch.Tensor] = None
 
@@ -122,10 +126,15 @@ class TritonBackend:
         v_cache: torch.Tensor,
         plan: TritonPlan,
         scale: float,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]."""
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D].
+        rope: (positions [T], cos, sin): rotate q and k (in place) in the launch that stores K/V."""
         meta = plan.meta
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if rope is not None:
+            apply_rotary(q, k, *rope, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
+        else:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         hkv = k_cache.shape[2]
         if plan.decode:
             splits = plan.splits_for(hkv)

@@ -42,11 +42,10 @@ def _store_kv_kernel(
              v.to(VC.dtype.element_ty), mask=mask)
 
 
-def store_kv(
+def check_store_args(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write k, v ([T, Hkv, D]) into k_cache, v_cache ([num_blocks, block_size, Hkv, D]) at
-    slot_mapping ([T] int32/int64, -1 = skip). In place; no host synchronisation."""
+    """Shapes, dtypes and strides store_kv (and the rotary kernel's fused store) accept."""
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"store_kv: k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
@@ -64,6 +63,15 @@ def store_kv(
     for name, x in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.stride(-1) != 1:
             raise ValueError(f"store_kv: {name} must be contiguous in head_dim (stride {x.stride(-1)})")
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v ([T, Hkv, D]) into k_cache, v_cache ([num_blocks, block_size, Hkv, D]) at
+    slot_mapping ([T] int32/int64, -1 = skip). In place; no host synchronisation."""
+    check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    t, h, d = k.shape
     if t == 0:
         return
     slot_mapping = slot_mapping.contiguous()

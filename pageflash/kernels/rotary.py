@@ -13,10 +13,13 @@ bitwise equal to the reference on CUDA.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.kv_store import check_store_args
 from pageflash.layers.rotary import _rotate
 
 __all__ = ["apply_rotary", "apply_rotary_ref"]
@@ -27,7 +30,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _rotate_heads(base, stride_h, num_heads, h0, c, s,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate heads [h0, h0 + BLOCK_H) of one token; base points at its head 0. c, s: [BLOCK_HALF] fp32."""
+    """Rotate heads [h0, h0 + BLOCK_H) of one token; base points at its head 0. c, s: [BLOCK_HALF] fp32.
+    Returns the rotated halves (in base's dtype) for callers that also store them elsewhere."""
     dt = base.dtype.element_ty
     h = h0 + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
@@ -37,10 +41,11 @@ def _rotate_heads(base, stride_h, num_heads, h0, c, s,
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     c = c.to(dt).to(tl.float32)[None, :]
     s = s.to(dt).to(tl.float32)[None, :]
-    o1 = (x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)
-    o2 = (x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)
-    tl.store(p1, o1.to(dt), mask=mask)
-    tl.store(p1 + HALF, o2.to(dt), mask=mask)
+    o1 = ((x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    tl.store(p1, o1, mask=mask)
+    tl.store(p1 + HALF, o2, mask=mask)
+    return o1, o2
 
 
 @triton.jit
@@ -48,9 +53,13 @@ def _rotary_kernel(
     Q, K, POS, COS, SIN,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
     HQ, HKV,
+    V, KC, VC, SLOTS, stride_vt, stride_vh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    STORE: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     # grid (T, cdiv(HQ, BLOCK_H) + cdiv(HKV, BLOCK_H)): a program owns BLOCK_H heads of q or of k
+    # STORE: the k programs also write their rotated k heads and the same v heads into the paged
+    # cache at the token's slot (-1: skip), as kernels/kv_store.py does
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(POS + t).to(tl.int64)
@@ -61,7 +70,23 @@ def _rotary_kernel(
     if hb < nqb:
         _rotate_heads(Q + t * stride_qt, stride_qh, HQ, hb * BLOCK_H, c, s, HALF, BLOCK_H, BLOCK_HALF)
     else:
-        _rotate_heads(K + t * stride_kt, stride_kh, HKV, (hb - nqb) * BLOCK_H, c, s, HALF, BLOCK_H, BLOCK_HALF)
+        h0 = (hb - nqb) * BLOCK_H
+        o1, o2 = _rotate_heads(K + t * stride_kt, stride_kh, HKV, h0, c, s, HALF, BLOCK_H, BLOCK_HALF)
+        if STORE:
+            slot = tl.load(SLOTS + t).to(tl.int64)
+            blk = tl.maximum(slot, 0) // PAGE_SIZE
+            off = tl.maximum(slot, 0) % PAGE_SIZE
+            h = h0 + tl.arange(0, BLOCK_H)
+            # (the slot is broadcast before the comparison: the interpreter rejects scalar-bool & block-bool)
+            keep = (tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.int64) + slot) >= 0
+            mask = keep & (h[:, None] < HKV) & (d[None, :] < HALF)
+            kc = KC + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
+            tl.store(kc, o1.to(KC.dtype.element_ty), mask=mask)
+            tl.store(kc + HALF, o2.to(KC.dtype.element_ty), mask=mask)
+            pv = V + t * stride_vt + h[:, None] * stride_vh + d[None, :]
+            vc = VC + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+            tl.store(vc, tl.load(pv, mask=mask).to(VC.dtype.element_ty), mask=mask)
+            tl.store(vc + HALF, tl.load(pv + HALF, mask=mask).to(VC.dtype.element_ty), mask=mask)
 
 
 def apply_rotary_ref(
@@ -81,14 +106,27 @@ def rotary_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int, 
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    v: Optional[torch.Tensor] = None, k_cache: Optional[torch.Tensor] = None, v_cache: Optional[torch.Tensor] = None,
+    slot_mapping: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (and return them) at positions [T] (int64/int32).
 
     cos, sin: [P, D/2] float32 tables (row stride free, last dim contiguous). q and k: same dtype
     (float16/bfloat16/float32), any token/head strides with D contiguous, e.g. views of a fused qkv
     projection's output. Positions must be in [0, P) (not checked: that would sync with the host).
+
+    With v, k_cache, v_cache and slot_mapping (all or none), the same launch also writes the rotated
+    k and v into the paged caches, exactly as ``store_kv(k, v, k_cache, v_cache, slot_mapping)``
+    would after the rotation (the decode step's separate store launch goes away).
     """
+    store = v is not None
+    if store:
+        if k_cache is None or v_cache is None or slot_mapping is None:
+            raise ValueError("apply_rotary: v, k_cache, v_cache and slot_mapping go together")
+        check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    elif k_cache is not None or v_cache is not None or slot_mapping is not None:
+        raise ValueError("apply_rotary: v, k_cache, v_cache and slot_mapping go together")
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"apply_rotary: q and k must be [T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     t, hq, d = q.shape
@@ -119,11 +157,19 @@ def apply_rotary(
     positions = positions.contiguous()
     block_h, num_warps = rotary_config(t, d, max(hq, hkv))
     grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
+    if store:
+        slots = slot_mapping.contiguous()
+        kc_st, vc_st = k_cache.stride(), v_cache.stride()
+        extra = (v, k_cache, v_cache, slots, v.stride(0), v.stride(1), kc_st[0], kc_st[1], kc_st[2],
+                 vc_st[0], vc_st[1], vc_st[2])
+    else:  # dummies, unused with STORE off
+        extra = (k, k, k, positions) + (0,) * 8
     _rotary_kernel[grid](
         q, k, positions, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        hq, hkv,
+        hq, hkv, *extra,
         HALF=half, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
+        STORE=store, PAGE_SIZE=k_cache.shape[1] if store else 1,
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return q, k

@@ -88,7 +88,10 @@ class AttentionBackend(Protocol):
         plan: Any,
         scale: float,
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches as in the module doc. Returns [T, Hq, D]."""
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches as in the module doc. Returns [T, Hq, D].
+
+        A backend with ``fuses_rope = True`` also accepts ``rope=(positions, cos, sin)``: q and k
+        arrive unrotated and it applies the rotary embedding (kernels/rotary.py's arithmetic) itself."""
 
 
 def store_kv_ref(

@@ -47,6 +47,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
+    def fusable(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether q, k go through the Triton rotary kernel (which an attention backend may fuse
+        with its cache store, given (positions, cos, sin))."""
+        return _use_fused(q, k)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns rotated (q, k) in their dtype.
 

@@ -127,6 +127,26 @@ def test_rotary_bitwise(t, dtype):
     assert torch.equal(v, v0)
 
 
+@pytest.mark.parametrize("t", TOKENS)
+def test_rotary_with_cache_store_bitwise(t):
+    """bf16: the fused rotary + K/V store writes the cache exactly as rotary then store_kv do."""
+    from pageflash.kernels.kv_store import store_kv
+
+    torch.manual_seed(t + 1)
+    rope, q, k, v, pos = _rope_inputs(t, torch.bfloat16)
+    nblocks, bs = max(4, t // 8 + 2), 16
+    slots = torch.randperm(nblocks * bs, device=DEV)[:t]
+    slots[::5] = -1
+    kc, vc = rnd(nblocks, bs, HKV, D, dtype=torch.bfloat16), rnd(nblocks, bs, HKV, D, dtype=torch.bfloat16)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref, k_ref = apply_rotary_ref(q, k, pos, rope.cos, rope.sin)
+    store_kv(k_ref, v, kc_ref, vc_ref, slots)
+    apply_rotary(q, k, pos, rope.cos, rope.sin, v=v, k_cache=kc, v_cache=vc, slot_mapping=slots)
+    assert_bitwise(q, q_ref, "rotary q")
+    assert_bitwise(kc, kc_ref, "k cache")
+    assert_bitwise(vc, vc_ref, "v cache")
+
+
 # ------------------------------------------------------------------------------------ silu_and_mul
 
 
