@@ -12,7 +12,7 @@ git log -1 --format='commit %h %cd' 2>/dev/null | tee -a "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for what in "$@"; do
   case $what in
-    profile) PYTHONPATH=. $PY scripts/profile_decode.py llama-3-8b 1 2>&1 | tee "$OUT/profile.log" | tail -30 ;;
+    profile) PYTHONPATH=. $PY scripts/profile_graph.py llama-3-8b 1 2>&1 | tee "$OUT/profile.log" | tail -40 ;;
     profile-offline) PYTHONPATH=. $PY scripts/profile_offline.py llama-3-8b 256 2>&1 | tee "$OUT/profile_offline.log" | tail -12 ;;
     fused) $PY -m pytest -q -s tests/gpu/test_fused_gpu.py 2>&1 | tee "$OUT/fused_tests.log" | tail -8; $PY -m pageflash.kernels.bench_fused --tokens 1 4096 --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" | tail -14 ;;
     skinny) $PY -m pytest -q -s tests/gpu/test_skinny_gpu.py 2>&1 | tee "$OUT/skinny_tests.log" | tail -5 ;;
