@@ -120,13 +120,12 @@ def apply_rotary(
     k and v into the paged caches, exactly as ``store_kv(k, v, k_cache, v_cache, slot_mapping)``
     would after the rotation (the decode step's separate store launch goes away).
     """
-    store = v is not None
-    if store:
-        if k_cache is None or v_cache is None or slot_mapping is None:
-            raise ValueError("apply_rotary: v, k_cache, v_cache and slot_mapping go together")
-        check_store_args(k, v, k_cache, v_cache, slot_mapping)
-    elif k_cache is not None or v_cache is not None or slot_mapping is not None:
+    given = [a is not None for a in (v, k_cache, v_cache, slot_mapping)]
+    store = all(given)
+    if any(given) and not store:
         raise ValueError("apply_rotary: v, k_cache, v_cache and slot_mapping go together")
+    if store:
+        check_store_args(k, v, k_cache, v_cache, slot_mapping)
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"apply_rotary: q and k must be [T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     t, hq, d = q.shape
