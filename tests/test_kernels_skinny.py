@@ -26,3 +26,48 @@ def test_skinny_gemm_rejects_bad_shapes():
         skinny_gemm(torch.randn(17, 8), torch.randn(4, 8))
     with pytest.raises(AssertionError, match="K="):
         skinny_gemm(torch.randn(2, 8), torch.randn(4, 9))
+
+
+# ---- row-streaming GEMV (kernels/gemv.py) --------------------------------------------------------
+from pageflash.kernels.gemv import gemv, gemv_ref  # noqa: E402
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(48, 64), (37, 300), (8, 1000)])
+@pytest.mark.parametrize("cfg", [(8, 4, 64, 2, 4), (6, 2, 128, 3, 4), (16, 16, 32, 1, 4), (3, 1, 512, 2, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_matches_reference(m, n, k, cfg, dtype):
+    """Ragged N (rows past N masked, a program's row count not dividing N), K not a multiple of the
+    tile, several row groups per program, outputs poisoned first."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    y = gemv(x, w, *cfg, out=out)
+    ref = gemv_ref(x, w)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    assert y is out and y.shape == (m, n) and y.dtype == dtype
+    assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * k ** 0.5)
+
+
+def test_gemv_strided_rows_of_x_and_w():
+    """x and w as row slices of wider tensors (row strides != K)."""
+    g = torch.Generator().manual_seed(7)
+    xb = torch.randn(2, 100, generator=g)
+    wb = torch.randn(30, 100, generator=g)
+    x, w = xb[:, :64], wb[:, :64]
+    y = gemv(x, w, 8, 4, 32, 2, 4)
+    assert torch.allclose(y, x @ w.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_gemv_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="M <= 4"):
+        gemv(torch.randn(5, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="K="):
+        gemv(torch.randn(1, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="multiple of r"):
+        gemv(torch.randn(1, 8), torch.randn(4, 8), rows=6, r=4)
+    with pytest.raises(ValueError, match="dtype"):
+        gemv(torch.randn(1, 8), torch.randn(4, 8).half())
+    with pytest.raises(ValueError, match="contiguous along K"):
+        gemv(torch.randn(8, 2).t(), torch.randn(4, 8))

@@ -6,8 +6,9 @@ features and streams their rows of W (contiguous along K) through a pipelined lo
 to 16 rows for the tensor-core dot; SPLIT_K programs share a row block when N alone gives too few
 programs, and their fp32 partials are summed by a second tiny pass.
 
-Which implementation a shape uses is decided once per (N, K, M-bucket) by timing both
-(`SkinnyDispatch`); the choice is made during warm-up, so CUDA-graph capture only replays it.
+Which implementation a shape uses is decided once per (N, K, M-bucket) by timing cuBLAS, this
+kernel and, at M = 1, the row-streaming GEMV of kernels/gemv.py (`SkinnyDispatch`); the choice is
+made during warm-up, so CUDA-graph capture only replays it.
 """
 
 from __future__ import annotations
@@ -77,48 +78,73 @@ def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # H100/H200 for llama-3-8b's qkv and o projections (split-K variants never won; each extra config
 # costs a Triton compile at cold start)
 _CONFIGS = [(16, 256, 1, 4, 4), (16, 512, 1, 4, 3), (32, 256, 1, 4, 4)]
-# Larger weights (gate_up, down) always went to cuBLAS, which streams them at ~95% of the bandwidth:
-# don't spend start-up time timing them. The LM head is timed (large=True): on an H100 the skinny
-# kernel read llama-3-8b's 1.05 GB head in 354 us against cuBLAS's 366-389 us (docs/BENCHMARKS.md).
+# The skinny kernel never beat cuBLAS on larger weights (gate_up, down): it is not timed there. The
+# LM head is timed (large=True): on an H100 the skinny kernel read llama-3-8b's 1.05 GB head in 354 us
+# against cuBLAS's 366-389 us (docs/BENCHMARKS.md).
 MAX_WEIGHT_ELEMENTS = 32 * 1024 * 1024
+# At M = 1 the row-streaming GEMV (kernels/gemv.py) is timed on every shape: one tile config
+# (r, bk, num_stages, num_warps), rows of W per program varied at run time (no extra compile). On an
+# H100 in decode-graph chains it beat cuBLAS on gate_up/down and the skinny kernel on qkv/o by 3-6%;
+# rows 8 won for N <= 8192, 32-64 for gate_up's N = 28672 (docs/BENCHMARKS.md).
+_GEMV_TILE = (4, 512, 4, 4)
+_GEMV_ROWS = (8, 16, 32, 64)
 
 
 class SkinnyDispatch:
-    """Per (N, K, M <= 16) shape: time cuBLAS and the skinny kernel's configs once, keep the fastest."""
+    """Per (N, K, M <= 16) shape: time cuBLAS, the skinny kernel's configs and (M = 1) the GEMV's row
+    counts once, keep the fastest. A choice is None (cuBLAS), ("skinny", cfg) or ("gemv", cfg)."""
 
     def __init__(self) -> None:
         self.choice: dict[tuple[int, int, int, torch.dtype], Optional[tuple]] = {}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, large: bool = False) -> Optional[torch.Tensor]:
-        """The product via the skinny kernel when it won for this shape; None = use cuBLAS.
-        large: time this shape even if its weight exceeds MAX_WEIGHT_ELEMENTS (the LM head)."""
-        if w.numel() > MAX_WEIGHT_ELEMENTS and not large:
+        """The product via the Triton kernel that won for this shape; None = use cuBLAS.
+        large: time the skinny kernel on this shape even if its weight exceeds MAX_WEIGHT_ELEMENTS
+        (the LM head)."""
+        m = x.shape[0]
+        if w.numel() > MAX_WEIGHT_ELEMENTS and not large and m != 1:
             return None
-        key = (w.shape[0], w.shape[1], x.shape[0], x.dtype)
+        key = (w.shape[0], w.shape[1], m, x.dtype)
         if key not in self.choice:
             if torch.cuda.is_current_stream_capturing():
                 return None  # never time inside a capture: fall back, decide at the next warm-up
-            self.choice[key] = self._decide(x, w)
-        cfg = self.choice[key]
-        return None if cfg is None else skinny_gemm(x, w, *cfg)
+            self.choice[key] = self._decide(x, w, skinny=large or w.numel() <= MAX_WEIGHT_ELEMENTS)
+        c = self.choice[key]
+        if c is None:
+            return None
+        if c[0] == "gemv":
+            from pageflash.kernels.gemv import gemv
+
+            return gemv(x, w, *c[1])
+        return skinny_gemm(x, w, *c[1])
 
     @staticmethod
-    def _decide(x: torch.Tensor, w: torch.Tensor) -> Optional[tuple]:
+    def _decide(x: torch.Tensor, w: torch.Tensor, skinny: bool = True) -> Optional[tuple]:
         from triton.testing import do_bench
 
+        ref = torch.nn.functional.linear(x, w)
         best_t = do_bench(lambda: torch.nn.functional.linear(x, w), warmup=5, rep=20, return_mode="median")
+        cands: list[tuple[str, tuple]] = [("skinny", c) for c in _CONFIGS] if skinny else []
+        if x.shape[0] == 1:
+            r, bk, stages, warps = _GEMV_TILE
+            cands += [("gemv", (rows, r, bk, stages, warps)) for rows in _GEMV_ROWS]
         best = None
-        for cfg in _CONFIGS:
+        for kind, cfg in cands:
             try:
-                y = skinny_gemm(x, w, *cfg)
-                ref = torch.nn.functional.linear(x, w)
+                if kind == "gemv":
+                    from pageflash.kernels.gemv import gemv as fn
+                else:
+                    fn = skinny_gemm
+                y = fn(x, w, *cfg)
                 if not torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-2):
                     continue
-                t = do_bench(lambda: skinny_gemm(x, w, *cfg), warmup=5, rep=20, return_mode="median")
+                t = do_bench(lambda: fn(x, w, *cfg), warmup=5, rep=20, return_mode="median")
             except Exception:  # a config that does not compile on this GPU/Triton: skip it
                 continue
-            if t < best_t * 0.97:
-                best_t, best = t, cfg
+            # the first Triton winner must beat cuBLAS by 3% (choices that flip between processes on
+            # noise cost more than they save); after that, the fastest
+            if (best is None and t < best_t * 0.97) or (best is not None and t < best_t):
+                best_t, best = t, (kind, cfg)
         return best
 
 
@@ -126,7 +152,8 @@ _DISPATCH: Optional[SkinnyDispatch] = None
 
 
 def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor, large: bool = False) -> Optional[torch.Tensor]:
-    """Decode-sized bf16/fp16 products on CUDA through the faster of cuBLAS and the skinny kernel."""
+    """Decode-sized bf16/fp16 products on CUDA through the fastest of cuBLAS, the skinny kernel and
+    (one row) the GEMV."""
     global _DISPATCH
     if _DISPATCH is None:
         _DISPATCH = SkinnyDispatch()
