@@ -140,5 +140,5 @@ for name, (N, K) in shapes.items():
     res.sort()
     for t, what in res[:8]:
         print(f"{name:8s} {what:34s} {t:8.2f} {nbytes / t / 1e3:6.0f}")
-    del ws
+    ws.clear()
     torch.cuda.empty_cache()

@@ -286,12 +286,20 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         r = self.runner
-        for b in reversed(self.buckets):  # largest first: the pool then fits the smaller ones
-            meta = self._meta(b)
-            plan = self.plans[b] = r.backend.plan(meta)  # the captured kernels may read its tensors
-            fwd = lambda: r.model.compute_logits(  # noqa: E731
-                r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan))
-            self.graphs[b], self.logits[b] = _capture_graph(r, fwd)
+        pf = _prefetcher_from_env(r.device)
+        r.model.set_prefetcher(pf)
+        try:
+            for b in reversed(self.buckets):  # largest first: the pool then fits the smaller ones
+                meta = self._meta(b)
+                plan = self.plans[b] = r.backend.plan(meta)  # the captured kernels may read its tensors
+                fwd = lambda: r.model.compute_logits(  # noqa: E731
+                    r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan))
+                if pf is not None:
+                    pf.active = b <= pf.max_batch
+                self.graphs[b], self.logits[b] = _capture_graph(r, fwd)
+        finally:
+            if pf is not None:
+                pf.active = False
         torch.cuda.synchronize()
 
     def run(
@@ -328,6 +336,35 @@ class DecodeGraphs:
         self.block_tables[:bucket].copy_(torch.from_numpy(bt), non_blocking=True)
         self.graphs[bucket].replay()
         return StepResult(self.logits[bucket][:b], [(i, 1) for i in range(b)])
+
+
+# Decode graphs of up to this many sequences prefetch the head of the o and qkv projections' weights
+# into L2 while the latency-bound kernels before them run (kernels/prefetch.py). H100, llama-3-8b:
+# batch 1 172.4 vs 170.8 tok/s, batch 8 +0.6% (docs/BENCHMARKS.md run 17).
+_PREFETCH_DEFAULT = "o=16,qkv=8"
+_PREFETCH_MAX_BATCH = 8
+
+
+def _prefetcher_from_env(device: torch.device):
+    """The decode graphs' weight prefetcher, or None. PAGEFLASH_L2_PREFETCH: sizes in MiB per
+    projection kind ("o=16,qkv=8"; "0" or "off": none; unset: the default on sm_90+, whose bulk
+    prefetch instruction it uses, none elsewhere); _MODE: bulk/line/load; _MAX_BATCH: the largest
+    decode bucket that prefetches."""
+    import os
+
+    from pageflash.kernels.prefetch import WeightPrefetcher, parse_sizes
+
+    spec = os.environ.get("PAGEFLASH_L2_PREFETCH")
+    mode = os.environ.get("PAGEFLASH_L2_PREFETCH_MODE", "bulk")
+    if spec is None:
+        spec = _PREFETCH_DEFAULT if torch.cuda.get_device_capability(device) >= (9, 0) else ""
+    if spec.strip().lower() in ("", "0", "off", "none"):
+        return None
+    if mode == "bulk" and torch.cuda.get_device_capability(device) < (9, 0):
+        raise ValueError("PAGEFLASH_L2_PREFETCH_MODE=bulk needs compute capability 9.0+; use line or load")
+    pf = WeightPrefetcher(parse_sizes(spec), mode)
+    pf.max_batch = int(os.environ.get("PAGEFLASH_L2_PREFETCH_MAX_BATCH", str(_PREFETCH_MAX_BATCH)))
+    return pf
 
 
 def _fill_pending(input_ids: torch.Tensor, fixes: list[tuple[int, int]], prev_tokens: torch.Tensor) -> None:

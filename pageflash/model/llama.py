@@ -21,7 +21,18 @@ from pageflash.layers.norm import RMSNorm
 from pageflash.layers.rotary import RotaryEmbedding
 
 
-class LlamaAttention(nn.Module):
+class _Prefetching:
+    """Mixin: ``self.prefetcher`` (a kernels.prefetch.WeightPrefetcher, set by the runner for decode
+    graphs) or None; ``_prefetch(kind, w)`` forks a prefetch of w when there is one."""
+
+    prefetcher = None
+
+    def _prefetch(self, kind: str, w: torch.Tensor) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.fork(kind, w)
+
+
+class LlamaAttention(_Prefetching, nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -40,6 +51,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        self._prefetch("o", self.o_proj.weight)  # while attention runs
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -53,17 +65,19 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(_Prefetching, nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = GateUpLinear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gu = self.gate_up_proj(x)
+        self._prefetch("down", self.down_proj.weight)  # while SiLU-and-mul runs
+        return self.down_proj(silu_and_mul(gu))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(_Prefetching, nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
@@ -72,16 +86,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, positions, rotary, kv_cache, backend, plan):
+        self._prefetch("qkv", self.self_attn.qkv_proj.weight)  # while the input norm runs
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rotary, kv_cache, backend, plan)
+        self._prefetch("gate_up", self.mlp.gate_up_proj.weight)  # while the post-attention norm runs
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(_Prefetching, nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, backend, plan) -> hidden [T, H];
     compute_logits(hidden [N, H]) -> float32 logits [N, V]."""
 
@@ -108,8 +124,17 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             x, residual = layer(x, residual, positions, self.rotary, kv_caches[i], backend, plan)
+        self._prefetch("lm_head", self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
         x, _ = self.norm(x, residual)
+        if self.prefetcher is not None:
+            self.prefetcher.join()
         return x
+
+    def set_prefetcher(self, prefetcher) -> None:
+        """Give every layer the weight prefetcher (None: off)."""
+        for m in self.modules():
+            if isinstance(m, _Prefetching):
+                m.prefetcher = prefetcher
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

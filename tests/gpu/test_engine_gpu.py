@@ -68,3 +68,34 @@ def test_async_scheduling_equals_sync_fp32_graphs():
         for da, db in zip(a or [], b or []):  # same tokens; logprobs equal up to float32 rounding
             assert da.keys() == db.keys()
             assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 and da[t].rank == db[t].rank for t in da)
+
+
+@pytest.mark.parametrize("mode", ["bulk", "line", "load"])
+def test_weight_prefetch_leaves_decode_graphs_bitwise(monkeypatch, mode):
+    """Decode graphs captured with the L2 weight prefetcher (side-stream branches) give the same
+    logits, bit for bit, as graphs captured without it, at every prefetching bucket."""
+    from pageflash.engine.model_runner import DecodeGraphs
+
+    if mode == "bulk" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bulk prefetch instruction needs sm_90")
+    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=512, num_kv_blocks=512, dtype="bfloat16")
+    r = llm.llm_engine.runner
+    graphs = {}
+    for name, spec in (("off", "0"), ("on", "qkv=64,o=64,gate_up=1,down=1,lm_head=8")):
+        monkeypatch.setenv("PAGEFLASH_L2_PREFETCH", spec)
+        monkeypatch.setenv("PAGEFLASH_L2_PREFETCH_MODE", mode)
+        g = graphs[name] = DecodeGraphs(r, 8)
+        g.capture()
+    for b in (1, 2, 4, 8):
+        for g in graphs.values():
+            g.input_ids[:b] = torch.arange(b) * 31 + 5
+            g.positions[:b] = torch.arange(b) + 3
+            g.seq_lens[:b] = torch.arange(b, dtype=torch.int32) + 4
+            g.block_tables[:b, 0] = torch.arange(b, dtype=torch.int32) + 1
+            g.slots[:b] = (torch.arange(b) + 1) * r.block_size + g.positions[:b]
+        outs = {}
+        for name, g in graphs.items():
+            g.graphs[b].replay()
+            outs[name] = g.logits[b].clone()
+        assert torch.isfinite(outs["off"]).all()
+        assert torch.equal(outs["on"], outs["off"]), b

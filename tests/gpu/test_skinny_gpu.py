@@ -56,3 +56,5 @@ def test_dispatch_times_gemv_at_one_row():
             ref = torch.nn.functional.linear(x, w)
             assert (y.float() - ref.float()).norm() / ref.float().norm() < 1e-2
     print("choice", d.choice)
+
+
