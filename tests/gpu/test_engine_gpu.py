@@ -89,10 +89,11 @@ def test_weight_prefetch_leaves_decode_graphs_bitwise(monkeypatch, mode):
     for b in (1, 2, 4, 8):
         for g in graphs.values():
             g.input_ids[:b] = torch.arange(b) * 31 + 5
-            g.positions[:b] = torch.arange(b) + 3
-            g.seq_lens[:b] = torch.arange(b, dtype=torch.int32) + 4
+            pos = torch.arange(b) + 3
+            g.positions[:b] = pos
+            g.seq_lens[:b] = (pos + 1).to(torch.int32)
             g.block_tables[:b, 0] = torch.arange(b, dtype=torch.int32) + 1
-            g.slots[:b] = (torch.arange(b) + 1) * r.block_size + g.positions[:b]
+            g.slots[:b] = (torch.arange(b) + 1) * r.block_size + pos
         outs = {}
         for name, g in graphs.items():
             g.graphs[b].replay()
