@@ -1,7 +1,9 @@
 """Does prefetching weights into L2 on a side stream shorten a batch-1 decode step?
 
 Usage: PYTHONPATH=. python scripts/prefetch_probe.py [model] [variant ...]
-  variant = "off" or "MODE:kind=MiB,kind=MiB" (MODE bulk/line/load; kinds qkv/o/gate_up/down/lm_head)
+  variant = "off" or "MODE:kind=MiB,kind=MiB" (MODE bulk/line/load; kinds qkv/o/gate_up/down/lm_head),
+  optionally followed by "|N=ROWS,..." to force the GEMV with ROWS rows per program on the batch-1
+  projections of output size N while that variant's graphs are captured
 
 1. isolated: a GEMV of the o-projection shape after an L2 flush, cold vs after a prefetch of its
    weight (each mode) and a pause long enough for the prefetch to land.
@@ -80,17 +82,28 @@ for _ in range(5):
 torch.cuda.synchronize()
 max_batch = r.graphs.max_batch
 graphs = {}
+from pageflash.kernels import skinny_gemm as sg
+
 for v in variants:
-    if v == "off":
+    saved = dict(sg._DISPATCH.choice)
+    v_pf, _, force = v.partition("|")
+    for item in filter(None, force.split(",")):
+        n_out, rows = map(int, item.split("="))
+        for key in list(sg._DISPATCH.choice):
+            if key[0] == n_out and key[2] == 1:
+                sg._DISPATCH.choice[key] = ("gemv", (rows, 4, 512, 4, 4))
+    if v_pf == "off":
         os.environ["PAGEFLASH_L2_PREFETCH"] = "0"
     else:
-        mode, spec = v.split(":", 1)
+        mode, spec = v_pf.split(":", 1)
         os.environ["PAGEFLASH_L2_PREFETCH"] = spec
         os.environ["PAGEFLASH_L2_PREFETCH_MODE"] = mode
     t0 = time.perf_counter()
     g = DecodeGraphs(r, 8)
     g.capture()
     graphs[v] = g
+    sg._DISPATCH.choice.clear()
+    sg._DISPATCH.choice.update(saved)
     print(f"captured {v} in {time.perf_counter() - t0:.1f} s", flush=True)
 
 # same inputs in every variant's buffers: copy the engine's current static inputs

@@ -338,10 +338,11 @@ class DecodeGraphs:
         return StepResult(self.logits[bucket][:b], [(i, 1) for i in range(b)])
 
 
-# Decode graphs of up to this many sequences prefetch the head of the o and qkv projections' weights
-# into L2 while the latency-bound kernels before them run (kernels/prefetch.py). H100, llama-3-8b:
-# batch 1 172.4 vs 170.8 tok/s, batch 8 +0.6% (docs/BENCHMARKS.md run 17).
-_PREFETCH_DEFAULT = "o=16,qkv=8"
+# Decode graphs of up to this many sequences prefetch the head of the o, qkv and gate_up weights into
+# L2 while the latency-bound kernels before them run (kernels/prefetch.py). H100, llama-3-8b batch 1:
+# the decode graph 1.9% shorter (5702 vs 5810 us); more bytes (o=16..24) lost part of the gain to
+# contention with the attention kernels (docs/BENCHMARKS.md run 17).
+_PREFETCH_DEFAULT = "o=8,qkv=8,gate_up=8"
 _PREFETCH_MAX_BATCH = 8
 
 
