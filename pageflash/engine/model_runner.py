@@ -338,12 +338,13 @@ class DecodeGraphs:
         return StepResult(self.logits[bucket][:b], [(i, 1) for i in range(b)])
 
 
-# Decode graphs of up to this many sequences prefetch the head of the o, qkv and gate_up weights into
-# L2 while the latency-bound kernels before them run (kernels/prefetch.py). H100, llama-3-8b batch 1:
-# the decode graph 1.9% shorter (5702 vs 5810 us); more bytes (o=16..24) lost part of the gain to
-# contention with the attention kernels (docs/BENCHMARKS.md run 17).
+# Batch-1 decode graphs prefetch the head of the o, qkv and gate_up weights into L2 while the
+# latency-bound kernels before them run (kernels/prefetch.py). H100, llama-3-8b batch 1: the decode
+# graph 1.9% shorter (5702 vs 5810 us); more bytes (o=16..24) lost part of the gain to contention
+# with the attention kernels. At batch 8 it measured -0.7% (158.2 vs 159.4 tok/s per sequence), so
+# larger buckets do not prefetch by default (docs/BENCHMARKS.md run 17).
 _PREFETCH_DEFAULT = "o=8,qkv=8,gate_up=8"
-_PREFETCH_MAX_BATCH = 8
+_PREFETCH_MAX_BATCH = 1
 
 
 def _prefetcher_from_env(device: torch.device):
