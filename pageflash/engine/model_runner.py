@@ -364,9 +364,8 @@ def _prefetcher_from_env(device: torch.device):
         return None
     if mode == "bulk" and torch.cuda.get_device_capability(device) < (9, 0):
         raise ValueError("PAGEFLASH_L2_PREFETCH_MODE=bulk needs compute capability 9.0+; use line or load")
-    pf = WeightPrefetcher(parse_sizes(spec), mode)
-    pf.max_batch = int(os.environ.get("PAGEFLASH_L2_PREFETCH_MAX_BATCH", str(_PREFETCH_MAX_BATCH)))
-    return pf
+    return WeightPrefetcher(parse_sizes(spec), mode,
+                            int(os.environ.get("PAGEFLASH_L2_PREFETCH_MAX_BATCH", str(_PREFETCH_MAX_BATCH))))
 
 
 def _fill_pending(input_ids: torch.Tensor, fixes: list[tuple[int, int]], prev_tokens: torch.Tensor) -> None:

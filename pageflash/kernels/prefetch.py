@@ -110,11 +110,12 @@ class WeightPrefetcher:
     for it until the end of the step.
     """
 
-    def __init__(self, sizes: dict[str, int], mode: str = "bulk") -> None:
+    def __init__(self, sizes: dict[str, int], mode: str = "bulk", max_batch: int = 1) -> None:
         if mode not in MODES:
             raise ValueError(f"WeightPrefetcher: mode must be one of {MODES}, got {mode!r}")
         self.sizes = {k: int(v) for k, v in sizes.items() if int(v) > 0}
         self.mode = mode
+        self.max_batch = max_batch  # the largest decode bucket whose graph prefetches
         self.active = False
         self._stream = None
         self._pending = False

@@ -84,6 +84,7 @@ def test_weight_prefetch_leaves_decode_graphs_bitwise(monkeypatch, mode):
     for name, spec in (("off", "0"), ("on", "qkv=64,o=64,gate_up=1,down=1,lm_head=8")):
         monkeypatch.setenv("PAGEFLASH_L2_PREFETCH", spec)
         monkeypatch.setenv("PAGEFLASH_L2_PREFETCH_MODE", mode)
+        monkeypatch.setenv("PAGEFLASH_L2_PREFETCH_MAX_BATCH", "8")
         g = graphs[name] = DecodeGraphs(r, 8)
         g.capture()
     for b in (1, 2, 4, 8):
