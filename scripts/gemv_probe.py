@@ -6,8 +6,7 @@ call reads HBM, as in a decode step) is replayed and timed:
   the ceiling any GEMV can reach;
 - cuBLAS: F.linear;
 - skinny: the engine's skinny kernel, its configs;
-- rows: a GEMV whose programs each own ROWS consecutive rows (one contiguous piece of W) and read
-  R whole rows per step (tile [R, K]), no tensor cores.
+- gemv: kernels/gemv.py over several (rows per program, tile r x bk, stages, warps).
 Prints us per call and GB/s.
 """
 
@@ -31,28 +30,6 @@ def _read_kernel(W, N, SINK, BLOCK: tl.constexpr, PER: tl.constexpr, STAGES: tl.
     tl.store(SINK + pid, tl.sum(acc, axis=0))
 
 
-@triton.jit
-def _rows_kernel(X, W, Y, N, K: tl.constexpr, ROWS: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-                 STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    r0 = pid * ROWS
-    offs_r = tl.arange(0, R)
-    offs_k = tl.arange(0, BK)
-    for i in tl.range(0, ROWS, R, num_stages=STAGES):
-        rows = r0 + i + offs_r
-        acc = tl.zeros([R, BK], dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BK):
-            x = tl.load(X + k0 + offs_k).to(tl.float32)
-            w = tl.load(W + rows[:, None].to(tl.int64) * K + k0 + offs_k[None, :], mask=rows[:, None] < N, other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
-        tl.store(Y + rows, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=rows < N)
-
-
-def rows_gemv(x, w, y, rows, r, bk, stages, warps):
-    n, k = w.shape
-    _rows_kernel[(triton.cdiv(n, rows),)](x, w, y, n, K=k, ROWS=rows, R=r, BK=bk, STAGES=stages, num_warps=warps)
-
-
 shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 dev = "cuda"
 NW = 8
@@ -73,12 +50,11 @@ def graph_time(fn, n_calls=32):
     return do_bench(g.replay, warmup=5, rep=60, return_mode="median") / n_calls * 1e3  # us per call
 
 
-rows_cfgs = []  # the static-K variant lost to gemv (kept for reference)
 def gemv_cfgs_for(N):
     out = []
     for r, bk, st, wp in ((2, 1024, 4, 4), (4, 512, 4, 4), (4, 1024, 3, 8), (2, 2048, 3, 8)):
         for progs in (384, 512, 768):
-            rows = max(r, -(-N // progs + r - 1) // r * r)
+            rows = max(r, -(-(-(-N // progs)) // r) * r)  # cdiv(N, progs) rounded up to a multiple of r
             out.append((rows, r, bk, st, wp))
     return out
 
@@ -108,35 +84,14 @@ for name, (N, K) in shapes.items():
         t = graph_time(lambda i: sg.skinny_gemm(x, ws[i % NW], *c))
         print(f"{name:8s} {'skinny ' + str(c):34s} {t:8.2f} {nbytes / t / 1e3:6.0f}")
     res = []
-    for c in rows_cfgs:
-        rows, r, bk, stages, warps = c
-        if K % bk:
-            continue
-        try:
-            rows_gemv(x, ws[0], y, *c)
-            err = (y.float() - ref[0]).abs().max().item()
-            t = graph_time(lambda i: rows_gemv(x, ws[i % NW], y, *c))
-            res.append((t, f"rows {c} err {err:.1e}"))
-        except Exception as ex:  # noqa: BLE001
-            print(f"{name:8s} rows {c} failed: {type(ex).__name__}: {str(ex)[:80]}")
-    res.sort()
-    for t, what in res[:3]:
-        print(f"{name:8s} {what:34s} {t:8.2f} {nbytes / t / 1e3:6.0f}")
-    res = []
     for c in gemv_cfgs_for(N):
-        for m in (1,):
-            xm = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
-            ym = torch.empty(m, N, device=dev, dtype=torch.bfloat16)
-            try:
-                gemv(xm, ws[0], *c, out=ym)
-                err = (ym.float() - torch.nn.functional.linear(xm, ws[0]).float()).abs().max().item()
-                t = graph_time(lambda i: gemv(xm, ws[i % NW], *c, out=ym))
-                res.append((t, f"gemv M{m} {c} err {err:.1e}"))
-                if m > 1:
-                    tb = graph_time(lambda i: torch.nn.functional.linear(xm, ws[i % NW]))
-                    res.append((tb, f"cuBLAS M{m}"))
-            except Exception as ex:  # noqa: BLE001
-                print(f"{name:8s} gemv {c} failed: {type(ex).__name__}: {str(ex)[:80]}")
+        try:
+            gemv(x, ws[0], *c, out=y[None])
+            err = (y.float() - ref[0]).abs().max().item()
+            t = graph_time(lambda i: gemv(x, ws[i % NW], *c, out=y[None]))
+            res.append((t, f"gemv {c} err {err:.1e}"))
+        except Exception as ex:  # noqa: BLE001
+            print(f"{name:8s} gemv {c} failed: {type(ex).__name__}: {str(ex)[:80]}")
     res.sort()
     for t, what in res[:8]:
         print(f"{name:8s} {what:34s} {t:8.2f} {nbytes / t / 1e3:6.0f}")
