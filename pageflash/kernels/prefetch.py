@@ -7,8 +7,8 @@ the next GEMM's weight into L2 while the small kernels run; the GEMM then finds 
 Nothing is computed: the kernels only move bytes, so the model's results do not change.
 
 Modes (``l2_prefetch(w, nbytes, mode=...)``):
-- ``"bulk"`` (sm_90+): each thread issues one ``cp.async.bulk.prefetch.L2`` over a 16-byte-aligned
-  chunk; the copy engine fetches it, the kernel returns at once.
+- ``"bulk"`` (sm_90+): each thread issues one ``cp.async.bulk.prefetch.L2`` over a 16 KB chunk
+  (one warp per 32 chunks); the copy engine fetches it, the kernel returns at once.
 - ``"line"`` (sm_80+): ``prefetch.global.L2::evict_last`` per 128-byte line.
 - ``"load"`` (anywhere, the interpreter included): plain loads, summed into a scratch word per
   program so the loads are kept; the kernel lasts as long as the transfer.
@@ -24,7 +24,7 @@ __all__ = ["l2_prefetch", "MODES"]
 
 MODES = ("bulk", "line", "load")
 _BULK_CHUNK = 16 * 1024  # bytes per bulk prefetch instruction
-_BLOCK = 128
+_BLOCK = 128  # lanes per program of the line mode
 
 
 @triton.jit

@@ -75,11 +75,11 @@ def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float() @ w.float().t()).to(x.dtype)
 
 
+logger = logging.getLogger(__name__)
+
 # configs tried per shape (block_n, block_k, split_k, num_warps, num_stages): the ones that won on an
 # H100/H200 for llama-3-8b's qkv and o projections (split-K variants never won; each extra config
 # costs a Triton compile at cold start)
-logger = logging.getLogger(__name__)
-
 _CONFIGS = [(16, 256, 1, 4, 4), (16, 512, 1, 4, 3), (32, 256, 1, 4, 4)]
 # The skinny kernel never beat cuBLAS on larger weights (gate_up, down): it is not timed there. The
 # LM head is timed (large=True): on an H100 the skinny kernel read llama-3-8b's 1.05 GB head in 354 us
@@ -88,7 +88,8 @@ MAX_WEIGHT_ELEMENTS = 32 * 1024 * 1024
 # At M = 1 the row-streaming GEMV (kernels/gemv.py) is timed on every shape: one tile config
 # (r, bk, num_stages, num_warps), rows of W per program varied at run time (no extra compile). On an
 # H100 in decode-graph chains it beat cuBLAS on gate_up/down and the skinny kernel on qkv/o by 3-6%;
-# rows 8 won for N <= 8192, 32-64 for gate_up's N = 28672 (docs/BENCHMARKS.md).
+# timed cold, 8 rows per program won on every llama-3-8b shape, and forcing 56 or 64 for gate_up
+# made the decode graph slower (docs/BENCHMARKS.md run 17).
 _GEMV_TILE = (4, 512, 4, 4)
 _MARGIN = 0.985  # a kernel family must beat the best of another by 1.5% (timed cold, see _bench_cold)
 
@@ -100,24 +101,17 @@ def _gemv_rows(n: int, num_sms: int) -> list[int]:
     return sorted({8, max(4, -(-base // 8) * 4), base, 2 * base})
 
 
-_flush: dict[torch.device, torch.Tensor] = {}
-
-
-def _bench_cold(fn, reps: int = 15) -> float:
+def _bench_cold(fn, flush: torch.Tensor, reps: int = 15) -> float:
     """Median GPU time (ms) of fn with its operands out of L2, as in a decode step where every weight
     is read once. L2 is refilled by *reading* 128 MiB before each call: triton's do_bench zeroes a
     buffer instead, which leaves L2 full of dirty lines whose write-back then competes with the timed
     kernel's reads (a memory-bound GEMV measured that way can look several % slower or faster than
-    it runs). A spin after the flush keeps the GPU behind the host, so that no launch latency is
-    timed."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    buf = _flush.get(dev)
-    if buf is None:
-        buf = _flush[dev] = torch.zeros(64 << 20, dtype=torch.float16, device=dev)
+    it runs). flush: the buffer read (its contents do not matter). A spin after the flush keeps the
+    GPU behind the host, so that no launch latency is timed."""
     fn()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for s, e in ev:
-        buf.sum()
+        flush.sum()
         torch.cuda._sleep(200_000)  # ~100 us
         s.record()
         fn()
@@ -158,7 +152,8 @@ class SkinnyDispatch:
     @staticmethod
     def _decide(x: torch.Tensor, w: torch.Tensor, skinny: bool = True) -> Optional[tuple]:
         ref = torch.nn.functional.linear(x, w)
-        best_t = t_cublas = _bench_cold(lambda: torch.nn.functional.linear(x, w))
+        flush = torch.empty(64 << 20, dtype=torch.float16, device=x.device)  # 128 MiB, freed on return
+        best_t = t_cublas = _bench_cold(lambda: torch.nn.functional.linear(x, w), flush)
         cands: list[tuple[str, tuple]] = []
         if x.shape[0] == 1:  # the GEMV first: the skinny kernel must then beat it by the margin
             r, bk, stages, warps = _GEMV_TILE
@@ -176,7 +171,7 @@ class SkinnyDispatch:
                 y = fn(x, w, *cfg)
                 if not torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-2):
                     continue
-                t = _bench_cold(lambda: fn(x, w, *cfg))
+                t = _bench_cold(lambda: fn(x, w, *cfg), flush)
             except Exception:  # a config that does not compile on this GPU/Triton: skip it
                 continue
             # a kernel must beat the best of another family (cuBLAS, gemv, skinny) by a margin:
