@@ -287,7 +287,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         r = self.runner
         pf = _prefetcher_from_env(r.device)
-        r.model.set_prefetcher(pf)
+        r.model.set_prefetcher(pf)  # only while capturing: eager steps skip the fork calls
         try:
             for b in reversed(self.buckets):  # largest first: the pool then fits the smaller ones
                 meta = self._meta(b)
@@ -298,8 +298,7 @@ class DecodeGraphs:
                     pf.active = b <= pf.max_batch
                 self.graphs[b], self.logits[b] = _capture_graph(r, fwd)
         finally:
-            if pf is not None:
-                pf.active = False
+            r.model.set_prefetcher(None)
         torch.cuda.synchronize()
 
     def run(
@@ -358,11 +357,12 @@ def _prefetcher_from_env(device: torch.device):
 
     spec = os.environ.get("PAGEFLASH_L2_PREFETCH")
     mode = os.environ.get("PAGEFLASH_L2_PREFETCH_MODE", "bulk")
+    sm90 = torch.cuda.get_device_capability(device) >= (9, 0)
     if spec is None:
-        spec = _PREFETCH_DEFAULT if torch.cuda.get_device_capability(device) >= (9, 0) else ""
+        spec = _PREFETCH_DEFAULT if sm90 else ""
     if spec.strip().lower() in ("", "0", "off", "none"):
         return None
-    if mode == "bulk" and torch.cuda.get_device_capability(device) < (9, 0):
+    if mode == "bulk" and not sm90:
         raise ValueError("PAGEFLASH_L2_PREFETCH_MODE=bulk needs compute capability 9.0+; use line or load")
     return WeightPrefetcher(parse_sizes(spec), mode,
                             int(os.environ.get("PAGEFLASH_L2_PREFETCH_MAX_BATCH", str(_PREFETCH_MAX_BATCH))))

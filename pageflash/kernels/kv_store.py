@@ -17,6 +17,17 @@ __all__ = ["store_kv", "store_kv_ref"]
 
 
 @triton.jit
+def slot_page(SLOTS, t, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Token t's slot as (block, offset in the block, keep [ROWS, COLS]); slot -1 keeps nothing."""
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    blk = tl.maximum(slot, 0) // PAGE_SIZE
+    off = tl.maximum(slot, 0) % PAGE_SIZE
+    # (the slot is broadcast before the comparison: the interpreter rejects scalar-bool & block-bool)
+    keep = (tl.zeros([ROWS, COLS], dtype=tl.int64) + slot) >= 0
+    return blk, off, keep
+
+
+@triton.jit
 def _store_kv_kernel(
     K, V, KC, VC, SLOTS,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -26,13 +37,9 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(SLOTS + t).to(tl.int64)
-    blk = tl.maximum(slot, 0) // PAGE_SIZE
-    off = tl.maximum(slot, 0) % PAGE_SIZE
+    blk, off, keep = slot_page(SLOTS, t, PAGE_SIZE, BLOCK_H, BLOCK_D)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    # (the slot is broadcast before the comparison: the interpreter rejects scalar-bool & block-bool)
-    keep = (tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot) >= 0
     mask = keep & (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM)
     k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)

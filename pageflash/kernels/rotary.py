@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pageflash.kernels.kv_store import check_store_args
+from pageflash.kernels.kv_store import check_store_args, slot_page
 from pageflash.layers.rotary import _rotate
 
 __all__ = ["apply_rotary", "apply_rotary_ref"]
@@ -59,7 +59,7 @@ def _rotary_kernel(
 ):
     # grid (T, cdiv(HQ, BLOCK_H) + cdiv(HKV, BLOCK_H)): a program owns BLOCK_H heads of q or of k
     # STORE: the k programs also write their rotated k heads and the same v heads into the paged
-    # cache at the token's slot (-1: skip), as kernels/kv_store.py does
+    # cache at the token's slot (-1: skip), with kernels/kv_store.py's slot arithmetic
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(POS + t).to(tl.int64)
@@ -73,12 +73,8 @@ def _rotary_kernel(
         h0 = (hb - nqb) * BLOCK_H
         o1, o2 = _rotate_heads(K + t * stride_kt, stride_kh, HKV, h0, c, s, HALF, BLOCK_H, BLOCK_HALF)
         if STORE:
-            slot = tl.load(SLOTS + t).to(tl.int64)
-            blk = tl.maximum(slot, 0) // PAGE_SIZE
-            off = tl.maximum(slot, 0) % PAGE_SIZE
+            blk, off, keep = slot_page(SLOTS, t, PAGE_SIZE, BLOCK_H, BLOCK_HALF)
             h = h0 + tl.arange(0, BLOCK_H)
-            # (the slot is broadcast before the comparison: the interpreter rejects scalar-bool & block-bool)
-            keep = (tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.int64) + slot) >= 0
             mask = keep & (h[:, None] < HKV) & (d[None, :] < HALF)
             kc = KC + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
             tl.store(kc, o1.to(KC.dtype.element_ty), mask=mask)

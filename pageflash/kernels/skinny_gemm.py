@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.gemv import gemv
+
 
 # M is not specialized: one compile per config serves every decode batch size (cold start)
 @triton.jit(do_not_specialize=["M"])
@@ -145,8 +147,6 @@ class SkinnyDispatch:
         if c is None:
             return None
         if c[0] == "gemv":
-            from pageflash.kernels.gemv import gemv
-
             return gemv(x, w, *c[1])
         return skinny_gemm(x, w, *c[1])
 
@@ -165,10 +165,7 @@ class SkinnyDispatch:
         best = None
         for kind, cfg in cands:
             try:
-                if kind == "gemv":
-                    from pageflash.kernels.gemv import gemv as fn
-                else:
-                    fn = skinny_gemm
+                fn = gemv if kind == "gemv" else skinny_gemm
                 y = fn(x, w, *cfg)
                 if not torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-2):
                     continue

@@ -124,7 +124,7 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         residual = None
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             x, residual = layer(x, residual, positions, self.rotary, kv_caches[i], backend, plan)
-        self._prefetch("lm_head", self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        self._prefetch("lm_head", self.head_weight)
         x, _ = self.norm(x, residual)
         if self.prefetcher is not None:
             self.prefetcher.join()
@@ -136,9 +136,13 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
             if isinstance(m, _Prefetching):
                 m.prefetcher = prefetcher
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight [V, H]: the embedding table when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, w, large=True).float()
+        return linear(hidden, self.head_weight, large=True).float()
 
     # ---- weights -------------------------------------------------------------------------------
     # HF checkpoint name -> (our parameter name, shard id of a merged projection)

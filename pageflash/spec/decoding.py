@@ -217,8 +217,7 @@ class SpecDecoder:
         else:
             from pageflash.spec.medusa import MedusaProposer
 
-            m = eng.runner.model
-            w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+            w = eng.runner.model.head_weight
             self.proposer = MedusaProposer(self._medusa, w, c.expansion)
         # drafting from history costs this proposer no device work: watch plain requests with it
         self._shadow_drafts = self.ctrl is not None and getattr(self.proposer, "drafts_on_host", False)

@@ -286,8 +286,7 @@ def train_on_engine(
     hidden, labels, seq = build_dataset(eng, p_ids, answers, num_heads, budget)
     mc = eng.model_config
     cfg = MedusaConfig(mc.hidden_size, mc.vocab_size, num_heads, num_layers, shared_lm_head, base_model)
-    m = eng.runner.model
-    w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+    w = eng.runner.model.head_weight
     log(f"training {num_heads} heads on {hidden.shape[0]} positions")
     heads, summary = train_heads(hidden, labels, w, cfg, seq=seq, epochs=epochs, lr=lr, batch_size=batch_size,
                                  weight_decay=weight_decay, device=eng.device, seed=seed, log=log)
