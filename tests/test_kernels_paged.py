@@ -150,13 +150,73 @@ def test_flash_decode(heads, d, splits, dtype):
     ref = flash_decode_ref(q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5)
     out = flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, num_splits=splits)
     assert rel_err(out, ref) < TOL[dtype]
-    # fused combine: the last split program of each (sequence, KV head) combines; counters reset to 0
+    # fused combine: the last split program of each (sequence, KV head) combines; counters reset to 0.
+    # Sequences of one chunk (<= 16 keys here) are written by their one live split, without partials.
     counters = torch.zeros(len(specs) * hkv + 3, dtype=torch.int32)
     for _ in range(2):
         out = flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, num_splits=splits,
                            counters=counters)
         assert rel_err(out, ref) < TOL[dtype]
         assert not counters.any()
+
+
+def _rope_tables(n, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.rand(n, d // 2, generator=g) * 6.0
+    return ang.cos(), ang.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,d,splits,fused", [((4, 1), 64, 1, False), ((8, 2), 80, 3, True),
+                                                  ((4, 2), 64, 4, False), ((8, 2), 64, 5, True)])
+def test_flash_decode_rope_store(heads, d, splits, fused, dtype):
+    """rope=: rotary + K/V store + decode in one launch equals apply_rotary (with its fused store)
+    followed by flash_decode: the same caches bit for bit, the same outputs; the new key (the last of
+    each sequence) is attended from registers, a padded slot (slot -1, seq_len 0) gives zeros and
+    stores nothing."""
+    from pageflash.kernels.rotary import apply_rotary
+
+    hq, hkv = heads
+    specs = [(0, 1), (15, 1), (16, 1), (33, 1), (70, 1)]
+    q, k, v, kc, vc, meta = make_case(specs, hq, hkv, d, 16, dtype, seed=splits + 10)
+    cos, sin = _rope_tables(80, d, seed=splits)
+    pos = (meta.seq_lens - 1).to(torch.int64)
+    sl, slots = meta.seq_lens.clone(), meta.slot_mapping.clone()
+    sl[3], slots[3], pos[3] = 0, -1, 0  # a padded batch slot
+    kc_ref, vc_ref, q_ref, k_ref = kc.clone(), vc.clone(), q.clone(), k.clone()
+    apply_rotary(q_ref, k_ref, pos, cos, sin, v=v, k_cache=kc_ref, v_cache=vc_ref, slot_mapping=slots)
+    ref = flash_decode_ref(q_ref, kc_ref, vc_ref, meta.block_tables, sl, d**-0.5)
+    ref[3] = 0
+    q0, k0 = q.clone(), k.clone()
+    counters = torch.zeros(len(specs) * hkv, dtype=torch.int32) if fused else None
+    for _ in range(2):
+        kc2, vc2 = kc.clone(), vc.clone()
+        out = flash_decode(q, kc2, vc2, meta.block_tables, sl, d**-0.5, num_splits=splits, counters=counters,
+                           rope=(pos, cos, sin), k_new=k, v_new=v, slot_mapping=slots)
+        assert torch.equal(kc2, kc_ref) and torch.equal(vc2, vc_ref)
+        assert torch.equal(out[3], torch.zeros_like(out[3]))
+        assert rel_err(out, ref) < TOL[dtype]
+        assert torch.equal(q, q0) and torch.equal(k, k0)  # inputs untouched
+        if fused:
+            assert not counters.any()
+    with pytest.raises(ValueError, match="k_new, v_new and slot_mapping"):
+        flash_decode(q, kc, vc, meta.block_tables, sl, 0.1, rope=(pos, cos, sin), k_new=k)
+    with pytest.raises(ValueError, match="go with rope"):
+        flash_decode(q, kc, vc, meta.block_tables, sl, 0.1, k_new=k, v_new=v, slot_mapping=slots)
+    with pytest.raises(ValueError, match="cos must be float32"):
+        flash_decode(q, kc, vc, meta.block_tables, sl, 0.1, rope=(pos, cos.double(), sin), k_new=k, v_new=v,
+                     slot_mapping=slots)
+
+
+def test_flash_decode_fused_combine_many_splits():
+    """Many splits (40, of which 38 hold keys of the longest sequence, 1 of the others), fused combine."""
+    q, k, v, kc, vc, meta = make_case([(0, 1), (300, 1), (7, 1)], 4, 1, 32, 8, torch.float32, seed=4)
+    ref = flash_decode_ref(q, kc, vc, meta.block_tables, meta.seq_lens, 0.2)
+    counters = torch.zeros(3, dtype=torch.int32)
+    out = flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, 0.2, num_splits=40, counters=counters,
+                       config=dict(BLOCK_N=8, num_warps=4, num_stages=1))
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert not counters.any()
 
 
 def test_choose_num_splits():
@@ -216,7 +276,8 @@ def test_backend_vs_torch(specs, tree, dtype):
 @pytest.mark.parametrize("specs", [[(0, 1), (16, 1), (30, 1)], [(0, 9), (17, 1), (3, 16)]])
 def test_backend_rope_fused_with_store(specs):
     """forward(..., rope=(positions, cos, sin)) on unrotated q, k == rotary reference, then the
-    reference backend: same caches (rotated k stored), same output."""
+    reference backend: same caches (rotated k stored), same output; decode-only steps rotate inside
+    the decode kernel."""
     from pageflash.kernels.rotary import apply_rotary_ref
 
     dtype = torch.float32
@@ -231,9 +292,13 @@ def test_backend_rope_fused_with_store(specs):
     be = get_backend("triton", torch.device("cpu"))
     assert be.fuses_rope
     q2, k2 = q.clone(), k.clone()
-    out = be.forward(q2, k2, v, kc, vc, be.plan(meta), 0.125, rope=(pos, cos, sin))
+    plan = be.plan(meta)
+    out = be.forward(q2, k2, v, kc, vc, plan, 0.125, rope=(pos, cos, sin))
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
-    assert torch.equal(q2, qr) and torch.equal(k2, kr)
+    if plan.decode:  # rotated inside the decode launch: q and k are left as they were
+        assert be.decode_rope and torch.equal(q2, q) and torch.equal(k2, k)
+    else:  # rotated in place by the rotary + store launch
+        assert torch.equal(q2, qr) and torch.equal(k2, kr)
     assert rel_err(out, ref) < TOL[dtype]
 
 

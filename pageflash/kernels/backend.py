@@ -69,17 +69,26 @@ class TritonPlan:
 class TritonBackend:
     """Triton kernels on CUDA (and under TRITON_INTERPRET=1 on CPU, for tests).
 
+    Decode steps given ``rope=`` run rotary, the K/V store and attention in one launch
+    (``flash_decode(rope=...)``; PAGEFLASH_DECODE_ROPE=0: the rotary + store launch first).
+
     fused_combine: let the last decode split program combine the partials (one launch instead of
-    two); off by default: on H100 it was no faster than the combine kernel (docs/KERNELS.md)."""
+    two); off by default (PAGEFLASH_FUSED_COMBINE=1 turns it on): on H100 it was never faster than
+    the combine kernel (docs/KERNELS.md)."""
 
     name = "triton"
 
-    def __init__(self, num_sms: Optional[int] = None, fused_combine: bool = False) -> None:
+    def __init__(self, num_sms: Optional[int] = None, fused_combine: Optional[bool] = None) -> None:
         self._num_sms = num_sms
         # forward(..., rope=(positions, cos, sin)): rotary and the K/V store in one launch
         self.fuses_rope = os.environ.get("PAGEFLASH_FUSED_ROPE_STORE", "1") != "0"
+        # decode steps: rotary, K/V store, attention and (fused_combine) the split combine in one launch
+        self.decode_rope = self.fuses_rope and os.environ.get("PAGEFLASH_DECODE_ROPE", "1") != "0"
+        if fused_combine is None:
+            fused_combine = os.environ.get("PAGEFLASH_FUSED_COMBINE", "0") == "1"
         self._fused_combine = fused_combine
         self._counters: Optional[torch.Tensor] = None
+        self._old_counters: list[torch.Tensor] = []  # captured graphs may still use a replaced buffer
 
     def _decode_counters(self, device: torch.device, n: int) -> Optional[torch.Tensor]:
         """Zeroed int32 counters for the fused split combine (kept at zero by the kernel itself);
@@ -90,6 +99,8 @@ class TritonBackend:
         if c is None or c.numel() < n or c.device != device:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return None
+            if c is not None:
+                self._old_counters.append(c)
             c = self._counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         return c
 
@@ -129,16 +140,23 @@ class TritonBackend:
         rope: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D].
-        rope: (positions [T], cos, sin): rotate q and k (in place) in the launch that stores K/V."""
+        rope: (positions [T], cos, sin): rotate q and k in the launch that stores K/V -- in place, or
+        (decode steps) in registers inside the decode kernel, leaving q and k as they were."""
         meta = plan.meta
-        if rope is not None:
-            apply_rotary(q, k, *rope, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
-        else:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         hkv = k_cache.shape[2]
         if plan.decode:
             splits = plan.splits_for(hkv)
             counters = self._decode_counters(q.device, q.shape[0] * hkv) if splits > 1 else None
+            if rope is not None and self.decode_rope:  # rotary + K/V store inside the decode launch
+                return flash_decode(
+                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits,
+                    counters=counters, rope=rope, k_new=k, v_new=v, slot_mapping=meta.slot_mapping,
+                )
+        if rope is not None:
+            apply_rotary(q, k, *rope, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
+        else:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if plan.decode:
             return flash_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits, counters=counters
             )

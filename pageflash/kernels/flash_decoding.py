@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.kv_store import check_store_args
 from pageflash.layers.attention import _decode_batched_ref
 
 __all__ = ["flash_decode", "flash_decode_ref", "choose_num_splits", "decode_config", "split_range"]
@@ -30,17 +31,40 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def split_chunk(end, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split over keys [0, end): equal chunks in multiples of BLOCK_N."""
+    return tl.cdiv(tl.cdiv(end, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def split_range(end, split, num_splits, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    """Keys [lo, hi) of program `split` of num_splits over keys [0, end): equal chunks in multiples of
-    BLOCK_N (the last ones may be short or empty); all of them without SPLIT."""
+    """Keys [lo, hi) of program `split` of num_splits over keys [0, end): `split_chunk` keys each (the
+    last ones may be short or empty); all of them without SPLIT."""
     if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(end, num_splits), BLOCK_N) * BLOCK_N
+        chunk = split_chunk(end, num_splits, BLOCK_N)
         lo = split * chunk
         hi = tl.minimum(lo + chunk, end)
     else:
         lo = 0
         hi = end
     return lo, hi
+
+
+@triton.jit
+def live_splits(end, num_splits, BLOCK_N: tl.constexpr):
+    """How many splits hold keys (at least 1, so that an empty sequence still has one, all -inf)."""
+    return tl.maximum(tl.cdiv(end, tl.maximum(split_chunk(end, num_splits, BLOCK_N), 1)), 1)
+
+
+@triton.jit
+def _rope_tile(x, xp, c, s, lo_half):
+    """Rotate-halves rotary of a [.., BLOCK_D] tile x (xp: the partner halves, x[..., (d + D/2) % D];
+    c, s: cos/sin per column, already rounded to x's dtype), rounded step by step like
+    kernels/rotary.py: out1 = x1*c - x2*s, out2 = x2*c + x1*s."""
+    dt = x.dtype
+    a = (x.to(tl.float32) * c).to(dt).to(tl.float32)
+    b = (xp.to(tl.float32) * s).to(dt).to(tl.float32)
+    return tl.where(lo_half, a - b, a + b).to(dt)
 
 
 # num_splits is not specialized: the batch buckets' split counts share one compile (cold start);
@@ -53,9 +77,10 @@ def _decode_split_kernel(
     stride_vcb, stride_vcs, stride_vch,
     stride_bt,
     qk_scale, num_splits,
+    KN, VN, POS, COS, SIN, SLOTS, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos, stride_sin,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-    BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_S: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -63,6 +88,14 @@ def _decode_split_kernel(
     b64 = b.to(tl.int64)
     seq_len = tl.load(SEQ_LENS + b)
     lo, hi = split_range(seq_len, split, num_splits, BLOCK_N, SPLIT)
+    if SPLIT:
+        eff = live_splits(seq_len, num_splits, BLOCK_N)
+    else:
+        eff = 1
+    # a program past the last split with keys writes nothing (the combine reads the first eff splits);
+    # a sequence short enough for one chunk (eff == 1) is written directly, without partials
+    live = split < eff
+    live_i = live.to(tl.int32)  # blocks below are masked with it (scalar & block masks: broadcast first)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
@@ -70,8 +103,40 @@ def _decode_split_kernel(
     h_ok = offs_h < GROUP
     d_ok = offs_d < HEAD_DIM
     head = kvh * GROUP + offs_h
-    q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    q_ptr = Q + b64 * stride_qb + head[:, None] * stride_qh
+    q_mask = (h_ok[:, None] & d_ok[None, :]) & ((tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int32) + live_i) > 0)
+    q = tl.load(q_ptr + offs_d[None, :], mask=q_mask, other=0.0)
+    hi_loop = hi
+    if ROPE:
+        # q and the new token's k are rotated here, and this token's k/v stored into the cache by the
+        # program whose chunk holds it (key seq_len - 1), which takes that key from registers: the
+        # separate rotary + store launch of the step goes away.
+        lo_half = offs_d < (HEAD_DIM // 2)
+        partner = tl.where(lo_half, offs_d + (HEAD_DIM // 2), offs_d - (HEAD_DIM // 2))
+        hidx = tl.where(lo_half, offs_d, offs_d - (HEAD_DIM // 2))
+        pos = tl.load(POS + b).to(tl.int64)
+        c = tl.load(COS + pos * stride_cos + hidx, mask=d_ok, other=0.0).to(Q.dtype.element_ty)
+        s = tl.load(SIN + pos * stride_sin + hidx, mask=d_ok, other=0.0).to(Q.dtype.element_ty)
+        c = c.to(tl.float32)
+        s = s.to(tl.float32)
+        qp = tl.load(q_ptr + partner[None, :], mask=q_mask, other=0.0)
+        q = _rope_tile(q, qp, c[None, :], s[None, :], lo_half[None, :])
+        owner = (seq_len > 0) & (lo <= seq_len - 1) & (seq_len - 1 < hi)
+        hi_loop = tl.where(owner, hi - 1, hi)
+        kn_ptr = KN + b64 * stride_knb + kvh * stride_knh
+        kn_mask = d_ok & ((tl.zeros([BLOCK_D], dtype=tl.int32) + owner.to(tl.int32)) > 0)
+        kn = tl.load(kn_ptr + offs_d, mask=kn_mask, other=0.0)
+        knp = tl.load(kn_ptr + partner, mask=kn_mask, other=0.0)
+        kn = _rope_tile(kn, knp, c, s, lo_half)
+        vn = tl.load(VN + b64 * stride_vnb + kvh * stride_vnh + offs_d, mask=kn_mask, other=0.0)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        st_mask = kn_mask & ((tl.zeros([BLOCK_D], dtype=tl.int64) + slot) >= 0)
+        sblk = tl.maximum(slot, 0) // PAGE_SIZE
+        soff = tl.maximum(slot, 0) % PAGE_SIZE
+        tl.store(KC + sblk * stride_kcb + soff * stride_kcs + kvh * stride_kch + offs_d,
+                 kn.to(KC.dtype.element_ty), mask=st_mask)
+        tl.store(VC + sblk * stride_vcb + soff * stride_vcs + kvh * stride_vch + offs_d,
+                 vn.to(VC.dtype.element_ty), mask=st_mask)
     bt_row = BT + b64 * stride_bt
     k_base = KC + kvh * stride_kch
     v_base = VC + kvh * stride_vch
@@ -79,17 +144,17 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in range(lo, hi_loop, BLOCK_N):
         j = start_n + offs_n
-        kv_ok = j < hi
+        kv_ok = j < hi_loop
         blk = tl.load(bt_row + j // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        slot = (j % PAGE_SIZE)[:, None]
+        slot_n = (j % PAGE_SIZE)[:, None]
         if BLOCK_D != HEAD_DIM:
             ld_mask = kv_ok[:, None] & d_ok[None, :]
         else:
             ld_mask = kv_ok[:, None]
-        k = tl.load(k_base + blk[:, None] * stride_kcb + slot * stride_kcs + offs_d[None, :], mask=ld_mask, other=0.0)
-        v = tl.load(v_base + blk[:, None] * stride_vcb + slot * stride_vcs + offs_d[None, :], mask=ld_mask, other=0.0)
+        k = tl.load(k_base + blk[:, None] * stride_kcb + slot_n * stride_kcs + offs_d[None, :], mask=ld_mask, other=0.0)
+        v = tl.load(v_base + blk[:, None] * stride_vcb + slot_n * stride_vcs + offs_d[None, :], mask=ld_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         qk = tl.where(kv_ok[None, :], qk * qk_scale, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
@@ -99,6 +164,16 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_ij
+    if ROPE:
+        # the new key, from registers (the owner only: everyone else adds a zero weight)
+        qk_n = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * qk_scale
+        qk_n = tl.where(owner, qk_n, float("-inf"))
+        m_ij = tl.maximum(m_i, qk_n)
+        p_n = tl.math.exp2(qk_n - m_ij)
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + p_n.to(vn.dtype).to(tl.float32)
+        acc = acc * alpha[:, None] + p_n.to(vn.dtype).to(tl.float32)[:, None] * vn.to(tl.float32)[None, :]
+        m_i = m_ij
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -106,31 +181,37 @@ def _decode_split_kernel(
     if not SPLIT:
         tl.store(O + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=mask)
+    elif eff == 1:
+        tl.store(O + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=mask & ((tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int32) + live_i) > 0))
     else:
         # partials: PO [B, Hq, num_splits, D] fp32, PLSE [B, Hq, num_splits] fp32 (contiguous)
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        row = (b64 * (GROUP * tl.num_programs(1)) + head) * num_splits + split
-        tl.store(PO + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
-        tl.store(PLSE + row, lse, mask=h_ok)
+        hq = GROUP * tl.num_programs(1)
+        row = (b64 * hq + head) * num_splits + split
+        tl.store(PO + row[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=mask & ((tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int32) + live_i) > 0))
+        tl.store(PLSE + row, lse, mask=h_ok & ((tl.zeros([BLOCK_H], dtype=tl.int32) + live_i) > 0))
         if FUSED:
-            # the last program of this (sequence, KV head) to finish combines the partials: saves a launch.
-            # Barrier + acq_rel atomic: every thread's partial stores are visible before the count moves.
+            # the last program of this (sequence, KV head) to finish combines the eff partials: saves a
+            # launch. Barrier + acq_rel atomic: every thread's partial stores are visible before the
+            # count moves; the partials are then read past L1 (.cg).
             tl.debug_barrier()
             cnt_ptr = COUNTERS + b64 * tl.num_programs(1) + kvh
-            done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
+            done = tl.atomic_add(cnt_ptr, 1, mask=live, sem="acq_rel", scope="gpu")
+            if live & (done == eff - 1):
                 offs_s = tl.arange(0, BLOCK_S)
-                s_ok = offs_s < num_splits
+                s_ok = offs_s < eff
                 for g in tl.static_range(GROUP):
                     hg = kvh * GROUP + g
-                    row0 = (b64 * (GROUP * tl.num_programs(1)) + hg) * num_splits
+                    row0 = (b64 * hq + hg) * num_splits
                     lse_s = tl.load(PLSE + row0 + offs_s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
                     m_s = tl.max(lse_s, 0)
                     w = tl.math.exp2(lse_s - tl.where(m_s == float("-inf"), 0.0, m_s))
                     den = tl.sum(w, 0)
                     w = w / tl.where(den > 0.0, den, 1.0)
                     po = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                                 mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+                                 mask=(s_ok & (w > 0.0))[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
                     tl.store(O + b64 * stride_ob + hg * stride_oh + offs_d,
                              tl.sum(po * w[:, None], 0).to(O.dtype.element_ty), mask=d_ok)
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # reset for the next launch
@@ -138,26 +219,33 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_combine_kernel(
-    O, PO, PLSE, stride_ob, stride_oh, num_splits,
+    O, PO, PLSE, SEQ_LENS, stride_ob, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    LENS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
-    d_ok = offs_d < HEAD_DIM
-    row0 = (b * NUM_HEADS + h) * num_splits
-    lse = tl.load(PLSE + row0 + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0 (a padded batch slot): every split empty -> 0
-    w = tl.math.exp2(lse - m)
-    den = tl.sum(w, 0)
-    w = w / tl.where(den > 0.0, den, 1.0)
-    po = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                 other=0.0)
-    out = tl.sum(po * w[:, None], 0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+    if LENS:  # the decode kernel's splits: only the first eff hold partials; eff == 1 wrote O itself
+        eff = live_splits(tl.load(SEQ_LENS + b), num_splits, BLOCK_N)
+    else:
+        eff = num_splits
+    if (eff > 1) | (not LENS):
+        s_ok = offs_s < eff
+        d_ok = offs_d < HEAD_DIM
+        row0 = (b * NUM_HEADS + h) * num_splits
+        lse = tl.load(PLSE + row0 + offs_s, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0 (a padded batch slot): every split empty -> 0
+        w = tl.math.exp2(lse - m)
+        den = tl.sum(w, 0)
+        w = w / tl.where(den > 0.0, den, 1.0)
+        # empty splits (weight 0) are not read: at short lengths most of a decode step's splits are empty
+        po = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                     mask=(s_ok & (w > 0.0))[:, None] & d_ok[None, :], other=0.0)
+        out = tl.sum(po * w[:, None], 0)
+        tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -196,6 +284,10 @@ def flash_decode(
     num_splits: int = 1,
     config: Optional[dict] = None,
     counters: Optional[torch.Tensor] = None,
+    rope: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    k_new: Optional[torch.Tensor] = None,
+    v_new: Optional[torch.Tensor] = None,
+    slot_mapping: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its K/V already stored), caches
     [num_blocks, block_size, Hkv, D], block_tables int32 [B, W], seq_lens int32 [B] (>= 1).
@@ -203,7 +295,14 @@ def flash_decode(
 
     counters: optional int32 [>= B * Hkv] buffer of zeros, owned by the caller and used by one launch
     at a time: with it (and num_splits > 1) the last split program of each (sequence, KV head) combines
-    the partials itself (and resets its counter to 0), instead of a second kernel."""
+    the partials itself (and resets its counter to 0), instead of a second kernel.
+
+    rope=(positions [B], cos [P, D/2], sin [P, D/2]) with k_new, v_new [B, Hkv, D] and slot_mapping [B]:
+    the step's rotary embedding and K/V store in the same launch. q and k_new are the *unrotated*
+    projections (q is not modified); each query is rotated at its position, the new key rotated, and
+    both k and v written to the cache at the token's slot (-1: not stored), exactly as
+    ``apply_rotary(q, k_new, *rope, v=v_new, k_cache=..., v_cache=..., slot_mapping=...)`` followed by
+    this call without rope would; key seq_len - 1 (the new token's) is taken from registers."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"flash_decode: q must be [B, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
@@ -227,6 +326,30 @@ def flash_decode(
         )
     if num_splits < 1:
         raise ValueError(f"flash_decode: num_splits must be >= 1, got {num_splits}")
+    if rope is not None:
+        positions, cos, sin = rope
+        if k_new is None or v_new is None or slot_mapping is None:
+            raise ValueError("flash_decode: rope needs k_new, v_new and slot_mapping")
+        check_store_args(k_new, v_new, k_cache, v_cache, slot_mapping)
+        if k_new.shape != (b, hkv, d) or k_new.dtype != q.dtype:
+            raise ValueError(f"flash_decode: k_new must be [{b}, {hkv}, {d}] {q.dtype}, got "
+                             f"{tuple(k_new.shape)} {k_new.dtype}")
+        if d % 2:
+            raise ValueError(f"flash_decode: rope needs an even head_dim, got {d}")
+        if positions.shape != (b,) or positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"flash_decode: positions must be [{b}] int32/int64, got {tuple(positions.shape)} "
+                             f"{positions.dtype}")
+        for name, tab in (("cos", cos), ("sin", sin)):
+            if tab.dim() != 2 or tab.shape[1] != d // 2 or tab.dtype != torch.float32 or tab.stride(1) != 1:
+                raise ValueError(f"flash_decode: {name} must be float32 [P, {d // 2}] contiguous in the last dim, "
+                                 f"got {tuple(tab.shape)} {tab.dtype}")
+        positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
+        rope_args = (k_new, v_new, positions, cos, sin, slot_mapping, k_new.stride(0), k_new.stride(1),
+                     v_new.stride(0), v_new.stride(1), cos.stride(0), sin.stride(0))
+    elif k_new is not None or v_new is not None or slot_mapping is not None:
+        raise ValueError("flash_decode: k_new, v_new and slot_mapping go with rope")
+    else:
+        rope_args = (q, q, seq_lens, q, q, seq_lens) + (0,) * 6  # dummies, unused without ROPE
     o = torch.empty_like(q)
     if b == 0:
         return o
@@ -250,27 +373,34 @@ def flash_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, *rope_args,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1, FUSED=fused,
         BLOCK_S=triton.next_power_of_2(num_splits) if fused else 1,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
+        enable_fp_fusion=rope is None,
     )
     if num_splits > 1 and not fused:
-        combine_partials(o, po, plse)
+        combine_partials(o, po, plse, lens=(seq_lens, cfg["BLOCK_N"]))
     return o
 
 
-def combine_partials(o: torch.Tensor, po: torch.Tensor, plse: torch.Tensor) -> None:
+def combine_partials(o: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
+                     lens: Optional[tuple[torch.Tensor, int]] = None) -> None:
     """o[r, h] = the splits' partial outputs po [R, Hq, S, D] (fp32) weighted by their log2-domain
     log-sum-exps plse [R, Hq, S]; a row whose splits are all empty (lse -inf) becomes zeros. The tile
-    over splits is at least 16, so that the batch buckets' split counts share a few compiles."""
+    over splits is at least 16, so that the batch buckets' split counts share a few compiles.
+    lens=(seq_lens, BLOCK_N): the decode kernel's partials, of which only the live splits were
+    written (``live_splits``), none where one split held every key (o already written)."""
     rows, hq, num_splits, d = po.shape
+    seq_lens, block_n = lens if lens is not None else (plse, 1)
     _decode_combine_kernel[(hq, rows)](
-        o, po, plse, o.stride(0), o.stride(1), num_splits,
+        o, po, plse, seq_lens, o.stride(0), o.stride(1), num_splits,
         NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_S=max(16, triton.next_power_of_2(num_splits)), num_warps=4 if d >= 128 else 2,
+        BLOCK_S=max(16, triton.next_power_of_2(num_splits)), LENS=lens is not None, BLOCK_N=block_n,
+        num_warps=4 if d >= 128 else 2,
     )
 
 

@@ -283,6 +283,60 @@ def test_decode_cuda_graph_replay():
         assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("fused_combine", [False, True])
+def test_decode_rope_store_graph_replay(fused_combine):
+    """The backend's decode with rope=: rotary, K/V store, attention (and the combine) in one launch,
+    captured once and replayed with new lengths, slots and projections: the cache gets exactly what
+    apply_rotary + store write, the output matches rotary-then-decode, a padded slot gives zeros."""
+    from pageflash.kernels.rotary import apply_rotary
+
+    torch.manual_seed(5)
+    b, page, hq, hkv, d, width = 5, 16, 32, 8, 128, 512
+    nblocks = b * width
+    kc, vc = rnd(nblocks, page, hkv, d), rnd(nblocks, page, hkv, d)
+    bt = torch.randperm(nblocks, device=DEV).to(torch.int32).view(b, width)
+    sl = torch.ones(b, dtype=torch.int32, device=DEV)
+    slots = torch.full((b,), -1, dtype=torch.int64, device=DEV)
+    pos = torch.zeros(b, dtype=torch.int64, device=DEV)
+    ang = torch.rand(8192, d // 2, device=DEV) * 100
+    cos, sin = ang.cos(), ang.sin()
+    q, k, v = rnd(b, hq, d), rnd(b, hkv, d), rnd(b, hkv, d)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=DEV), seq_lens=sl, block_tables=bt,
+        slot_mapping=slots, query_lens_cpu=[1] * b, seq_lens_cpu=[1] * b, block_size=page,
+    )
+    be = TritonBackend(fused_combine=fused_combine)
+    assert be.decode_rope
+    plan = be.plan(meta)
+    out = torch.empty(b, hq, d, device=DEV, dtype=torch.bfloat16)
+    fwd = lambda: out.copy_(be.forward(q, k, v, kc, vc, plan, d**-0.5, rope=(pos, cos, sin)))  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fwd()  # warm up: compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd()
+    for lens in ([6, 101, 1001, 2001, 0], [17, 1500, 1, 8190, 300], [129, 130, 256, 257, 4096]):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        live = sl > 0
+        slots.copy_(torch.where(live, bt[torch.arange(b), (sl - 1).clamp_min(0) // page].long() * page
+                                + (sl - 1).clamp_min(0) % page, -1))
+        pos.copy_((sl - 1).clamp_min(0))
+        q.copy_(rnd(b, hq, d))
+        k.copy_(rnd(b, hkv, d))
+        v.copy_(rnd(b, hkv, d))
+        kr, vr, qr, kn = kc.clone(), vc.clone(), q.clone(), k.clone()
+        graph.replay()
+        apply_rotary(qr, kn, pos, cos, sin, v=v, k_cache=kr, v_cache=vr, slot_mapping=slots)
+        assert torch.equal(kr, kc) and torch.equal(vr, vc)
+        ref = flash_decode_ref(qr, kc, vc, bt, sl, d**-0.5)
+        ref[~live] = 0
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+        assert not out[~live].any()
+
+
 @pytest.mark.parametrize("specs,tree", [([(0, 1)] * 3 + [(77, 1)], False), ([(0, 300), (40, 1), (9, 64)], False),
                                         ([(100, 6), (3, 4)], True)])
 def test_backend_vs_torch_gpu(specs, tree):
