@@ -17,6 +17,7 @@ import torch
 
 from pageflash.config import ModelConfig
 from pageflash.engine.scheduler import SchedulerOutput
+from pageflash.transfer import copy_to, to_device
 from pageflash.layers.attention import AttentionMetadata, get_backend
 from pageflash.model.llama import LlamaForCausalLM
 from pageflash.model.loader import ModelSource, init_dummy_weights, iter_weights
@@ -189,12 +190,11 @@ class ModelRunner:
             bt[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
         qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
         qsl[1:] = torch.tensor(qlens, dtype=torch.int32).cumsum(0)
-        nb = dev.type == "cuda"
         return AttentionMetadata(
-            query_start_loc=qsl.to(dev, non_blocking=nb),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=nb),
-            block_tables=bt.to(dev, non_blocking=nb),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=nb),
+            query_start_loc=to_device(qsl, dev),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), dev),
+            block_tables=to_device(bt, dev),
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), dev),
             query_lens_cpu=qlens,
             seq_lens_cpu=seq_lens,
             block_size=self.block_size,
@@ -237,14 +237,13 @@ class ModelRunner:
                 return res
         meta = self.metadata(qlens, seq_lens, slots, block_tables, tree_mask)
         dev = self.device
-        nb = dev.type == "cuda"
         plan = self.backend.plan(meta)
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=nb)
+        input_ids = to_device(torch.tensor(ids, dtype=torch.int64), dev)
         if fixes:
             _fill_pending(input_ids, fixes, prev_tokens)
-        positions = torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=nb)
+        positions = to_device(torch.tensor(pos, dtype=torch.int64), dev)
         hidden = self.model(input_ids, positions, kv_caches or self.kv_caches, self.backend, plan, num_layers)
-        idx = torch.tensor(logit_idx, dtype=torch.int64).to(dev, non_blocking=nb)
+        idx = to_device(torch.tensor(logit_idx, dtype=torch.int64), dev)
         h = hidden[idx]
         return StepResult(self.model.compute_logits(h), rows, h)
 
@@ -326,13 +325,13 @@ class DecodeGraphs:
             slots[i] = table[p // bs] * bs + p % bs
             lens[i] = p + 1
             bt[i, : len(table)] = table
-        self.input_ids[:bucket].copy_(torch.tensor(ids), non_blocking=True)
+        copy_to(self.input_ids[:bucket], torch.tensor(ids))
         if fixes:
             _fill_pending(self.input_ids, fixes, prev_tokens)
-        self.positions[:bucket].copy_(torch.tensor(pos), non_blocking=True)
-        self.slots[:bucket].copy_(torch.tensor(slots), non_blocking=True)
-        self.seq_lens[:bucket].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:bucket].copy_(torch.from_numpy(bt), non_blocking=True)
+        copy_to(self.positions[:bucket], torch.tensor(pos))
+        copy_to(self.slots[:bucket], torch.tensor(slots))
+        copy_to(self.seq_lens[:bucket], torch.tensor(lens, dtype=torch.int32))
+        copy_to(self.block_tables[:bucket], torch.from_numpy(bt))
         self.graphs[bucket].replay()
         return StepResult(self.logits[bucket][:b], [(i, 1) for i in range(b)])
 
@@ -377,9 +376,8 @@ def _fill_pending(input_ids: torch.Tensor, fixes: list[tuple[int, int]], prev_to
         input_ids[:n].copy_(prev_tokens[:n])
         return
     dev = input_ids.device
-    nb = dev.type == "cuda"
-    idx = torch.tensor([i for i, _ in fixes], dtype=torch.int64).to(dev, non_blocking=nb)
-    src = torch.tensor([r for _, r in fixes], dtype=torch.int64).to(dev, non_blocking=nb)
+    idx = to_device(torch.tensor([i for i, _ in fixes], dtype=torch.int64), dev)
+    src = to_device(torch.tensor([r for _, r in fixes], dtype=torch.int64), dev)
     input_ids[idx] = prev_tokens[src]
 
 
@@ -542,7 +540,6 @@ class StepGraphs:
             entry = self.graphs[key] = self._capture(key)
         b, q, _ = key
         s, n, t = len(qlens), len(ids), b * q
-        nb = self.runner.device.type == "cuda"
         pad = t - n
         qsl = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(qlens, out=qsl[1 : s + 1])
@@ -552,16 +549,16 @@ class StepGraphs:
         bt = np.zeros((b, self.max_blocks), dtype=np.int32)
         for i, table in enumerate(block_tables):
             bt[i, : len(table)] = table
-        self.input_ids[:t].copy_(torch.tensor(ids + [0] * pad), non_blocking=nb)
-        self.positions[:t].copy_(torch.tensor(list(pos) + [0] * pad), non_blocking=nb)
-        self.slots[:t].copy_(torch.tensor(slots + [-1] * pad), non_blocking=nb)
-        self.qsl[: b + 1].copy_(torch.from_numpy(qsl), non_blocking=nb)
-        self.seq_lens[:b].copy_(torch.from_numpy(lens), non_blocking=nb)
-        self.block_tables[:b].copy_(torch.from_numpy(bt), non_blocking=nb)
+        copy_to(self.input_ids[:t], torch.tensor(ids + [0] * pad))
+        copy_to(self.positions[:t], torch.tensor(list(pos) + [0] * pad))
+        copy_to(self.slots[:t], torch.tensor(slots + [-1] * pad))
+        copy_to(self.qsl[: b + 1], torch.from_numpy(qsl))
+        copy_to(self.seq_lens[:b], torch.from_numpy(lens))
+        copy_to(self.block_tables[:b], torch.from_numpy(bt))
         if tree_mask is None:  # causal within each sequence's new tokens
             local = np.arange(n) - np.repeat(qsl[:s], qlens)
             m = (np.arange(self.MAX_Q)[None, :] <= local[:, None]).astype(np.uint8)
-            self.mask[:n].copy_(torch.from_numpy(m), non_blocking=nb)
+            copy_to(self.mask[:n], torch.from_numpy(m))
         else:
             self.mask[:n].zero_()
             self.mask[:n, : tree_mask.shape[1]].copy_(tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool

@@ -32,6 +32,7 @@ from typing import Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from pageflash.transfer import to_device
 from pageflash.sampling_params import SamplingParams
 
 # Packed per-row float parameters: one host->device copy per step instead of one per parameter.
@@ -210,8 +211,8 @@ class SamplingBatch:
             ],
             dtype=torch.float32,
         ).reshape(n, _NUM_PARAMS)
-        packed = packed.to(device, non_blocking=True)
-        greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
+        packed = to_device(packed, device)
+        greedy_mask = to_device(torch.tensor(greedy, dtype=torch.bool), device)
 
         max_top_k = max(
             (p.top_k for p, g in zip(ps, greedy) if 0 < p.top_k < vocab_size and not g), default=0
@@ -226,7 +227,7 @@ class SamplingBatch:
                 else ()
                 for r in rows
             ]
-            index = _flat_token_index(outs, vocab_size).to(device, non_blocking=True)
+            index = to_device(_flat_token_index(outs, vocab_size), device)
             output_counts = torch.zeros(n * vocab_size, dtype=torch.float32, device=device)
             # Sums of ones are exact in float32 whatever the order of the atomic adds.
             output_counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float32))
@@ -240,7 +241,7 @@ class SamplingBatch:
                 else ()
                 for r in rows
             ]
-            index = _flat_token_index(seen, vocab_size).to(device, non_blocking=True)
+            index = to_device(_flat_token_index(seen, vocab_size), device)
             repetition_mask = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
             repetition_mask.index_fill_(0, index, True)
             repetition_mask = repetition_mask.view(n, vocab_size)
@@ -254,7 +255,7 @@ class SamplingBatch:
         ]
         min_tokens_index = None
         if masked:
-            min_tokens_index = torch.tensor(masked, dtype=torch.int64).to(device, non_blocking=True)
+            min_tokens_index = to_device(torch.tensor(masked, dtype=torch.int64), device)
 
         asked = [p.logprobs for p in ps if p.logprobs is not None]
         return cls(

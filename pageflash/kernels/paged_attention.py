@@ -28,6 +28,7 @@ import triton.language as tl
 
 from pageflash.kernels.flash_decoding import split_range
 from pageflash.layers.attention import paged_attention_ref
+from pageflash.transfer import to_device
 
 __all__ = ["paged_attention", "paged_attention_ref", "build_tiles", "prefill_config"]
 
@@ -199,7 +200,7 @@ def build_tiles(
             work.append((min(sl, ctx + (qb + 1) * queries_per_tile), i, qb))
     work.sort(key=lambda w: -w[0])
     t = torch.tensor([[w[1] for w in work], [w[2] for w in work]], dtype=torch.int32)
-    t = t.to(device, non_blocking=True)
+    t = to_device(t, device)
     return t[0], t[1]
 
 

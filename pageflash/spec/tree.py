@@ -29,6 +29,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from pageflash.transfer import to_device
+
 
 @dataclass(frozen=True, eq=False)
 class DraftTree:
@@ -160,7 +162,7 @@ def tree_attention_mask(tree: DraftTree, device: torch.device | str | None = Non
     for j, p in enumerate(tree.parents):
         m[j + 1] = m[p + 1]
         m[j + 1, j + 1] = True
-    return torch.from_numpy(m).to(device=device)
+    return to_device(torch.from_numpy(m), device)
 
 
 def positions(tree: DraftTree, base_pos: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -195,7 +197,7 @@ def flat_tree_mask(
                 raise ValueError(f"flat_tree_mask: mask of shape {tuple(m.shape)} for query_len {q}")
             out[row : row + q, :q] = m.cpu()
         row += q
-    return out.to(device=device)
+    return to_device(out, device)
 
 
 def kv_compaction(path: Sequence[int]) -> tuple[list[int], list[int]]:

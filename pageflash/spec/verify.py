@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from pageflash.transfer import to_device
 from pageflash.spec.tree import DraftTree
 
 Generators = Optional[Sequence[Optional[torch.Generator]]]
@@ -141,7 +142,8 @@ def verify_chains(
     meta = torch.tensor(
         [t + r + [k, g, ip, qst] for t, r, k, g, ip, qst in zip(pad_tok, rows, ks, greedy_l, is_prob, qstarts)],
         dtype=torch.long,
-    ).view(bsz, 2 * kmax + 5).to(dev, non_blocking=True)
+    ).view(bsz, 2 * kmax + 5)
+    meta = to_device(meta, dev)
     x = meta[:, :kmax]  # [B, K]
     row_idx = meta[:, kmax : 2 * kmax + 1]  # [B, K+1]
     k_t, greedy_t, is_prob_t, qstart_t = meta[:, 2 * kmax + 1 :].unbind(1)
@@ -310,7 +312,7 @@ def verify_trees(
     bounds = np.searchsorted(rank_np[order], np.arange(int(rank_np.max(initial=-1)) + 2))
     det_sorted = det_np[order]
     packed = np.stack([order, prow_np[order], tok_np[order], det_sorted.astype(np.int64), qrow_np[order]])
-    packed_t = torch.from_numpy(packed).to(dev, non_blocking=True)  # [5, N]
+    packed_t = to_device(torch.from_numpy(packed), dev)  # [5, N]
 
     res = target_probs.to(torch.float32, copy=True)  # [R, V]: running residual at each row
     acc_prob = torch.zeros(tok_np.shape[0], device=dev)
