@@ -60,6 +60,25 @@ def test_gemv_strided_rows_of_x_and_w():
     assert torch.allclose(y, x @ w.t(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,inter,k,cfg", [(1, 40, 96, (8, 4, 32, 2, 4)), (3, 36, 64, (16, 4, 32, 3, 4)),
+                                          (2, 8, 50, (8, 2, 16, 1, 2))])
+def test_gemv_silu_mul_equals_gemv_then_silu_and_mul(m, inter, k, cfg, dtype):
+    """silu_mul=True (the SiLU-and-mul in the GEMV's epilogue) writes exactly what the plain GEMV
+    followed by the SiLU kernel writes, over a ragged I (a program's features past I masked)."""
+    from pageflash.kernels.activation import silu_and_mul
+
+    g = torch.Generator().manual_seed(m * 100 + inter + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(2 * inter, k, generator=g).to(dtype)
+    out = torch.full((m, inter), float("nan"), dtype=dtype)
+    y = gemv(x, w, *cfg, out=out, silu_mul=True)
+    assert y is out
+    assert torch.equal(y, silu_and_mul(gemv(x, w, *cfg)))
+    with pytest.raises(ValueError, match="silu_mul"):
+        gemv(x, w, 4, 4, 32, 1, 4, silu_mul=True)  # rows not a multiple of 2 * r
+
+
 def test_gemv_rejects_bad_inputs():
     with pytest.raises(ValueError, match="M <= 4"):
         gemv(torch.randn(5, 8), torch.randn(4, 8))

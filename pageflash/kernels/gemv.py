@@ -24,39 +24,77 @@ __all__ = ["gemv", "gemv_ref", "MAX_M"]
 MAX_M = 4
 
 
-# M and ROWS are not specialized: one compile per tile config serves every shape (cold start)
-@triton.jit(do_not_specialize=["M", "ROWS"])
+try:  # libdevice's expf, as the SiLU kernel (kernels/activation.py) uses it
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older layouts
+    from triton.language.extra.cuda import libdevice
+
+
+# M, ROWS and HALF are not specialized: one compile per tile config serves every shape (cold start)
+@triton.jit(do_not_specialize=["M", "ROWS", "HALF"])
 def _gemv_kernel(
-    X, W, Y, M, N, K, ROWS, stride_xm, stride_wn, stride_ym,
+    X, W, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym,
     BM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    SILU: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    r0 = tl.program_id(0) * ROWS
+    # SILU: W is a fused [gate; up] projection (2 * HALF rows) and Y = silu(x W_gate^T) * (x W_up^T),
+    # [M, HALF]. The program owns ROWS / 2 output features; its row groups alternate between R gate
+    # rows and the R up rows HALF further, and an up group's sums meet the gate group's, kept in
+    # registers, in the epilogue (no [M, 2 * HALF] intermediate, no SiLU launch).
+    if SILU:
+        r0 = tl.program_id(0) * (ROWS // 2)
+    else:
+        r0 = tl.program_id(0) * ROWS
     offs_m = tl.arange(0, BM)
     offs_r = tl.arange(0, R)
     offs_k = tl.arange(0, BK)
     n_k = tl.cdiv(K, BK)
     acc = tl.zeros([BM, R, BK], dtype=tl.float32)
+    gate = tl.zeros([BM, R], dtype=tl.float32)
     for t in tl.range(0, (ROWS // R) * n_k, num_stages=STAGES):
         g = t // n_k
         kc = t - g * n_k
-        rows = r0 + g * R + offs_r
+        if SILU:
+            feats = r0 + (g // 2) * R + offs_r  # output features of this group pair
+            rows = feats + (g % 2) * HALF
+            row_ok = feats < HALF
+        else:
+            rows = r0 + g * R + offs_r
+            row_ok = rows < N
         kk = kc * BK + offs_k
         w = tl.load(W + rows[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                    mask=(rows[:, None] < N) & (kk[None, :] < K), other=0.0)
+                    mask=row_ok[:, None] & (kk[None, :] < K), other=0.0)
         x = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :],
                     mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0)
         acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         if kc == n_k - 1:
             out = tl.sum(acc, axis=2)  # [BM, R]
-            tl.store(Y + offs_m[:, None] * stride_ym + rows[None, :], out.to(Y.dtype.element_ty),
-                     mask=(offs_m[:, None] < M) & (rows[None, :] < N))
+            if SILU:
+                # rounded to the output dtype as the unfused projection would store it, then the
+                # SiLU kernel's arithmetic step for step
+                v = out.to(Y.dtype.element_ty).to(tl.float32)
+                if LIBDEVICE:
+                    e = libdevice.exp(-gate)
+                else:  # interpreter (no libdevice)
+                    e = tl.exp(-gate)
+                act = tl.math.div_rn(gate, 1.0 + e).to(Y.dtype.element_ty).to(tl.float32)
+                is_up = (tl.zeros([BM, R], dtype=tl.int32) + (g % 2)) > 0
+                tl.store(Y + offs_m[:, None] * stride_ym + feats[None, :], (act * v).to(Y.dtype.element_ty),
+                         mask=(offs_m[:, None] < M) & row_ok[None, :] & is_up)
+                gate = v  # a gate group's sums, for the up group that follows (an up group's are overwritten)
+            else:
+                tl.store(Y + offs_m[:, None] * stride_ym + rows[None, :], out.to(Y.dtype.element_ty),
+                         mask=(offs_m[:, None] < M) & row_ok[None, :])
             acc = tl.zeros([BM, R, BK], dtype=tl.float32)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int = 512, num_stages: int = 4,
-         num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+         num_warps: int = 4, out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x: [M, K] with M <= MAX_M, w: [N, K] (rows contiguous along K), same float dtype. Returns [M, N]
-    in x's dtype. rows: rows of W per program (a multiple of r); r x bk: the tile."""
+    in x's dtype. rows: rows of W per program (a multiple of r); r x bk: the tile.
+
+    silu_mul: w is a fused gate/up projection ([gate; up], N = 2 * I): returns silu(x gate^T) * (x up^T),
+    [M, I], exactly as ``silu_and_mul`` of the plain product would (rows must be a multiple of 2 * r)."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"gemv: expected 2-D x and w, got {tuple(x.shape)} and {tuple(w.shape)}")
     m, k = x.shape
@@ -71,11 +109,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
         raise ValueError("gemv: x and w must be contiguous along K")
     if rows % r:
         raise ValueError(f"gemv: rows ({rows}) must be a multiple of r ({r})")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if silu_mul and (n % 2 or rows % (2 * r)):
+        raise ValueError(f"gemv: silu_mul needs an even N (got {n}) and rows a multiple of 2 * r (got {rows}, r {r})")
+    n_out = n // 2 if silu_mul else n
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device) if out is None else out
     bm = 1 if m == 1 else (2 if m == 2 else 4)
-    _gemv_kernel[(triton.cdiv(n, rows),)](
-        x, w, y, m, n, k, rows, x.stride(0), w.stride(0), y.stride(0),
-        BM=bm, R=r, BK=bk, STAGES=num_stages, num_warps=num_warps,
+    per = rows // 2 if silu_mul else rows
+    _gemv_kernel[(triton.cdiv(n_out, per),)](
+        x, w, y, m, n, k, rows, n_out, x.stride(0), w.stride(0), y.stride(0),
+        BM=bm, R=r, BK=bk, STAGES=num_stages, SILU=silu_mul, LIBDEVICE=x.is_cuda, num_warps=num_warps,
     )
     return y
 

@@ -138,17 +138,32 @@ class SkinnyDispatch:
         m = x.shape[0]
         if w.numel() > MAX_WEIGHT_ELEMENTS and not large and m != 1:
             return None
-        key = (w.shape[0], w.shape[1], m, x.dtype)
-        if key not in self.choice:
-            if torch.cuda.is_current_stream_capturing():
-                return None  # never time inside a capture: fall back, decide at the next warm-up
-            self.choice[key] = self._decide(x, w, skinny=large or w.numel() <= MAX_WEIGHT_ELEMENTS)
-        c = self.choice[key]
+        c = self._choice(x, w, large)
         if c is None:
             return None
         if c[0] == "gemv":
             return gemv(x, w, *c[1])
         return skinny_gemm(x, w, *c[1])
+
+    def gate_up_silu(self, x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
+        """silu(x gate^T) * (x up^T) for a fused [gate; up] weight w, through the GEMV with the SiLU in
+        its epilogue, when one row's product of this shape goes to the GEMV; None otherwise (the
+        caller runs the product and the SiLU kernel). The choice is the plain product's: the
+        epilogue adds no memory traffic."""
+        if x.shape[0] != 1:
+            return None
+        c = self._choice(x, w, False)
+        if c is None or c[0] != "gemv" or c[1][0] % (2 * c[1][1]):
+            return None
+        return gemv(x, w, *c[1], silu_mul=True)
+
+    def _choice(self, x: torch.Tensor, w: torch.Tensor, large: bool) -> Optional[tuple]:
+        key = (w.shape[0], w.shape[1], x.shape[0], x.dtype)
+        if key not in self.choice:
+            if torch.cuda.is_current_stream_capturing():
+                return None  # never time inside a capture: fall back, decide at the next warm-up
+            self.choice[key] = self._decide(x, w, skinny=large or w.numel() <= MAX_WEIGHT_ELEMENTS)
+        return self.choice[key]
 
     @staticmethod
     def _decide(x: torch.Tensor, w: torch.Tensor, skinny: bool = True) -> Optional[tuple]:
@@ -184,10 +199,20 @@ class SkinnyDispatch:
 _DISPATCH: Optional[SkinnyDispatch] = None
 
 
-def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor, large: bool = False) -> Optional[torch.Tensor]:
-    """Decode-sized bf16/fp16 products on CUDA through the fastest of cuBLAS, the skinny kernel and
-    (one row) the GEMV."""
+def _dispatch() -> SkinnyDispatch:
     global _DISPATCH
     if _DISPATCH is None:
         _DISPATCH = SkinnyDispatch()
-    return _DISPATCH(x, w, large)
+    return _DISPATCH
+
+
+def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor, large: bool = False) -> Optional[torch.Tensor]:
+    """Decode-sized bf16/fp16 products on CUDA through the fastest of cuBLAS, the skinny kernel and
+    (one row) the GEMV."""
+    return _dispatch()(x, w, large)
+
+
+def maybe_gate_up_silu(x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
+    """One row's silu(gate) * up of a fused gate/up weight in one GEMV launch, or None (see
+    SkinnyDispatch.gate_up_silu)."""
+    return _dispatch().gate_up_silu(x, w)

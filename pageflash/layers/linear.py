@@ -35,6 +35,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.linear(x, weight, bias)
 
 
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """silu(x gate^T) * (x up^T) of a fused [gate; up] weight in one kernel where that is the decode
+    fast path (CUDA, one 16-bit row, the GEMV chosen for this shape: kernels/gemv.py); None elsewhere:
+    the caller runs the product, then silu_and_mul. PAGEFLASH_GEMV_SILU=0 turns it off."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _SKINNY_DTYPES and _skinny_enabled():
+        import os
+
+        if os.environ.get("PAGEFLASH_GEMV_SILU", "1") != "0":
+            from pageflash.kernels.skinny_gemm import maybe_gate_up_silu
+
+            return maybe_gate_up_silu(x, weight)
+    return None
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). weight: [out_features, in_features]."""
 

@@ -16,7 +16,7 @@ from torch import nn
 from pageflash.config import ModelConfig
 from pageflash.layers.activation import silu_and_mul
 from pageflash.layers.attention import AttentionBackend
-from pageflash.layers.linear import GateUpLinear, Linear, QKVLinear, VocabEmbedding, linear
+from pageflash.layers.linear import GateUpLinear, Linear, QKVLinear, VocabEmbedding, gate_up_silu, linear
 from pageflash.layers.norm import RMSNorm
 from pageflash.layers.rotary import RotaryEmbedding
 
@@ -72,9 +72,14 @@ class LlamaMLP(_Prefetching, nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        self._prefetch("down", self.down_proj.weight)  # while SiLU-and-mul runs
-        return self.down_proj(silu_and_mul(gu))
+        act = gate_up_silu(x, self.gate_up_proj.weight)  # decode at batch 1: SiLU in the GEMV's epilogue
+        if act is None:
+            gu = self.gate_up_proj(x)
+            self._prefetch("down", self.down_proj.weight)  # while SiLU-and-mul runs
+            act = silu_and_mul(gu)
+        else:
+            self._prefetch("down", self.down_proj.weight)
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(_Prefetching, nn.Module):

@@ -58,3 +58,24 @@ def test_dispatch_times_gemv_at_one_row():
     print("choice", d.choice)
 
 
+
+
+@pytest.mark.parametrize("inter,k,rows", [(14336, 4096, 8), (1536, 576, 16), (100, 64, 8)])
+def test_gemv_silu_mul_bf16_bitwise(inter, k, rows):
+    """The GEMV with SiLU-and-mul in its epilogue writes exactly what the GEMV then the SiLU kernel
+    write (bf16, llama-3-8b's and smollm2's MLP shapes, a ragged I), and the dispatch uses it for a
+    gate/up shape it sends to the GEMV."""
+    from pageflash.kernels.activation import silu_and_mul
+    from pageflash.kernels.gemv import gemv
+
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    y = gemv(x, w, rows, 4, 512, 4, 4, silu_mul=True)
+    assert torch.equal(y, silu_and_mul(gemv(x, w, rows, 4, 512, 4, 4)))
+    d = SkinnyDispatch()
+    fused = d.gate_up_silu(x, w)
+    c = d.choice[(2 * inter, k, 1, torch.bfloat16)]
+    if c is not None and c[0] == "gemv" and c[1][0] % (2 * c[1][1]) == 0:
+        assert torch.equal(fused, silu_and_mul(gemv(x, w, *c[1])))
+    else:
+        assert fused is None
