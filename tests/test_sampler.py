@@ -63,6 +63,24 @@ def test_greedy_is_argmax(dtype):
     assert torch.equal(logits, before)  # the model's buffer is never modified
 
 
+def test_precomputed_greedy_ids_are_used_only_where_they_are_the_answer():
+    """greedy_ids (the decode graphs' in-graph argmax) serve all-greedy batches without processing
+    and the greedy rows of mixed batches; penalties make the sampler take its own argmax."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, 40) * 3
+    marker = torch.tensor([5, 6, 7])  # not the argmax: shows which ids were used
+    out = Sampler()(logits, build([SamplingParams(temperature=0.0)] * 3, 40), greedy_ids=marker)
+    assert out.token_ids is marker
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0)]
+    out = Sampler()(logits, build(mixed, 40), greedy_ids=marker)
+    assert out.token_ids[0] == 5 and out.token_ids[2] == 7
+    pen = [SamplingParams(temperature=0.0, repetition_penalty=1.5)] * 3
+    out = Sampler()(logits, build(pen, 40, outputs=[[1], [2], [3]]), greedy_ids=marker)
+    assert not torch.equal(out.token_ids, marker)
+    with pytest.raises(ValueError, match="greedy_ids"):
+        Sampler()(logits, build([SamplingParams(temperature=0.0)] * 3, 40), greedy_ids=marker[:2])
+
+
 def test_greedy_rows_in_mixed_batch_ignore_sampling_knobs():
     torch.manual_seed(1)
     logits = torch.randn(6, 50) * 3

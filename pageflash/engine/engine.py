@@ -344,7 +344,7 @@ class LLMEngine:
         if prev is not None:
             extra["prev_tokens"] = prev.tokens
         result = self.runner.execute(sched, [self.kv.block_ids(s.request.request_id) for s in sched.seqs], **extra)
-        launched = self._launch(sched, result.logits, result.rows)
+        launched = self._launch(sched, result.logits, result.rows, result.greedy)
         self._inflight = None
         if prev is not None:  # the device runs the step just launched meanwhile
             touched += self._resolve(prev)
@@ -367,9 +367,11 @@ class LLMEngine:
         reqs = self.groups.get(group_id)
         return reqs is not None and reqs[0].forked and all(r.is_finished for r in reqs)
 
-    def _launch(self, sched: SchedulerOutput, logits: torch.Tensor, rows: list[tuple[int, int]]) -> Optional[_Inflight]:
+    def _launch(self, sched: SchedulerOutput, logits: torch.Tensor, rows: list[tuple[int, int]],
+                greedy: Optional[torch.Tensor] = None) -> Optional[_Inflight]:
         """Advance computed counts and launch sampling where a step reached a request's end (no sync:
-        the tokens are copied to the host asynchronously and read by _resolve)."""
+        the tokens are copied to the host asynchronously and read by _resolve). greedy: the argmax of
+        every logits row, where the step computed it (decode graphs)."""
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
         for s, (start, count) in zip(sched.seqs, rows):
@@ -394,7 +396,8 @@ class LLMEngine:
         )
         if sample_rows != list(range(logits.shape[0])):  # decode steps: every row samples, once
             logits = logits[torch.tensor(sample_rows, device=logits.device)]
-        out = self.sampler(logits, batch)
+            greedy = None
+        out = self.sampler(logits, batch, greedy_ids=greedy)
         for i, r in enumerate(sample_reqs):
             r.num_pending += 1
             r.pending_row = i

@@ -356,20 +356,28 @@ class Sampler:
         logits: torch.Tensor,
         batch: SamplingBatch,
         generator: Optional[torch.Generator] = None,
+        greedy_ids: Optional[torch.Tensor] = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
         logits: [B, V], any float dtype, on batch.device; not modified.
         generator: RNG of the rows without their own generator (e.g. the engine's, seeded from its
             config, so that a whole run is reproducible); None = torch's default RNG.
+        greedy_ids: int64 [B], logits.argmax(-1) where the caller already has it (the decode graphs
+            compute it); used when every row is greedy and no logits processing applies.
         Returns a SamplerOutput (token_ids int64 [B]; logprobs when any row asked).
         """
         _check_shapes(logits, batch)
+        if greedy_ids is not None and (greedy_ids.shape != (logits.shape[0],) or greedy_ids.dtype != torch.int64):
+            raise ValueError(f"greedy_ids must be int64 [{logits.shape[0]}], got {greedy_ids.dtype} "
+                             f"{tuple(greedy_ids.shape)}")
         if batch.all_greedy and not batch.needs_logits_processing:
-            token_ids = argmax_rows(logits)  # fast path: no copy, no float32 cast
+            # fast path: no copy, no float32 cast
+            token_ids = greedy_ids if greedy_ids is not None else argmax_rows(logits)
         else:
             processed = apply_penalties_and_min_tokens(logits, batch)
-            greedy_ids = processed.argmax(dim=-1)
+            if greedy_ids is None or batch.needs_logits_processing:
+                greedy_ids = processed.argmax(dim=-1)
             if batch.all_greedy:
                 token_ids = greedy_ids
             else:

@@ -359,3 +359,15 @@ def test_paged_split_keys_gpu(tree, splits):
     out = paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 128**-0.5,
                           meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask, num_splits=splits)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("b,v", [(1, 128256), (8, 128256), (3, 49152), (64, 32000), (2, 1000)])
+def test_argmax_bf16_and_fp32(b, v):
+    """kernels/argmax.py (the decode graphs' greedy token) equals torch.argmax at vocab sizes of
+    llama-3, smollm2 and llama-2, with planted ties across chunk borders."""
+    from pageflash.kernels.argmax import argmax
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(b, v, device="cuda").to(dtype)
+        x[0, [v // 2, v // 2 - 1, v - 1]] = 100.0  # ties: the first wins
+        assert torch.equal(argmax(x), x.argmax(-1))
