@@ -8,6 +8,7 @@ runs the model, and returns float32 logits only at the rows that need sampling o
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -32,6 +33,7 @@ class StepResult:
     logits: torch.Tensor
     rows: list[tuple[int, int]]
     hidden: Optional[torch.Tensor] = None  # [R, H] final hidden states at those rows (Medusa heads)
+    greedy: Optional[torch.Tensor] = None  # int64 [R]: each logits row's argmax, computed in the decode graph
 
 
 class ModelRunner:
@@ -85,8 +87,6 @@ class ModelRunner:
     def auto_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """KV blocks that fit: on CUDA, the share of device memory left after weights and a peak-activation
         estimate; on CPU, PAGEFLASH_CPU_KV_CACHE_GB (default 1) GiB."""
-        import os
-
         per_block = self.kv_bytes_per_block()
         if self.device.type != "cuda":
             gb = float(os.environ.get("PAGEFLASH_CPU_KV_CACHE_GB", "1"))
@@ -256,6 +256,13 @@ class DecodeGraphs:
     with rows that store nothing (slot -1) and attend to one token of block 0. The attention backend's
     plan must depend only on shapes (the Triton backend sizes its decode splits from the block-table
     width, which is fixed here at max_model_len / block_size).
+
+    Short contexts: where the decode split count planned for ``short_kv`` keys differs from the one
+    planned for max_model_len, a bucket gets a second graph, planned over the first short_kv /
+    block_size columns of the same block-table buffer, and a step whose longest sequence fits takes
+    it. Split programs past a sequence's last key still cost their launch (H100, llama-3-8b batch 1
+    over 129-384 keys: 32 splits 8.0-8.7 us per layer, 16 splits 7.2-7.3 us; at 8000 keys 32 splits
+    16.2 us, 16 splits 20.5 us).
     """
 
     def __init__(self, runner: ModelRunner, max_batch: int) -> None:
@@ -265,19 +272,35 @@ class DecodeGraphs:
         self.buckets = _buckets(max_batch)
         self.max_batch = self.buckets[-1]
         n = self.max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        # The static inputs are views of two buffers, so that a step refills them with two copies
+        # (each buffer's prefix up to the bucket's last row) instead of five: int64 ids | positions |
+        # slots, int32 seq_lens | block tables.
+        self._i64 = torch.zeros(3 * n, dtype=torch.int64, device=dev)
+        self._i32 = torch.zeros(n + n * self.max_blocks, dtype=torch.int32, device=dev)
+        self.input_ids, self.positions, self.slots = self._i64[:n], self._i64[n: 2 * n], self._i64[2 * n:]
+        self.seq_lens = self._i32[:n]
+        self.block_tables = self._i32[n:].view(n, self.max_blocks)
+        self.slots.fill_(-1)
+        self.seq_lens.fill_(1)
         self.qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.greedy: dict[int, Optional[torch.Tensor]] = {}  # the argmax of logits, in the graph
         self.plans: dict[int, Any] = {}
+        self.argmax = os.environ.get("PAGEFLASH_GRAPH_ARGMAX", "1") != "0"
+        # the short-context class: graphs, outputs and plans per bucket (only where its splits differ)
+        short_kv = _short_kv_from_env()
+        self.short_blocks = min(self.max_blocks, -(-short_kv // runner.block_size)) if short_kv > 0 else 0
+        self.short_kv = self.short_blocks * runner.block_size
+        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.short_logits: dict[int, torch.Tensor] = {}
+        self.short_greedy: dict[int, Optional[torch.Tensor]] = {}
+        self.short_plans: dict[int, Any] = {}
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _meta(self, b: int, width: Optional[int] = None) -> AttentionMetadata:
         return AttentionMetadata(
-            query_start_loc=self.qsl[: b + 1], seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
+            query_start_loc=self.qsl[: b + 1], seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b, : width or self.max_blocks],
             slot_mapping=self.slots[:b], query_lens_cpu=[1] * b, seq_lens_cpu=[1] * b,
             block_size=self.runner.block_size,
         )
@@ -288,14 +311,18 @@ class DecodeGraphs:
         pf = _prefetcher_from_env(r.device)
         r.model.set_prefetcher(pf)  # only while capturing: eager steps skip the fork calls
         try:
+            hkv = r.model.cfg.num_key_value_heads
             for b in reversed(self.buckets):  # largest first: the pool then fits the smaller ones
-                meta = self._meta(b)
-                plan = self.plans[b] = r.backend.plan(meta)  # the captured kernels may read its tensors
-                fwd = lambda: r.model.compute_logits(  # noqa: E731
-                    r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan))
                 if pf is not None:
                     pf.active = b <= pf.max_batch
-                self.graphs[b], self.logits[b] = _capture_graph(r, fwd)
+                plan = self.plans[b] = r.backend.plan(self._meta(b))  # the captured kernels may read it
+                self.graphs[b], (self.logits[b], self.greedy[b]) = _capture_graph(r, self._forward(b, plan))
+                if 0 < self.short_blocks < self.max_blocks:
+                    short = r.backend.plan(self._meta(b, self.short_blocks))
+                    if _decode_splits(short, hkv) != _decode_splits(plan, hkv):
+                        self.short_plans[b] = short
+                        self.short_graphs[b], (self.short_logits[b], self.short_greedy[b]) = _capture_graph(
+                            r, self._forward(b, short))
         finally:
             r.model.set_prefetcher(None)
         torch.cuda.synchronize()
@@ -306,11 +333,14 @@ class DecodeGraphs:
         b = len(sched.seqs)
         bucket = next(x for x in self.buckets if x >= b)
         bs = self.runner.block_size
-        ids = [0] * bucket
-        pos = [0] * bucket
-        slots = [-1] * bucket
-        lens = [1] * bucket
-        bt = np.zeros((bucket, self.max_blocks), dtype=np.int32)
+        n, w = self.max_batch, self.max_blocks
+        # host images of the two buffers' prefixes; padding rows: id 0, position 0, slot -1, length 1
+        h64 = np.zeros(2 * n + bucket, dtype=np.int64)
+        h32 = np.zeros(n + bucket * w, dtype=np.int32)
+        ids, pos, slots = h64[:bucket], h64[n: n + bucket], h64[2 * n:]
+        lens, bt = h32[:bucket], h32[n:].reshape(bucket, w)
+        slots[:] = -1
+        lens[:] = 1
         fixes: list[tuple[int, int]] = []
         for i, (s, table) in enumerate(zip(sched.seqs, block_tables)):
             req = s.request
@@ -325,15 +355,61 @@ class DecodeGraphs:
             slots[i] = table[p // bs] * bs + p % bs
             lens[i] = p + 1
             bt[i, : len(table)] = table
-        copy_to(self.input_ids[:bucket], torch.tensor(ids))
+        copy_to(self._i64[: h64.shape[0]], torch.from_numpy(h64))
+        copy_to(self._i32[: h32.shape[0]], torch.from_numpy(h32))
         if fixes:
             _fill_pending(self.input_ids, fixes, prev_tokens)
-        copy_to(self.positions[:bucket], torch.tensor(pos))
-        copy_to(self.slots[:bucket], torch.tensor(slots))
-        copy_to(self.seq_lens[:bucket], torch.tensor(lens, dtype=torch.int32))
-        copy_to(self.block_tables[:bucket], torch.from_numpy(bt))
-        self.graphs[bucket].replay()
-        return StepResult(self.logits[bucket][:b], [(i, 1) for i in range(b)])
+        if bucket in self.short_graphs and int(lens.max()) <= self.short_kv:
+            graph, logits, greedy = self.short_graphs[bucket], self.short_logits[bucket], self.short_greedy[bucket]
+        else:
+            graph, logits, greedy = self.graphs[bucket], self.logits[bucket], self.greedy[bucket]
+        graph.replay()
+        return StepResult(logits[:b], [(i, 1) for i in range(b)], greedy=None if greedy is None else greedy[:b])
+
+    def _forward(self, b: int, plan: Any):
+        """The captured step: logits, and their row argmax for the greedy fast path (kernels/argmax.py:
+        two launches inside the graph instead of five PyTorch reductions after it;
+        PAGEFLASH_GRAPH_ARGMAX=0 turns it off)."""
+        r = self.runner
+
+        def fwd():
+            logits = r.model.compute_logits(
+                r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan))
+            if not self.argmax or b > _GRAPH_ARGMAX_MAX_BATCH:
+                return logits, None
+            from pageflash.kernels.argmax import argmax
+
+            return logits, argmax(logits)
+
+        return fwd
+
+
+# The in-graph argmax only where a step's launches are what it saves (latency-bound small batches):
+# at batch 256 it is work that sampled batches never use (smollm2 W-offline measured -10% with it
+# in every bucket, H100).
+_GRAPH_ARGMAX_MAX_BATCH = 8
+
+# Decode graphs for short contexts: planned for this many keys (PAGEFLASH_DECODE_SHORT_KV; 0: off).
+# At 4096 the split rule (chunks of >= 256 keys of the bound) gives batch 1 16 splits where
+# max_model_len 8192 gives 32; 16 splits are as fast as 32 at 4096 keys and faster below (H100).
+_SHORT_KV = 4096
+
+
+def _short_kv_from_env() -> int:
+    v = os.environ.get("PAGEFLASH_DECODE_SHORT_KV", str(_SHORT_KV))
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"PAGEFLASH_DECODE_SHORT_KV must be an integer number of keys, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"PAGEFLASH_DECODE_SHORT_KV must be >= 0, got {n}")
+    return n
+
+
+def _decode_splits(plan: Any, num_kv_heads: int) -> Optional[int]:
+    """The decode split count a plan gives, or None for a backend that does not split."""
+    f = getattr(plan, "splits_for", None)
+    return f(num_kv_heads) if f is not None else None
 
 
 # Batch-1 decode graphs prefetch the head of the o, qkv and gate_up weights into L2 while the
@@ -350,8 +426,6 @@ def _prefetcher_from_env(device: torch.device):
     projection kind ("o=16,qkv=8"; "0" or "off": none; unset: the default on sm_90+, whose bulk
     prefetch instruction it uses, none elsewhere); _MODE: bulk/line/load; _MAX_BATCH: the largest
     decode bucket that prefetches."""
-    import os
-
     from pageflash.kernels.prefetch import WeightPrefetcher, parse_sizes
 
     spec = os.environ.get("PAGEFLASH_L2_PREFETCH")
