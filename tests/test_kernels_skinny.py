@@ -79,6 +79,20 @@ def test_gemv_silu_mul_equals_gemv_then_silu_and_mul(m, inter, k, cfg, dtype):
         gemv(x, w, 4, 4, 32, 1, 4, silu_mul=True)  # rows not a multiple of 2 * r
 
 
+def test_gemv_float32_out_is_the_rounded_product_widened():
+    """out float32 (the LM head's logits): bitwise gemv(...).float() -- rounded to x's dtype first."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 96, generator=g).half()
+    w = torch.randn(44, 96, generator=g).half()
+    out = torch.full((1, 44), float("nan"))
+    assert gemv(x, w, 8, 4, 32, 2, 4, out=out) is out
+    assert torch.equal(out, gemv(x, w, 8, 4, 32, 2, 4).float())
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x, w, 8, 4, 32, 2, 4, out=torch.empty(1, 44, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x, w, 8, 4, 32, 2, 4, out=torch.empty(1, 43))
+
+
 def test_gemv_rejects_bad_inputs():
     with pytest.raises(ValueError, match="M <= 4"):
         gemv(torch.randn(5, 8), torch.randn(4, 8))

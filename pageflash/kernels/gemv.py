@@ -83,15 +83,18 @@ def _gemv_kernel(
                          mask=(offs_m[:, None] < M) & row_ok[None, :] & is_up)
                 gate = v  # a gate group's sums, for the up group that follows (an up group's are overwritten)
             else:
-                tl.store(Y + offs_m[:, None] * stride_ym + rows[None, :], out.to(Y.dtype.element_ty),
-                         mask=(offs_m[:, None] < M) & row_ok[None, :])
+                # rounded to x's dtype even where Y is float32 (the LM head's logits): as the product's
+                # .float() would be
+                tl.store(Y + offs_m[:, None] * stride_ym + rows[None, :],
+                         out.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=(offs_m[:, None] < M) & row_ok[None, :])
             acc = tl.zeros([BM, R, BK], dtype=tl.float32)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int = 512, num_stages: int = 4,
          num_warps: int = 4, out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x: [M, K] with M <= MAX_M, w: [N, K] (rows contiguous along K), same float dtype. Returns [M, N]
-    in x's dtype. rows: rows of W per program (a multiple of r); r x bk: the tile.
+    in x's dtype, or in out ([M, N], x's dtype or float32: the product rounded to x's dtype, then
+    widened). rows: rows of W per program (a multiple of r); r x bk: the tile.
 
     silu_mul: w is a fused gate/up projection ([gate; up], N = 2 * I): returns silu(x gate^T) * (x up^T),
     [M, I], exactly as ``silu_and_mul`` of the plain product would (rows must be a multiple of 2 * r)."""
@@ -112,6 +115,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
     if silu_mul and (n % 2 or rows % (2 * r)):
         raise ValueError(f"gemv: silu_mul needs an even N (got {n}) and rows a multiple of 2 * r (got {rows}, r {r})")
     n_out = n // 2 if silu_mul else n
+    if out is not None and (out.shape != (m, n_out) or out.stride(1) != 1
+                            or out.dtype not in ((x.dtype,) if silu_mul else (x.dtype, torch.float32))):
+        raise ValueError(f"gemv: out must be [{m}, {n_out}] {x.dtype}" + ("" if silu_mul else " or float32")
+                         + f", contiguous along N; got {tuple(out.shape)} {out.dtype}")
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device) if out is None else out
     bm = 1 if m == 1 else (2 if m == 2 else 4)
     per = rows // 2 if silu_mul else rows

@@ -131,10 +131,12 @@ class SkinnyDispatch:
     def __init__(self) -> None:
         self.choice: dict[tuple[int, int, int, torch.dtype], Optional[tuple]] = {}
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, large: bool = False) -> Optional[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, large: bool = False,
+                 out_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
         """The product via the Triton kernel that won for this shape; None = use cuBLAS.
         large: time the skinny kernel on this shape even if its weight exceeds MAX_WEIGHT_ELEMENTS
-        (the LM head)."""
+        (the LM head). out_dtype float32: the GEMV writes the rounded product widened to float32
+        itself (no conversion launch); other kernels return x's dtype."""
         m = x.shape[0]
         if w.numel() > MAX_WEIGHT_ELEMENTS and not large and m != 1:
             return None
@@ -142,7 +144,10 @@ class SkinnyDispatch:
         if c is None:
             return None
         if c[0] == "gemv":
-            return gemv(x, w, *c[1])
+            out = None
+            if out_dtype is not None and out_dtype != x.dtype:
+                out = torch.empty(m, w.shape[0], dtype=out_dtype, device=x.device)
+            return gemv(x, w, *c[1], out=out)
         return skinny_gemm(x, w, *c[1])
 
     def gate_up_silu(self, x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
@@ -206,10 +211,11 @@ def _dispatch() -> SkinnyDispatch:
     return _DISPATCH
 
 
-def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor, large: bool = False) -> Optional[torch.Tensor]:
+def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor, large: bool = False,
+                        out_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
     """Decode-sized bf16/fp16 products on CUDA through the fastest of cuBLAS, the skinny kernel and
     (one row) the GEMV."""
-    return _dispatch()(x, w, large)
+    return _dispatch()(x, w, large, out_dtype)
 
 
 def maybe_gate_up_silu(x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:

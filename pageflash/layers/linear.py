@@ -22,17 +22,22 @@ def _skinny_enabled() -> bool:
     return os.environ.get("PAGEFLASH_SKINNY_GEMM", "1") != "0"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, large: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, large: bool = False,
+           float_out: bool = False) -> torch.Tensor:
     """x W^T (+ b). Decode-sized products on CUDA (<= 16 rows, 16-bit) go to the faster of cuBLAS and a
     Triton skinny GEMM, timed once per shape; large=True times it for weights past the skinny
-    dispatch's size limit too (the LM head)."""
+    dispatch's size limit too (the LM head). float_out: the result as float32 (the product rounded
+    to x's dtype, then widened: what ``.float()`` of it gives), written so by the GEMV directly."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= 16 and x.dtype in _SKINNY_DTYPES and _skinny_enabled():
         from pageflash.kernels.skinny_gemm import maybe_skinny_linear
 
-        y = maybe_skinny_linear(x, weight, large)
+        # with a bias the sum is rounded in x's dtype first, as F.linear's would be
+        y = maybe_skinny_linear(x, weight, large, torch.float32 if float_out and bias is None else None)
         if y is not None:
-            return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+            y = y if bias is None else y + bias
+            return y.float() if float_out else y
+    y = F.linear(x, weight, bias)
+    return y.float() if float_out else y
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:

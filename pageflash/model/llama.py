@@ -147,7 +147,7 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.head_weight, large=True).float()
+        return linear(hidden, self.head_weight, large=True, float_out=True)
 
     # ---- weights -------------------------------------------------------------------------------
     # HF checkpoint name -> (our parameter name, shard id of a merged projection)
