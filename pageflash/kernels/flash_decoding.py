@@ -104,7 +104,9 @@ def _decode_split_kernel(
     d_ok = offs_d < HEAD_DIM
     head = kvh * GROUP + offs_h
     q_ptr = Q + b64 * stride_qb + head[:, None] * stride_qh
-    q_mask = (h_ok[:, None] & d_ok[None, :]) & ((tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int32) + live_i) > 0)
+    # q, and below the new k / v, are loaded whatever the program's keys: only its stores depend on
+    # seq_len, so these loads need not wait for it (a batch-1 step is a chain of memory latencies)
+    q_mask = h_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + offs_d[None, :], mask=q_mask, other=0.0)
     hi_loop = hi
     if ROPE:
@@ -124,12 +126,12 @@ def _decode_split_kernel(
         owner = (seq_len > 0) & (lo <= seq_len - 1) & (seq_len - 1 < hi)
         hi_loop = tl.where(owner, hi - 1, hi)
         kn_ptr = KN + b64 * stride_knb + kvh * stride_knh
-        kn_mask = d_ok & ((tl.zeros([BLOCK_D], dtype=tl.int32) + owner.to(tl.int32)) > 0)
-        kn = tl.load(kn_ptr + offs_d, mask=kn_mask, other=0.0)
-        knp = tl.load(kn_ptr + partner, mask=kn_mask, other=0.0)
+        kn = tl.load(kn_ptr + offs_d, mask=d_ok, other=0.0)
+        knp = tl.load(kn_ptr + partner, mask=d_ok, other=0.0)
         kn = _rope_tile(kn, knp, c, s, lo_half)
-        vn = tl.load(VN + b64 * stride_vnb + kvh * stride_vnh + offs_d, mask=kn_mask, other=0.0)
+        vn = tl.load(VN + b64 * stride_vnb + kvh * stride_vnh + offs_d, mask=d_ok, other=0.0)
         slot = tl.load(SLOTS + b).to(tl.int64)
+        kn_mask = d_ok & ((tl.zeros([BLOCK_D], dtype=tl.int32) + owner.to(tl.int32)) > 0)
         st_mask = kn_mask & ((tl.zeros([BLOCK_D], dtype=tl.int64) + slot) >= 0)
         sblk = tl.maximum(slot, 0) // PAGE_SIZE
         soff = tl.maximum(slot, 0) % PAGE_SIZE
@@ -227,6 +229,9 @@ def _decode_combine_kernel(
     b = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
+    row0 = (b * NUM_HEADS + h) * num_splits
+    # every split's lse, loaded alongside seq_len (not after it); the dead ones are masked below
+    lse_all = tl.load(PLSE + row0 + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     if LENS:  # the decode kernel's splits: only the first eff hold partials; eff == 1 wrote O itself
         eff = live_splits(tl.load(SEQ_LENS + b), num_splits, BLOCK_N)
     else:
@@ -234,8 +239,7 @@ def _decode_combine_kernel(
     if (eff > 1) | (not LENS):
         s_ok = offs_s < eff
         d_ok = offs_d < HEAD_DIM
-        row0 = (b * NUM_HEADS + h) * num_splits
-        lse = tl.load(PLSE + row0 + offs_s, mask=s_ok, other=float("-inf"))
+        lse = tl.where(s_ok, lse_all, float("-inf"))
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0 (a padded batch slot): every split empty -> 0
         w = tl.math.exp2(lse - m)

@@ -45,6 +45,9 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     x = tl.load(X + t * stride_x + cols, mask=mask, other=0.0)
+    # issued with x, not after the reduction: a one-row norm (batch-1 decode) is a chain of memory
+    # latencies, and this one need not wait
+    w = tl.load(W + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(R + t * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
@@ -56,7 +59,6 @@ def _rms_norm_kernel(
     else:  # interpreter (no libdevice)
         rstd = tl.math.rsqrt(ms)
     xn = (xf * rstd).to(X.dtype.element_ty)
-    w = tl.load(W + cols, mask=mask, other=0.0)
     y = xn.to(tl.float32) * w.to(tl.float32)  # exact for 16-bit operands: one rounding below
     tl.store(O + t * stride_o + cols, y.to(O.dtype.element_ty), mask=mask)
 
