@@ -44,14 +44,15 @@ def test_gemv_bf16(m, n, k, rows):
 
 
 def test_dispatch_times_gemv_at_one_row():
-    """At M = 1 the dispatch also times the GEMV, on every shape (gate_up's weight is past the
+    """At M = 1 the dispatch times the GEMV and cuBLAS, on every shape (gate_up's weight is past the
     skinny kernel's size limit); whatever it picks matches cuBLAS."""
     d = SkinnyDispatch()
     for n, k in ((28672, 4096), (4096, 4096)):
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         y = d(x, w)
-        assert (n, k, 1, torch.bfloat16) in d.choice
+        c = d.choice[(n, k, 1, torch.bfloat16)]
+        assert c is None or c[0] == "gemv"  # at one row: the GEMV or cuBLAS, never the skinny kernel
         if y is not None:
             ref = torch.nn.functional.linear(x, w)
             assert (y.float() - ref.float()).norm() / ref.float().norm() < 1e-2
