@@ -3,9 +3,10 @@ against the package's pointer-load kernel and SDPA, on the W-attn-decode shapes.
 
 The cache [num_blocks, page, Hkv, D] is seen as a 3-D tensor [num_blocks * page, Hkv, D]; one page
 of one KV head is the box [page, 1, D] at (block * page, h, 0), fetched by the copy engine (TMA)
-instead of by per-thread loads. Each loop iteration handles one page (one descriptor load for K,
-one for V; num_stages of them in flight); a split's chunk is a multiple of PAGES pages. The partials
-go through the package's combine kernel.
+instead of by per-thread loads. PAGES 1: each loop iteration handles one page (one descriptor load
+for K, one for V); PAGES 4: four pages, one box each, joined into a [64, D] tile (the pointer-load
+kernel's BLOCK_N). A split's chunk is a multiple of PAGES pages. The partials go through the
+package's combine kernel.
 Not wired into the engine: this measures whether the route pays (docs/KERNELS.md, #3).
 
 Usage: PYTHONPATH=. python scripts/tma_decode_probe.py            (GPU, sm_90)
@@ -23,6 +24,15 @@ import triton.language as tl
 from pageflash.kernels.flash_decoding import (
     LOG2E, choose_num_splits, combine_partials, flash_decode, flash_decode_ref, split_range,
 )
+
+
+@triton.jit
+def _join4(a, b, c, d):
+    """[P, D] x 4 -> [4P, D], rows of a, then b, c, d."""
+    z = tl.join(tl.join(a, b), tl.join(c, d))  # [P, D, 2 (a|b, c|d), 2 (ab|cd)]
+    P: tl.constexpr = a.shape[0]
+    D: tl.constexpr = a.shape[1]
+    return tl.permute(z, (3, 2, 0, 1)).reshape(4 * P, D)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -48,10 +58,25 @@ def _tma_split_kernel(Q, KC, VC, PO, PLSE, BT, SEQ_LENS, NROWS, stride_qb, strid
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_bt
     offs_p = tl.arange(0, PAGE)
-    for start in range(lo, hi, PAGE):
-        blk = tl.load(bt_row + start // PAGE)
-        k = kd.load([blk * PAGE, kvh, 0]).reshape(PAGE, D)
-        v = vd.load([blk * PAGE, kvh, 0]).reshape(PAGE, D)
+    if PAGES == 4:
+        offs_p = tl.arange(0, 4 * PAGE)
+    for start in range(lo, hi, PAGE * (4 if PAGES == 4 else 1)):
+        if PAGES == 4:
+            # four pages per iteration, one box each, joined into a [4 * PAGE, D] tile (rows in page
+            # order); pages past the table's used part read block 0 and are masked below
+            pg = start // PAGE
+            b0 = tl.load(bt_row + pg)
+            b1 = tl.load(bt_row + pg + 1, mask=start + PAGE < hi, other=0)
+            b2 = tl.load(bt_row + pg + 2, mask=start + 2 * PAGE < hi, other=0)
+            b3 = tl.load(bt_row + pg + 3, mask=start + 3 * PAGE < hi, other=0)
+            k = _join4(kd.load([b0 * PAGE, kvh, 0]).reshape(PAGE, D), kd.load([b1 * PAGE, kvh, 0]).reshape(PAGE, D),
+                       kd.load([b2 * PAGE, kvh, 0]).reshape(PAGE, D), kd.load([b3 * PAGE, kvh, 0]).reshape(PAGE, D))
+            v = _join4(vd.load([b0 * PAGE, kvh, 0]).reshape(PAGE, D), vd.load([b1 * PAGE, kvh, 0]).reshape(PAGE, D),
+                       vd.load([b2 * PAGE, kvh, 0]).reshape(PAGE, D), vd.load([b3 * PAGE, kvh, 0]).reshape(PAGE, D))
+        else:
+            blk = tl.load(bt_row + start // PAGE)
+            k = kd.load([blk * PAGE, kvh, 0]).reshape(PAGE, D)
+            v = vd.load([blk * PAGE, kvh, 0]).reshape(PAGE, D)
         j = start + offs_p
         qk = tl.dot(q, tl.trans(k))
         qk = tl.where((j < hi)[None, :], qk * qk_scale, float("-inf"))
@@ -106,9 +131,10 @@ def check():
     for b, L, hq, hkv in ((2, 77, 4, 2), (1, 300, 8, 2)):
         q, kc, vc, bt, sl = _case(b, L, hq, hkv, 16, 16, torch.float32, "cpu")
         ref = flash_decode_ref(q, kc, vc, bt, sl, 0.25)
-        got = tma_decode(q, kc, vc, bt, sl, 0.25, num_splits=3, pages=1)
-        print(b, L, "max |diff|", (got - ref).abs().max().item())
-        assert torch.allclose(got, ref, atol=2e-3, rtol=2e-3)
+        for pages in (1, 4):
+            got = tma_decode(q, kc, vc, bt, sl, 0.25, num_splits=3, pages=pages)
+            print(b, L, pages, "max |diff|", (got - ref).abs().max().item())
+            assert torch.allclose(got, ref, atol=2e-3, rtol=2e-3)
 
 
 def bench():
@@ -128,7 +154,7 @@ def bench():
         nbytes = 2 * b * L * 8 * 128 * 2
         ref = flash_decode(q, kc, vc, bt, sl, 128**-0.5, num_splits=splits)
         res = {"ours": tt.do_bench_cudagraph(lambda: flash_decode(q, kc, vc, bt, sl, 128**-0.5, num_splits=splits))}
-        for pages, warps, stages in ((4, 4, 3), (4, 4, 4), (2, 4, 4), (8, 4, 2), (4, 8, 3)):
+        for pages, warps, stages in ((4, 4, 3), (4, 4, 2), (4, 8, 3), (4, 4, 4)):
             for sp in sorted({splits, max(1, splits // 2)}):
                 try:
                     got = tma_decode(q, kc, vc, bt, sl, 128**-0.5, sp, pages, warps, stages)
