@@ -29,6 +29,7 @@ from pageflash import LLM, SamplingParams
 from pageflash.engine.model_runner import DecodeGraphs
 from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode
 from pageflash.kernels.rotary import apply_rotary
+from probe_timing import round_robin  # scripts/probe_timing.py (this script's folder)
 
 name = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
 variants = sys.argv[2:] or ["rope=0,combine=0", "rope=1,combine=0", "rope=1,combine=1"]
@@ -94,7 +95,7 @@ for L in (129, 256, 384, 1024, 4096, 8000) if os.environ.get("KERNELS", "1") != 
             ts.append(e0.elapsed_time(e1) * 1e3 / 32)
         row[var] = statistics.median(ts)
     print(f"  L {L:6d}: " + ", ".join(f"{k_} {v_:.2f} us" for k_, v_ in row.items()), flush=True)
-del kc, vc
+kc = vc = None  # free the caches (the step closures above read these names)
 torch.cuda.empty_cache()
 
 # ---- 2. engine -----------------------------------------------------------------------------------
@@ -129,41 +130,18 @@ for g in graphs.values():
     for a in ("input_ids", "positions", "slots", "seq_lens", "block_tables"):
         dst = getattr(g, a)
         dst.copy_(getattr(src, a)[: dst.shape[0]])
+ctx = int(src.seq_lens[0])  # the request's keys: which graph of bucket 1 the engine would take
 ref = None
 diff = {}
 for var, g in graphs.items():
-    g.short_graphs.get(1, g.graphs[1]).replay()
+    g.select(1, ctx).graph.replay()
     torch.cuda.synchronize()
-    out = g.short_logits.get(1, g.logits[1])[:1].float().clone()
+    out = g.select(1, ctx).logits[:1].float().clone()
     if ref is None:
         ref = out
     diff[var] = ((out - ref).abs().max().item(), int((out.argmax(-1) == ref.argmax(-1)).all()))
 
-times = {v: [] for v in graphs}
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-for rnd in range(7):
-    for var, g in graphs.items():
-        for _ in range(5):
-            g.short_graphs.get(1, g.graphs[1]).replay()
-        s.record()
-        for _ in range(50):
-            g.short_graphs.get(1, g.graphs[1]).replay()
-        e.record()
-        torch.cuda.synchronize()
-        times[var].append(s.elapsed_time(e) / 50 * 1e3)
-
-steps = {v: [] for v in graphs}
-for rnd in range(3):
-    for var, g in graphs.items():
-        r.graphs = g
-        for _ in range(5):
-            eng.step()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(100):
-            eng.step()
-        torch.cuda.synchronize()
-        steps[var].append((time.perf_counter() - t) / 100 * 1e6)
+times, steps = round_robin(graphs, eng, lambda g: g.select(1, ctx).graph)
 
 # the GPU-side floor of an engine step for the last variant: the step's input copies (pinned), the
 # graph, the greedy argmax and the token's copy to the host, queued back to back (no host logic)
@@ -181,8 +159,8 @@ for rnd in range(3):
     for _ in range(100):
         for a in names:
             copy_to(getattr(g, a)[:1], host_in[a])
-        g.short_graphs.get(1, g.graphs[1]).replay()
-        host_tok.copy_(argmax_rows(g.short_logits.get(1, g.logits[1])[:1]), non_blocking=True)
+        g.select(1, ctx).graph.replay()
+        host_tok.copy_(argmax_rows(g.select(1, ctx).logits[:1]), non_blocking=True)
     torch.cuda.synchronize()
     floor.append((time.perf_counter() - t) / 100 * 1e6)
 print(f"GPU-side floor of a step ({variants[-1]}: copies + graph + argmax + D2H, no host logic): "

@@ -17,7 +17,7 @@ prompt = {"prompt_token_ids": [i % 50 + 1000 for i in range(600)]}
 llm.generate([prompt], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
 runner = llm.llm_engine.runner
 sg = runner.step_graphs
-decode = runner.graphs.graphs[1]
+decode = runner.graphs.full[1].graph
 verify_key = next(k for k in sg.graphs if k[0] == 1 and k[1] == Q)
 verify = sg.graphs[verify_key][0]
 print("verify graph key", verify_key)

@@ -23,6 +23,7 @@ from pageflash import LLM, SamplingParams
 from pageflash.engine.model_runner import DecodeGraphs
 from pageflash.kernels.prefetch import l2_prefetch
 from pageflash.layers.linear import linear
+from probe_timing import round_robin  # scripts/probe_timing.py (this script's folder)
 
 name = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
 variants = sys.argv[2:] or ["off", "bulk:o=16", "bulk:o=24", "bulk:o=32", "bulk:o=24,qkv=8",
@@ -115,38 +116,14 @@ for g in graphs.values():
 ref = None
 same = {}
 for v, g in graphs.items():
-    g.graphs[1].replay()
+    g.full[1].graph.replay()
     torch.cuda.synchronize()
-    out = g.logits[1].clone()
+    out = g.full[1].logits.clone()
     if ref is None:
         ref = out
     same[v] = bool(torch.equal(out, ref))
 
-times = {v: [] for v in graphs}
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-for rnd in range(7):
-    for v, g in graphs.items():
-        for _ in range(5):
-            g.graphs[1].replay()
-        s.record()
-        for _ in range(50):
-            g.graphs[1].replay()
-        e.record()
-        torch.cuda.synchronize()
-        times[v].append(s.elapsed_time(e) / 50 * 1e3)
-
-steps = {v: [] for v in graphs}
-for rnd in range(3):
-    for v, g in graphs.items():
-        r.graphs = g
-        for _ in range(5):
-            eng.step()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(100):
-            eng.step()
-        torch.cuda.synchronize()
-        steps[v].append((time.perf_counter() - t) / 100 * 1e6)
+times, steps = round_robin(graphs, eng, lambda g: g.full[1].graph)
 
 print(f"\n{name} batch 1 decode graph, {len(times[variants[0]])} rounds")
 print(f"{'variant':40s} {'replay us':>10s} {'min':>8s} {'step us':>9s} {'tok/s':>7s} {'logits == off':>14s}")

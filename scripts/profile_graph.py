@@ -43,7 +43,7 @@ bucket = next(x for x in g.buckets if x >= batch)
 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 s.record()
 for _ in range(n):
-    g.graphs[bucket].replay()
+    g.full[bucket].graph.replay()
 e.record()
 torch.cuda.synchronize()
 replay_ms = s.elapsed_time(e) / n

@@ -11,11 +11,11 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import torch
 
 from pageflash import LLM, SamplingParams
+from probe_timing import step_us  # scripts/probe_timing.py (this script's folder)
 
 name = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
@@ -24,14 +24,7 @@ llm = LLM(name, load_format="dummy")
 eng = llm.llm_engine
 eng.add_request(None, {"prompt_token_ids": list(range(10, 138))},
                 SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
-for _ in range(40):
-    eng.step()
-torch.cuda.synchronize()
-t = time.perf_counter()
-for _ in range(100):
-    eng.step()
-torch.cuda.synchronize()
-print(f"engine step (unprofiled): {(time.perf_counter() - t) * 1e4:.1f} us")
+print(f"engine step (unprofiled): {step_us(eng, 100, warm=40):.1f} us")
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 

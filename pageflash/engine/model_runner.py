@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -283,19 +283,12 @@ class DecodeGraphs:
         self.slots.fill_(-1)
         self.seq_lens.fill_(1)
         self.qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.greedy: dict[int, Optional[torch.Tensor]] = {}  # the argmax of logits, in the graph
-        self.plans: dict[int, Any] = {}
         self.argmax = os.environ.get("PAGEFLASH_GRAPH_ARGMAX", "1") != "0"
-        # the short-context class: graphs, outputs and plans per bucket (only where its splits differ)
         short_kv = _short_kv_from_env()
         self.short_blocks = min(self.max_blocks, -(-short_kv // runner.block_size)) if short_kv > 0 else 0
         self.short_kv = self.short_blocks * runner.block_size
-        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.short_logits: dict[int, torch.Tensor] = {}
-        self.short_greedy: dict[int, Optional[torch.Tensor]] = {}
-        self.short_plans: dict[int, Any] = {}
+        self.full: dict[int, CapturedStep] = {}  # per bucket
+        self.short: dict[int, CapturedStep] = {}  # per bucket whose short-context splits differ
 
     def _meta(self, b: int, width: Optional[int] = None) -> AttentionMetadata:
         return AttentionMetadata(
@@ -315,14 +308,12 @@ class DecodeGraphs:
             for b in reversed(self.buckets):  # largest first: the pool then fits the smaller ones
                 if pf is not None:
                     pf.active = b <= pf.max_batch
-                plan = self.plans[b] = r.backend.plan(self._meta(b))  # the captured kernels may read it
-                self.graphs[b], (self.logits[b], self.greedy[b]) = _capture_graph(r, self._forward(b, plan))
+                plan = r.backend.plan(self._meta(b))
+                self.full[b] = self._capture(b, plan)
                 if 0 < self.short_blocks < self.max_blocks:
                     short = r.backend.plan(self._meta(b, self.short_blocks))
                     if _decode_splits(short, hkv) != _decode_splits(plan, hkv):
-                        self.short_plans[b] = short
-                        self.short_graphs[b], (self.short_logits[b], self.short_greedy[b]) = _capture_graph(
-                            r, self._forward(b, short))
+                        self.short[b] = self._capture(b, short)
         finally:
             r.model.set_prefetcher(None)
         torch.cuda.synchronize()
@@ -359,29 +350,44 @@ class DecodeGraphs:
         copy_to(self._i32[: h32.shape[0]], torch.from_numpy(h32))
         if fixes:
             _fill_pending(self.input_ids, fixes, prev_tokens)
-        if bucket in self.short_graphs and int(lens.max()) <= self.short_kv:
-            graph, logits, greedy = self.short_graphs[bucket], self.short_logits[bucket], self.short_greedy[bucket]
-        else:
-            graph, logits, greedy = self.graphs[bucket], self.logits[bucket], self.greedy[bucket]
-        graph.replay()
-        return StepResult(logits[:b], [(i, 1) for i in range(b)], greedy=None if greedy is None else greedy[:b])
+        c = self.select(bucket, int(lens.max()))
+        c.graph.replay()
+        return StepResult(c.logits[:b], [(i, 1) for i in range(b)], greedy=None if c.greedy is None else c.greedy[:b])
 
-    def _forward(self, b: int, plan: Any):
-        """The captured step: logits, and their row argmax for the greedy fast path (kernels/argmax.py:
+    def select(self, bucket: int, max_len: int) -> "CapturedStep":
+        """The graph a step of this bucket takes when its longest sequence has max_len keys."""
+        c = self.short.get(bucket)
+        return c if c is not None and max_len <= self.short_kv else self.full[bucket]
+
+    def _capture(self, b: int, plan: Any) -> "CapturedStep":
+        """The step captured: logits, and their row argmax for the greedy fast path (kernels/argmax.py:
         two launches inside the graph instead of five PyTorch reductions after it;
         PAGEFLASH_GRAPH_ARGMAX=0 turns it off)."""
         r = self.runner
+        argmax = self.argmax and b <= _GRAPH_ARGMAX_MAX_BATCH
 
         def fwd():
             logits = r.model.compute_logits(
                 r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan))
-            if not self.argmax or b > _GRAPH_ARGMAX_MAX_BATCH:
+            if not argmax:
                 return logits, None
-            from pageflash.kernels.argmax import argmax
+            from pageflash.kernels.argmax import argmax as argmax_kernel
 
-            return logits, argmax(logits)
+            return logits, argmax_kernel(logits)
 
-        return fwd
+        graph, (logits, greedy) = _capture_graph(r, fwd)
+        return CapturedStep(graph, logits, greedy, plan)
+
+
+class CapturedStep(NamedTuple):
+    """One captured decode graph and what lives with it: its outputs in the graph's memory
+    (logits [bucket, V] float32, greedy int64 [bucket] or None) and the plan whose tensors its
+    kernels read."""
+
+    graph: Any
+    logits: torch.Tensor
+    greedy: Optional[torch.Tensor]
+    plan: Any
 
 
 # The in-graph argmax only where a step's launches are what it saves (latency-bound small batches):

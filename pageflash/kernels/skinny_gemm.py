@@ -223,8 +223,8 @@ def _dispatch() -> SkinnyDispatch:
 
 def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor, large: bool = False,
                         out_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
-    """Decode-sized bf16/fp16 products on CUDA through the fastest of cuBLAS, the skinny kernel and
-    (one row) the GEMV."""
+    """Decode-sized bf16/fp16 products on CUDA through the faster of cuBLAS and the skinny kernel, or
+    at one row of cuBLAS and the GEMV."""
     return _dispatch()(x, w, large, out_dtype)
 
 
