@@ -392,3 +392,84 @@ def test_decides_every_step_at_small_batches_only() -> None:
     ctrl = SpecController(AdaptiveConfig(off_eval_interval=16))
     assert [ctrl.eval_interval(b) for b in (1, 4, 7, 8, 16, 64, 256)] == [1, 1, 1, 2, 4, 16, 16]
 
+
+
+def _churn(ctrl: SpecController, steps: int, bsz: int, alpha: float, new_per_step: int, rng: random.Random,
+           plain_t: float = 0.002, spec_factor: float = 2.5) -> tuple[float, int]:
+    """A server at batch bsz whose requests keep changing (new_per_step leave and arrive every step),
+    where a whole speculative step costs spec_factor plain ones (it cannot overlap like plain steps
+    do) and drafts are accepted with alpha. Returns (throughput over plain decoding's, probe steps)."""
+    ids = [f"r{i}" for i in range(bsz)]
+    nxt = bsz
+    tokens = seconds = 0.0
+    probes = 0
+    for _ in range(steps):
+        ks = [0] * bsz if ctrl.skip_step("ngram", bsz) else ctrl.choose(ids, "ngram", prechecked=True)
+        n = bsz + sum(ks)
+        ctrl.observe_step(bsz, n, plain_t * (1 + 0.01 * (n - bsz)))
+        emitted = 0
+        for r, k in zip(ids, ks):
+            a = 0
+            while a < k and rng.random() < alpha:
+                a += 1
+            if k:
+                ctrl.observe_acceptance("ngram", r, k, a)
+            emitted += 1 + a
+        t = plain_t * (spec_factor if n > bsz else 1.0)
+        ctrl.observe_outcome("ngram", bsz, emitted, t, speculated=n > bsz)
+        probes += n > bsz
+        tokens += emitted
+        seconds += t
+        for j in rng.sample(range(bsz), new_per_step):
+            ctrl.remove_request(ids[j])
+            ids[j] = f"r{nxt}"
+            nxt += 1
+    return (tokens / seconds) / (bsz / plain_t), probes
+
+
+def test_new_requests_probes_share_the_probe_budget() -> None:
+    """Under churn (a request arrives every step), the probes of new requests are paid from the same
+    credit as batch-wide ones: speculation that never pays costs about probe_budget at most, not a
+    synchronous step for every arrival."""
+    cfg = AdaptiveConfig()
+    ctrl = SpecController(cfg)
+    ratio, probes = _churn(ctrl, 4000, 64, 0.3, 1, random.Random(12))
+    assert not ctrl.is_on("ngram")
+    assert probes > 0  # it still looks now and then
+    assert probes * (2.5 - 1.0) <= cfg.probe_budget * 4000 + 4 * cfg.probe_steps * 1.5  # credit + its cap
+    assert ratio >= 1.0 - cfg.probe_budget - 0.01
+
+
+def test_probe_backoff_while_probes_find_no_gain_and_reset_when_on() -> None:
+    cfg = AdaptiveConfig(probe_interval=16, max_probe_backoff=4)
+    ctrl = SpecController(cfg)
+    rng = random.Random(13)
+    simulate(ctrl, 3000, 8, 0.05, CHEAP, rng, whole=lambda b, n: 0.02 if n > b else CHEAP(b, n))
+    st = ctrl._state("ngram")
+    assert not st.on and st.backoff == cfg.max_probe_backoff
+    slow = ctrl.probe_interval("ngram", 8)
+    st.backoff = 1
+    assert ctrl.probe_interval("ngram", 8) < slow  # the interval stretches with the backoff
+    st.backoff = cfg.max_probe_backoff
+    # drafts become good and speculation cheap: a probe sees it, speculation turns on, full rate again
+    simulate(ctrl, 4000, 8, 0.95, CHEAP, rng)
+    assert st.on and st.backoff == 1
+
+
+def test_off_evaluations_skipped_while_nothing_changes() -> None:
+    """While off with no new acceptance observation and no credit for a probe, the decision (numpy
+    work over every request) is not recomputed at every evaluation interval."""
+    ctrl = SpecController(AdaptiveConfig(probe_interval=10**6))
+    calls = 0
+    allocate = ctrl.allocate
+
+    def counted(*a, **k):
+        nonlocal calls
+        calls += 1
+        return allocate(*a, **k)
+
+    ctrl.allocate = counted  # type: ignore[method-assign]
+    _churn(ctrl, 2000, 64, 0.0, 0, random.Random(14))
+    assert not ctrl.is_on("ngram")
+    evals = 2000 // ctrl.eval_interval(64)
+    assert calls < evals / 4

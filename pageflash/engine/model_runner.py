@@ -221,7 +221,7 @@ class ModelRunner:
         self.copy_blocks(sched.block_copies)
         if (
             self.graphs is not None and tree_mask is None and positions_override is None and num_layers is None
-            and kv_caches is None and not need_hidden and all(s.num_new_tokens == 1 and s.samples for s in sched.seqs)
+            and kv_caches is None and not need_hidden and sched.is_decode
             and len(sched.seqs) <= self.graphs.max_batch
         ):
             return self.graphs.run(sched, block_tables, prev_tokens)

@@ -17,6 +17,7 @@ Policy per step, under a token budget (max_num_batched_tokens) and max_num_seqs:
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -51,6 +52,12 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.seqs)
+
+    @functools.cached_property
+    def is_decode(self) -> bool:
+        """Every seq computes one token, the last it lacks: no prefill chunk, no draft (computed
+        once: the runner and the speculative decoder both ask)."""
+        return all(s.num_new_tokens == 1 and s.samples for s in self.seqs)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)

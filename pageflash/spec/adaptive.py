@@ -89,7 +89,13 @@ class AdaptiveConfig:
     probe_interval:   steps between probes (speculation while off, plain decode while on); while
                       off, stretched so that probes cost at most probe_budget of the decode time.
     probe_steps:      speculative steps per probe while off.
-    probe_budget:     largest share of plain-decoding time that probing may add while off.
+    probe_budget:     largest share of plain-decoding time that probing may add while off. Every
+                      probe (batch-wide, or a new request's own) is paid from one credit: each
+                      plain step while off adds probe_budget / backoff plain-step times, a probe
+                      step spends its measured extra cost over a plain step.
+    max_probe_backoff: while batch-wide probes keep finding that speculation does not pay, the
+                      credit's rate is halved after each one, down to 1 / max_probe_backoff of
+                      probe_budget (back to full rate when speculation turns on).
     off_eval_interval: while off, the decision is re-evaluated every this many steps (its numpy
                       work would otherwise weigh on fast, CUDA-graph decode steps); at small
                       batches more often: every max(1, B // 4) steps if that is fewer (every step
@@ -120,6 +126,7 @@ class AdaptiveConfig:
     probe_interval: int = 64
     probe_steps: int = 4
     probe_budget: float = 0.025
+    max_probe_backoff: int = 4
     off_eval_interval: int = 16
     cond_ema: float = 0.02
     cond_min_observations: int = 20
@@ -149,6 +156,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.off_eval_interval must be >= 1, got {self.off_eval_interval}")
         if not 0.0 < self.probe_budget <= 1.0:
             raise ValueError(f"AdaptiveConfig.probe_budget must be in (0, 1], got {self.probe_budget}")
+        if self.max_probe_backoff < 1:
+            raise ValueError(f"AdaptiveConfig.max_probe_backoff must be >= 1, got {self.max_probe_backoff}")
         if not 1 <= self.probe_k <= self.k_max:
             raise ValueError(f"AdaptiveConfig.probe_k must be in [1, k_max={self.k_max}], got {self.probe_k}")
         if not 0.0 <= self.prior_alpha < 1.0:
@@ -281,6 +290,15 @@ class _ProposerState:
     on: bool = False
     steps_in_mode: int = 0
     probing: int = 0  # speculative probe steps left
+    # what probes may still spend, in plain-step times (starts with one batch-wide probe's worth
+    # at an extra cost of one plain step), and the divisor of its rate
+    credit: float = 4.0
+    backoff: int = 1
+    probe_ended: bool = False  # a batch-wide probe's last step was chosen; its verdict is pending
+    # acceptance observations at the last decision that stayed off, and decisions skipped since
+    # because none came
+    eval_obs: int = -1
+    evals_skipped: int = 0
     propose_cost: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per step
     last_speedup: float = 0.0  # predicted (uncalibrated) speedup of the last allocation
     last_mode: str = "off"  # what the last choose() did: "off", "on" or "probe"
@@ -304,7 +322,7 @@ class SpecController:
         st = self._states.get(proposer)
         if st is None:
             c = self.config
-            st = _ProposerState(AcceptanceEMA(c.ema, c.prior_alpha))
+            st = _ProposerState(AcceptanceEMA(c.ema, c.prior_alpha), credit=float(c.probe_steps))
             st.cond = {hit: AcceptanceEMA(c.cond_ema, c.prior_alpha, warmup=True) for hit in (False, True)}
             self._states[proposer] = st
         return st
@@ -440,12 +458,11 @@ class SpecController:
             t += self._state(proposer).propose_cost.get(_bucket(bsz), 0.0)
         return (tokens / t) / (bsz / base)
 
-    def probe_interval(self, proposer: str, num_seqs: int) -> int:
-        """Steps between probes while off: probe_interval, or more when a probe step's extra cost
-        over a decode step would exceed probe_budget. The extra cost is the cost model's (verify +
-        drafting) or, when larger, the measured one of whole steps that speculated against whole
-        plain steps (which sees what the model does not, e.g. a plain step overlapped with the
-        GPU's work against a speculative step that cannot be)."""
+    def probe_extra(self, proposer: str, num_seqs: int) -> float:
+        """What one probe step costs over a plain step, in plain-step times: the cost model's (verify
+        + drafting) or, when larger, the measured one of whole steps that speculated against whole
+        plain steps (which sees what the model does not, e.g. a plain step overlapped with the GPU's
+        work against a speculative step that cannot be). At least 0.05."""
         cfg = self.config
         st = self._state(proposer)
         b = _bucket(num_seqs)
@@ -455,7 +472,16 @@ class SpecController:
             extra += st.propose_cost.get(b, 0.0) / base
         if b in st.spec_step_s and self._plain_step_s.get(b):
             extra = max(extra, st.spec_step_s[b] / self._plain_step_s[b] - 1.0)
-        return max(cfg.probe_interval, int(np.ceil(cfg.probe_steps * max(extra, 0.0) / cfg.probe_budget)))
+        return max(extra, 0.05)
+
+    def probe_interval(self, proposer: str, num_seqs: int) -> int:
+        """Steps between batch-wide probes while off, when nothing else spends the probe credit:
+        probe_interval, or more when probe_steps probe steps would cost more than the credit that
+        many plain steps earn (probe_budget / backoff of their time)."""
+        cfg = self.config
+        st = self._state(proposer)
+        need = cfg.probe_steps * self.probe_extra(proposer, num_seqs) * st.backoff / cfg.probe_budget
+        return max(cfg.probe_interval, int(np.ceil(need)))
 
     def skip_step(self, proposer: str, num_seqs: int) -> bool:
         """The cheap part of :meth:`choose`, which it runs first: True when this step goes without
@@ -466,8 +492,11 @@ class SpecController:
         if not self.costs.has_baseline(num_seqs):
             return True  # measure plain decode at this batch size first: every decision needs it
         st.steps_in_mode += 1
+        if st.on or st.probing:
+            return False
+        st.credit += self.config.probe_budget / st.backoff  # a plain step while off earns probe credit
         # off: decide again every few steps only, so plain steps stay cheap
-        return not st.on and st.probing == 0 and st.steps_in_mode % self.eval_interval(num_seqs) != 0
+        return st.steps_in_mode % self.eval_interval(num_seqs) != 0
 
     def eval_interval(self, num_seqs: int) -> int:
         """Steps between decisions while off: off_eval_interval, every step at small batches."""
@@ -491,14 +520,25 @@ class SpecController:
         caps = [cfg.k_max] * bsz if max_k is None else [max(0, min(cfg.k_max, m)) for m in max_k]
         for r in request_ids:
             st.idle[r] = st.idle.get(r, 0) + 1
-        alphas = [self.alpha(proposer, r) for r in request_ids]
-        ks, speedup = self.allocate(proposer, alphas, caps)
-        st.last_speedup = speedup
-        speedup *= self.calibration(proposer, bsz)  # delivered so far against predicted
+        if (not st.on and not st.probing and st.acceptance.num_observations == st.eval_obs
+                and st.evals_skipped < 8):
+            # Off, and no acceptance observation since the last decision: the verdict stays (only
+            # the batch's make-up and the plain-step costs can have moved; re-done every 9th time).
+            # The per-request estimates and the allocation are skipped; probes are still decided.
+            st.evals_skipped += 1
+            alphas = None
+            ks, speedup = list(zeros), 0.0
+        else:
+            st.evals_skipped = 0
+            alphas = [self.alpha(proposer, r) for r in request_ids]
+            ks, speedup = self.allocate(proposer, alphas, caps)
+            st.last_speedup = speedup
+            speedup *= self.calibration(proposer, bsz)  # delivered so far against predicted
         st.last_mode = "probe" if st.probing > 0 else "on" if st.on else "off"
 
         if st.probing > 0:
             st.probing -= 1
+            st.probe_ended = st.probing == 0
             ks = [min(cfg.probe_k, c) for c in caps]
             st.last_speedup = self.predicted_speedup(proposer, alphas, ks)
         elif st.on:
@@ -512,27 +552,41 @@ class SpecController:
                 if ks[i] == 0 and caps[i] > 0 and st.idle[r] >= cfg.probe_interval:
                     ks[i] = min(cfg.probe_k, caps[i])  # give a request left out a fresh look
         else:
+            if st.probe_ended and speedup < cfg.on_threshold:
+                # the probe found no gain: probe less often while that lasts
+                st.backoff = min(cfg.max_probe_backoff, 2 * st.backoff)
+            st.probe_ended = False
+            extra = self.probe_extra(proposer, bsz)
+            # unspent credit is capped at two batch-wide probes' worth
+            st.credit = min(st.credit, 2.0 * cfg.probe_steps * max(extra, 1.0))
             if speedup >= cfg.on_threshold:
-                st.on, st.steps_in_mode, st.last_mode = True, 0, "on"
-            elif st.steps_in_mode >= self.probe_interval(proposer, bsz):
+                st.on, st.steps_in_mode, st.last_mode, st.backoff = True, 0, "on", 1
+            elif st.steps_in_mode >= cfg.probe_interval and st.credit >= cfg.probe_steps * extra:
+                st.credit -= cfg.probe_steps * extra
                 st.steps_in_mode = 0
                 st.probing = cfg.probe_steps - 1
+                st.probe_ended = st.probing == 0
                 st.last_mode = "probe"
                 ks = [min(cfg.probe_k, c) for c in caps]
+                alphas = alphas or [self.alpha(proposer, r) for r in request_ids]
                 st.last_speedup = self.predicted_speedup(proposer, alphas, ks)
             else:
-                # A request not seen speculating yet gets one probe of its own: its text may be far
-                # more predictable than the average (a request that quotes its prompt), and a short
-                # request would end before the next batch-wide probe. Decided again the next step.
+                # A request not seen speculating yet gets one probe of its own, paid from the same
+                # credit: its text may be far more predictable than the average (a request that
+                # quotes its prompt), and a short request would end before the next batch-wide
+                # probe. Decided again the next step.
                 fresh = [i for i, r in enumerate(request_ids)
                          if caps[i] > 0 and r not in st.requests and r not in st.probed]
-                if not fresh:
+                st.eval_obs = st.acceptance.num_observations
+                if not fresh or st.credit < extra:
                     return zeros
+                st.credit -= extra
                 ks = list(zeros)
                 for i in fresh:
                     ks[i] = min(cfg.probe_k, caps[i])
                     st.probed.add(request_ids[i])
                 st.last_mode = "probe"
+                alphas = alphas or [self.alpha(proposer, r) for r in request_ids]
                 st.last_speedup = self.predicted_speedup(proposer, alphas, ks)
                 st.steps_in_mode -= 1  # (a multiple of the interval here) the next step evaluates again
         for r, k in zip(request_ids, ks):
@@ -552,6 +606,8 @@ class SpecController:
                 "predicted_speedup": round(st.last_speedup, 4),
                 "calibration": {b: round(self.calibration(name, b), 4) for b in sorted(st.cal_sums)},
                 "probing": st.probing > 0,
+                "probe_credit": round(st.credit, 4),
+                "probe_backoff": st.backoff,
             }
             for name, st in self._states.items()
         }

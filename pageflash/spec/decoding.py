@@ -273,8 +273,7 @@ class SpecDecoder:
             return False
         if not self.enabled:
             return True
-        cands = self._decode_ready()
-        plan = self._plan(cands) if cands else None
+        plan = self._plan()
         self._planned = (plan,)
         return plan is None
 
@@ -282,13 +281,25 @@ class SpecDecoder:
         """Running requests in decode state: only their last token lacks KV (it may be in flight)."""
         return [r for r in self.engine.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
 
-    def _plan(self, cands: list[Request]) -> Optional[dict[str, tuple[int, int]]]:
-        """request id -> (draft nodes k, depth cap) for the requests that get drafts this step;
-        None when none does. Counts include a token still in flight (async scheduling)."""
-        shadows = self._shadow_drafts and len(cands) <= self.SHADOW_MAX_BATCH
+    def _plan(self) -> Optional[dict[str, tuple[int, int]]]:
+        """request id -> (draft nodes k, depth cap) for the decode-ready requests that get drafts
+        this step; None when none does. Counts include a token still in flight (async scheduling).
+        While the controller keeps speculation off, a step costs it one counter update: its
+        pre-check counts every running request (at most a few still prefilling), and the requests
+        themselves are not looked at."""
+        running = self.engine.scheduler.running
+        if not running:
+            return None
+        shadows = self._shadow_drafts and len(running) <= self.SHADOW_MAX_BATCH
+        prechecked = self.ctrl is not None and not shadows
+        if prechecked and self.ctrl.skip_step(self.name, len(running)):
+            return None
+        cands = self._decode_ready()
+        if not cands:
+            return None
         if shadows:
             self._score_shadows(cands)
-        plan = self._choose(cands)
+        plan = self._choose(cands, prechecked)
         if shadows:
             self._new_shadows([r for r in cands if plan is None or r.request_id not in plan])
         return plan
@@ -321,9 +332,9 @@ class SpecDecoder:
             if tree is not None and len(tree):
                 r.spec_state.shadow = (len(r.token_ids), tree)
 
-    def _choose(self, cands: list[Request]) -> Optional[dict[str, tuple[int, int]]]:
+    def _choose(self, cands: list[Request], prechecked: bool = False) -> Optional[dict[str, tuple[int, int]]]:
         eng = self.engine
-        if self.ctrl is not None and self.ctrl.skip_step(self.name, len(cands)):
+        if self.ctrl is not None and not prechecked and self.ctrl.skip_step(self.name, len(cands)):
             return None  # speculation off this step: no per-request work at all
         caps, depth_caps = [], []
         for r in cands:
@@ -357,12 +368,10 @@ class SpecDecoder:
         planned, self._planned = self._planned, None
         if planned is not None and planned[0] is None:
             return  # planned ahead: no drafts this step (the common case while adaptive keeps it off)
-        cands = self._decode_ready()
-        if not cands:
-            return
-        plan = planned[0] if planned is not None else self._plan(cands)
+        plan = planned[0] if planned is not None else self._plan()
         if plan is None:
             return
+        cands = self._decode_ready()
         # (planned ahead: requests that finished since are no longer running)
         asked = [(r, *plan[r.request_id]) for r in cands if r.request_id in plan]
         if not asked:
@@ -390,8 +399,11 @@ class SpecDecoder:
     def execute_kwargs(self, sched: SchedulerOutput) -> dict[str, Any]:
         """Extra ModelRunner.execute arguments for this step (tree mask and positions)."""
         self._step_t0 = time.perf_counter()
-        self._step_decode_only = all(s.num_new_tokens - s.num_spec_tokens == 1 and s.samples for s in sched.seqs)
         kw: dict[str, Any] = {"need_hidden": True} if self.needs_hidden else {}
+        if not self._drafted:  # no drafts this step: only whether the controller learns from it
+            self._step_decode_only = self.ctrl is not None and sched.is_decode
+            return kw
+        self._step_decode_only = all(s.num_new_tokens - s.num_spec_tokens == 1 and s.samples for s in sched.seqs)
         trees = False
         for s in sched.seqs:
             if s.num_spec_tokens:
@@ -417,7 +429,7 @@ class SpecDecoder:
     # -- after the forward ---------------------------------------------------------------------
     def finish_step(self, sched: SchedulerOutput, result: StepResult) -> list[str]:
         """Verify this step's drafts and emit their tokens; returns the touched group ids."""
-        spec = [(i, s) for i, s in enumerate(sched.seqs) if s.num_spec_tokens > 0]
+        spec = [(i, s) for i, s in enumerate(sched.seqs) if s.num_spec_tokens > 0] if self._drafted else []
         if self.needs_hidden and result.hidden is not None:
             # requests keep rows of it across steps; a graph-replayed step's hidden is a view of a
             # buffer the next step overwrites
@@ -428,10 +440,12 @@ class SpecDecoder:
         touched = self._verify(spec, result) if spec else []
         if self.ctrl is not None and self._step_decode_only:
             now = time.perf_counter()
-            self.ctrl.observe_step(len(sched.seqs), sched.num_tokens, now - self._step_t0)
+            n_seqs = len(sched.seqs)
+            n_tokens = sched.num_tokens if spec else n_seqs
+            self.ctrl.observe_step(n_seqs, n_tokens, now - self._step_t0)
             self.ctrl.observe_outcome(
-                self.name, len(sched.seqs), self.engine.generation_tokens_total - self._emitted0,
-                now - self._outcome_t0, speculated=sched.num_tokens > len(sched.seqs),
+                self.name, n_seqs, self.engine.generation_tokens_total - self._emitted0,
+                now - self._outcome_t0, speculated=n_tokens > n_seqs,
             )
         return touched
 
