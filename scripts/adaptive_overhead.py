@@ -1,7 +1,7 @@
 """What does an adaptive n-gram decoder cost while it stays off? Batch-64 waves of chat-like random
 prompts (nothing to copy) on the dummy smollm2-135m config, plain vs ngram+adaptive vs
 ngram+adaptive without probes, interleaved rounds; then one profiled round of each.
-Usage: [B=64 PROMPTS=256 MAX_TOKENS=128 ROUNDS=3 MODES=plain,ngram-tree,adaptive] python scripts/adaptive_overhead.py"""
+Usage: [B=64 PROMPTS=256 MAX_TOKENS=128 ROUNDS=3 MODES=plain,ngram-tree,adaptive PROFILE=0] python scripts/adaptive_overhead.py"""
 
 import cProfile
 import gc
@@ -91,7 +91,7 @@ res = {m: [] for m in modes}
 for _ in range(ROUNDS):
     for m, d in modes.items():
         res[m].append(run(d, m))
-for m, d in modes.items():
+for m, d in modes.items() if os.environ.get("PROFILE", "1") == "1" else ():
     pr = cProfile.Profile()
     pr.enable()
     run(d, m)
@@ -103,6 +103,8 @@ for m, d in modes.items():
         print(m, "verify steps", d.metrics.as_dict(), d.ctrl.as_dict())
 print("gc ms and gen-2 collections per run, by decoder:", gc_log)
 base = statistics.median(res["plain"])
-print("\n| mode | tok/s rounds | median | vs plain |")
+print("\n| mode | tok/s rounds | median | vs plain | paired (median of round ratios) |")
 for m, r in res.items():
-    print(f"| {m} | {', '.join(f'{x:.0f}' for x in r)} | {statistics.median(r):.0f} | {statistics.median(r) / base:.3f} |")
+    paired = statistics.median(x / y for x, y in zip(r, res["plain"]))
+    print(f"| {m} | {', '.join(f'{x:.0f}' for x in r)} | {statistics.median(r):.0f} | {statistics.median(r) / base:.3f} "
+          f"| {paired:.3f} |")
