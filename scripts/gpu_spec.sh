@@ -8,6 +8,7 @@
 # Steps (logs and JSON under $OUT):
 #   overhead   scripts/adaptive_overhead.py at batch 64 (dummy weights), plain vs ngram+adaptive; with
 #              BASE=dir also the tree in dir (e.g. .carry/base), alternating processes base/new/base/new
+#   clock      scripts/clock_probe.py: plain batch-64 rounds with host speed and SM clocks per round
 #   tests      tests/gpu/test_spec_gpu.py
 #   b64        bench spec, ngram+adaptive at batch 64, grounded and chat, T 0 and 1 ($ITERS rounds, 5)
 #   b1         bench spec at batch 1: ngram@8, ngram-tree, ngram+adaptive, grounded and chat, T 0 and 1
@@ -30,6 +31,7 @@ for what in "$@"; do
         PYTHONPATH=$tree PROFILE=0 ROUNDS=${ROUNDS:-5} MODES=plain,adaptive $PY scripts/adaptive_overhead.py 2>&1 \
           | grep -v "it/s" | tail -4 | tee -a "$OUT/overhead.log"
       done ;;
+    clock) PYTHONPATH=. $PY scripts/clock_probe.py 2>&1 | grep -v "it/s" | tee "$OUT/clock.log" | tail -15 ;;
     tests) $PY -m pytest -q -ra -x tests/gpu/test_spec_gpu.py 2>&1 | tee "$OUT/spec_tests.log" | tail -6 ;;
     b64) $PY -m pageflash.cli bench spec --model "$MODEL" --methods ngram+adaptive --batch-size 64 --num-prompts 256 \
            --max-tokens 128 --temperature 0 1 --num-iters "$ITERS" --json "$OUT/spec_b64$TAG.json" 2>&1 \
