@@ -4,7 +4,7 @@
 # stays on the warm machine between calls):
 #   split -n 2 -d SmolLM2-135M-Instruct.Q4_1.gguf .carry/gguf.       (here, once)
 #   call 1 (carry .carry/gguf.00): scripts/gpu_spec.sh part0 [STEP...]
-#   call 2 (carry .carry/gguf.01): scripts/gpu_spec.sh part1 [STEP...]
+#   call 2 (carry .carry/gguf.01 and .carry/py): scripts/gpu_spec.sh part1 [STEP...]
 # Steps (logs and JSON under $OUT):
 #   overhead   scripts/adaptive_overhead.py at batch 64 (dummy weights), plain vs ngram+adaptive; with
 #              BASE=dir also the tree in dir (e.g. .carry/base), alternating processes base/new/base/new
@@ -19,6 +19,8 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 MODEL=out/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 ITERS=${ITERS:-5}
+# the device has no gguf package: carry its pure-Python copy in .carry/py (cp -r .venv/lib/python3*/site-packages/gguf .carry/py/)
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/.carry/py
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
 for what in "$@"; do
   case $what in

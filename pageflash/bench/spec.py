@@ -55,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts per cell (at least one wave of --batch-size) (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--num-iters", type=int, default=3,
-                   help="timed rounds per cell, each running the baseline then every method (interleaved, so "
-                        "drifts hit all alike); tok/s are medians over rounds, speedups the median of each "
-                        "round's own ratio (default: 3)")
+                   help="timed rounds per cell; a round runs each wave of --batch-size prompts with the baseline "
+                        "and every method back to back (so drifts hit all alike); tok/s are medians over "
+                        "rounds, speedups the median of each round's own ratio (default: 3)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     p.add_argument("--text-tokens", type=int, default=1000, help="quoted text of grounded prompts")
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens of chains (default: %(default)s)")
@@ -282,23 +282,31 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
                                         seed=None)
                 base_runs: list[tuple[float, int]] = []  # (seconds, tokens) per round
                 runs: dict[str, list[tuple[float, int]]] = {m: [] for m in decoders}
-                spec_outs: dict[str, list] = {}
+                spec_outs: dict[str, list] = {m: [] for m in decoders}
+                base_outs: list = []
                 for d in decoders.values():
                     d.metrics.reset()
+                # A round runs every wave once with the baseline and once with each method, the runs
+                # of one wave back to back (the order reversed every other wave): the host's speed
+                # drifts within seconds (a fixed Python loop: 71-136 ms within one minute on the
+                # device), so each method's sums cover the same moments as the baseline's.
+                waves = [prompts[w : w + b] for w in range(0, len(prompts), b)]
+                names = [None, *decoders]
                 for it in range(a.num_iters):
-                    torch.manual_seed(a.seed + it)
-                    eng.spec = None
-                    outs, secs = _generate(eng, prompts, params, b)
-                    base_runs.append((secs, sum(len(o.outputs[0].token_ids) for o in outs)))
-                    if it == 0:
-                        base_outs = outs
-                    for m, d in decoders.items():
-                        eng.spec = d
-                        torch.manual_seed(a.seed + it)
-                        outs, secs = _generate(eng, prompts, params, b)
-                        runs[m].append((secs, sum(len(o.outputs[0].token_ids) for o in outs)))
-                        if it == 0:
-                            spec_outs[m] = outs
+                    acc = {m: [0.0, 0] for m in names}
+                    for wi, wave in enumerate(waves):
+                        order = names if (it * len(waves) + wi) % 2 == 0 else names[::-1]
+                        for m in order:
+                            eng.spec = None if m is None else decoders[m]
+                            torch.manual_seed(a.seed + 1000 * it + wi)
+                            outs, secs = _generate(eng, wave, params, b)
+                            acc[m][0] += secs
+                            acc[m][1] += sum(len(o.outputs[0].token_ids) for o in outs)
+                            if it == 0:
+                                (base_outs if m is None else spec_outs[m]).extend(outs)
+                    base_runs.append(tuple(acc[None]))
+                    for m in decoders:
+                        runs[m].append(tuple(acc[m]))
                 base_s, base_tokens, base_tps = _median_run(base_runs)
                 log(f"{task} batch {b} T={temp}: baseline {base_tps:.1f} tok/s "
                     f"(rounds: {', '.join(f'{t / s:.0f}' for s, t in base_runs)})")
@@ -312,8 +320,8 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
                         "spec_config": d.config.as_dict(),
                         "baseline_tokens": base_tokens, "baseline_s": base_s, "baseline_tok_s": base_tps,
                         "spec_tokens": toks, "spec_s": secs, "spec_tok_s": toks / secs,
-                        # each round runs the baseline and then the method back to back: the
-                        # median of the rounds' own ratios cancels drifts slower than a round
+                        # each round's own ratio (its waves ran back to back with the baseline's),
+                        # then the median over rounds
                         "speedup": statistics.median(paired),
                         "speedup_rounds": paired,
                         "speedup_of_medians": (toks / secs) / base_tps,
