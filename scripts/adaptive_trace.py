@@ -93,5 +93,5 @@ for kind, es in sorted(kinds.items()):
     def med(key):
         return statistics.median(e[key] for e in es if key in e) * (1e3 if key != "emitted" else 1)
     print(f"{kind:18s} {len(es):6d} {med('period'):10.3f} {med('whole'):9.3f} {med('fwd'):7.3f} {med('emitted'):8.2f}")
-print("cost model (bucket 1):", {n: round(s * 1e3, 3) for n, s in sorted(ctrl.costs._cells.get(1, {}).items())})
+print("cost model (bucket 1):", {n: round(s * 1e3, 3) for n, s in sorted(ctrl.costs._cells.get((1, False), {}).items())})
 print("controller:", ctrl.as_dict())

@@ -473,3 +473,24 @@ def test_off_evaluations_skipped_while_nothing_changes() -> None:
     assert not ctrl.is_on("ngram")
     evals = 2000 // ctrl.eval_interval(64)
     assert calls < evals / 4
+
+
+def test_sampled_verification_priced_apart_from_greedy() -> None:
+    """Verify steps that sample (rejection sampling) cost more than greedy ones; both share the plain
+    baseline, and neither's measurements move the other's predictions."""
+    m = StepCostModel(ema=1.0)
+    m.observe(1, 1, 0.001)  # plain: the baseline of both
+    m.observe(1, 6, 0.002, sampled=False)
+    m.observe(1, 6, 0.004, sampled=True)
+    assert m.has_baseline(1)
+    assert m.predict(1, 6) == pytest.approx(0.002) and m.predict(1, 6, sampled=True) == pytest.approx(0.004)
+    assert m.ratio(1, 5) == pytest.approx(2.0) and m.ratio(1, 5, sampled=True) == pytest.approx(4.0)
+    ctrl = SpecController()
+    ctrl.observe_step(1, 1, 0.001)
+    ctrl.observe_step(1, 6, 0.0015, sampled=False)
+    ctrl.observe_step(1, 6, 0.006, sampled=True)
+    for _ in range(50):
+        ctrl.observe_acceptance("ngram", "r", 5, 5)
+    greedy = ctrl.allocate("ngram", [ctrl.alpha("ngram", "r")], sampled=False)[1]
+    sampled = ctrl.allocate("ngram", [ctrl.alpha("ngram", "r")], sampled=True)[1]
+    assert greedy > 2.5 and sampled < greedy / 2

@@ -18,9 +18,11 @@ What it measures, all on the host and cheap (plain Python and numpy):
   right 88% of the time after a hit, 36% after a miss; chat 71% / 23%). Once both states have a few
   observations, a request's alpha is that of its state, so the decision follows each request's
   bursts step by step;
-- step cost: an EMA of measured step time per (batch-size bucket, query-token count), interpolated
-  piecewise-linearly in the token count (so the flat memory-bound region and the compute-bound slope
-  both show), plus each proposer's own drafting time per batch bucket.
+- step cost: an EMA of measured whole-step time per (batch-size bucket, greedy or sampled
+  verification, query-token count), interpolated piecewise-linearly in the token count (so the flat
+  memory-bound region and the compute-bound slope both show), plus each proposer's own drafting time
+  per batch bucket. Plain steps are the baseline of both kinds; verify steps that sample
+  (rejection sampling, ~2x the host work of greedy verification at batch 1) are kept apart.
 
 Observations may also come from shadow drafts: a proposer that drafts on the host for free
 (n-gram lookup) can draft from a request's history while it decodes plainly and score the draft
@@ -30,16 +32,20 @@ sampled token equals it). The decoder does that at small batches (``SpecDecoder`
 are watched without probes.
 
 Hysteresis keeps it from flapping: off -> on needs a predicted speedup >= ``on_threshold``; on -> off
-happens below ``off_threshold``. While off, every ``probe_interval`` steps it speculates for
-``probe_steps`` steps with ``probe_k`` to refresh the acceptance estimate, so it can come back when
-the text becomes predictable -- less often when a probe step costs much more than a decode step
-(e.g. a CUDA-graph decode step against an eager verify step): probes may cost at most
-``probe_budget`` of the plain decoding time between them, so that being off costs little; while on, a step of plain decode every ``probe_interval`` steps keeps
-the baseline cost fresh, and requests left at k = 0 get a probe as well.
+happens below ``off_threshold``. While off, it speculates now and then to refresh the acceptance
+estimate, so it can come back when the text becomes predictable: ``probe_steps`` steps with
+``probe_k`` for the whole batch at least ``probe_interval`` steps apart, and one step for requests
+never seen speculating. Both are paid from one credit that each plain step while off raises by
+``probe_budget`` (divided by a backoff that doubles, up to ``max_probe_backoff``, after each
+batch-wide probe that finds no gain) and each probe step lowers by its measured extra cost over a
+plain step -- so probes cost at most ~``probe_budget`` of the plain decoding time however many
+requests arrive, and less while they keep finding nothing. While off, a decision is not recomputed
+when no acceptance observation came since the last one. While on, a step of plain decode every
+``probe_interval`` steps keeps the baseline cost fresh, and requests left at k = 0 get a probe as
+well.
 
-Calibration against the outcome: the cost model sees only part of a step (the forward and
-verification), and the i.i.d. acceptance model is optimistic for drafts whose acceptance comes in
-bursts. So the controller also measures what speculation delivered: the whole step's wall time
+Calibration against the outcome: the i.i.d. acceptance model is optimistic for drafts whose
+acceptance comes in bursts. So the controller also measures what speculation delivered: the whole step's wall time
 (drafting, scheduling, forward, verification, output) and tokens emitted, against the same for
 plain decode steps of the batch bucket. Over steps that speculate (on, or probing), an EMA of
 realized / predicted speedup scales
@@ -51,14 +57,13 @@ The engine calls, per step: ``choose`` before proposing, ``observe_propose`` / `
 wall times of decode-or-verify-only steps (a step carrying prefill chunks says nothing about
 verify cost and should not be reported), ``observe_acceptance`` per request after verification
 (or shadow drafts), and ``observe_outcome`` with the whole step's wall time and emitted tokens
-(decode-only steps). The engine reports the forward + verification part of a step to
-``observe_step``: for a plain step overlapped with the GPU that is only its launch, so the cost
-model sees verification dearer than it is, and the calibration (clamped at max_calibration) takes
-back part of it. Whole-step times were tried instead: right on paper, but on the GPU they made
-probes frequent enough to cost sampled (T = 1) batch-1 decoding ~15% (docs/BENCHMARKS.md, run 15).
-A bound on outlier steps was tried and dropped too: with these mixed measurements (launch-only and
-synchronous plain steps in one cell) it probably held the plain-step estimate low (one run:
-grounded batch 1 0.97x against 1.40x without it).
+(decode-only steps). The engine reports whole steps (drafting to processed outputs) to both: a
+plain step overlapped with the GPU (async scheduling) then lasts about its period, a speculative
+step its forward plus the host work nothing overlaps. (Until 2026-11-24 ``observe_step`` got the
+forward + verification part only, which for an overlapped plain step is its launch: the cost model
+saw verification several times dearer than it is, and at batch 1 the controller stayed off where
+fixed chains gained 1.27x -- docs/BENCHMARKS.md, run 19. Whole-step times had been tried in run 15
+with greedy and sampled verification in one cell, which priced greedy probes at sampled cost.)
 """
 
 from __future__ import annotations
@@ -229,18 +234,21 @@ class StepCostModel:
         self.ema = ema
         self.prior_token_cost = prior_token_cost
         self.max_cells = max_cells
-        self._cells: dict[int, dict[int, float]] = {}  # bucket -> {num_tokens: seconds}
+        self._cells: dict[tuple[int, bool], dict[int, float]] = {}  # (bucket, sampled) -> {num_tokens: seconds}
         self._has_decode: set[int] = set()
 
-    def observe(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_seqs: int, num_tokens: int, seconds: float, sampled: bool = False) -> None:
+        """sampled: the step verified drafts by rejection sampling (dearer than greedy verification,
+        so kept apart); a plain step (num_tokens == num_seqs) is the baseline of both."""
         if num_seqs <= 0 or num_tokens < num_seqs or seconds <= 0:
             return
         b = _bucket(num_seqs)
-        cells = self._cells.setdefault(b, {})
-        old = cells.pop(num_tokens, None)  # re-insert: dict order is recency order, for eviction
-        cells[num_tokens] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
-        if len(cells) > self.max_cells:
-            del cells[next(iter(cells))]
+        for key in ((b, False), (b, True)) if num_tokens == num_seqs else ((b, sampled),):
+            cells = self._cells.setdefault(key, {})
+            old = cells.pop(num_tokens, None)  # re-insert: dict order is recency order, for eviction
+            cells[num_tokens] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+            if len(cells) > self.max_cells:
+                del cells[next(iter(cells))]
         if num_tokens == num_seqs:
             self._has_decode.add(b)
 
@@ -248,9 +256,9 @@ class StepCostModel:
         """Whether a plain decode step of this batch bucket has been measured."""
         return _bucket(num_seqs) in self._has_decode
 
-    def predict(self, num_seqs: int, num_tokens: np.ndarray | int) -> np.ndarray | float | None:
+    def predict(self, num_seqs: int, num_tokens: np.ndarray | int, sampled: bool = False) -> np.ndarray | float | None:
         """Predicted seconds for num_tokens (scalar or array); None before any measurement."""
-        cells = self._cells.get(_bucket(num_seqs))
+        cells = self._cells.get((_bucket(num_seqs), sampled))
         if not cells:
             return None
         xs = np.array(sorted(cells), dtype=np.float64)
@@ -269,9 +277,9 @@ class StepCostModel:
         out = np.maximum(out, 1e-9)
         return float(out) if np.ndim(out) == 0 else out
 
-    def ratio(self, num_seqs: int, k: int) -> float:
+    def ratio(self, num_seqs: int, k: int, sampled: bool = False) -> float:
         """T(B, B (k + 1)) / T(B, B): the cost of a verify step with k drafts per sequence."""
-        t = self.predict(num_seqs, np.array([num_seqs, num_seqs * (k + 1)]))
+        t = self.predict(num_seqs, np.array([num_seqs, num_seqs * (k + 1)]), sampled)
         if t is None:
             return 1.0 + self.prior_token_cost * k
         return float(t[1] / t[0])
@@ -305,7 +313,7 @@ class _ProposerState:
     # bucket -> [EMA of realized speedup, EMA of predicted speedup] over steps that speculated (on
     # or probing); their ratio, clamped, is the calibration (less biased by noise than an EMA of ratios)
     cal_sums: dict[int, list[float]] = field(default_factory=dict)
-    spec_step_s: dict[int, float] = field(default_factory=dict)  # bucket -> whole speculating step, EMA
+    spec_step_s: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, sampled) -> whole speculating step, EMA
 
 
 class SpecController:
@@ -329,11 +337,12 @@ class SpecController:
 
     # -- observations ---------------------------------------------------------------------------
 
-    def observe_step(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
-        """Wall time of a decode or verify step (model forward + sampling/verification)."""
-        self.costs.observe(num_seqs, num_tokens, seconds)
+    def observe_step(self, num_seqs: int, num_tokens: int, seconds: float, sampled: bool = False) -> None:
+        """Wall time of a decode or verify step; sampled: drafts verified by rejection sampling."""
+        self.costs.observe(num_seqs, num_tokens, seconds, sampled)
 
-    def observe_outcome(self, proposer: str, num_seqs: int, num_emitted: int, seconds: float, speculated: bool) -> None:
+    def observe_outcome(self, proposer: str, num_seqs: int, num_emitted: int, seconds: float, speculated: bool,
+                        sampled: bool = False) -> None:
         """A whole decode-only step: wall time from drafting to processed outputs, tokens emitted.
         Plain steps set the bucket's baseline rate; steps that speculated (on or probing) update the
         proposer's calibration (realized / predicted speedup)."""
@@ -349,7 +358,7 @@ class SpecController:
             _ema(self._plain_step_s, b, seconds, w)
             return
         st = self._state(proposer)
-        _ema(st.spec_step_s, b, seconds, w)
+        _ema(st.spec_step_s, (b, sampled), seconds, w)
         base = self._plain_rate.get(b)
         if not base or st.last_mode == "off" or st.last_speedup <= 0:
             return
@@ -411,7 +420,7 @@ class SpecController:
         return self._state(proposer).on
 
     def allocate(
-        self, proposer: str, alphas: Sequence[float], max_k: Optional[Sequence[int]] = None
+        self, proposer: str, alphas: Sequence[float], max_k: Optional[Sequence[int]] = None, sampled: bool = False
     ) -> tuple[list[int], float]:
         """The k per request maximizing predicted tokens per second, and its speedup over decode.
 
@@ -433,7 +442,7 @@ class SpecController:
         order = order[flat[order] > 0]
         tokens = bsz + np.concatenate([[0.0], np.cumsum(flat[order])])  # [n + 1]
         counts = bsz + np.arange(len(order) + 1)
-        cost = self.costs.predict(bsz, counts)
+        cost = self.costs.predict(bsz, counts, sampled)
         if cost is None:
             cost = 1.0 + cfg.prior_token_cost * (counts - bsz) / bsz
         cost = cost + np.where(counts > bsz, self._state(proposer).propose_cost.get(_bucket(bsz), 0.0), 0.0)
@@ -442,14 +451,14 @@ class SpecController:
         ks = np.bincount(order[:best] // cfg.k_max, minlength=bsz)
         return [int(k) for k in ks], float(tput[best] / tput[0])
 
-    def predicted_speedup(self, proposer: str, alphas: Sequence[float], ks: Sequence[int]) -> float:
+    def predicted_speedup(self, proposer: str, alphas: Sequence[float], ks: Sequence[int], sampled: bool = False) -> float:
         """The cost model's speedup over plain decode of a given allocation (probes' k)."""
         bsz = len(ks)
         if bsz == 0:
             return 1.0
         tokens = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
         n = bsz + sum(ks)
-        cost = self.costs.predict(bsz, np.array([bsz, n], dtype=np.float64))
+        cost = self.costs.predict(bsz, np.array([bsz, n], dtype=np.float64), sampled)
         if cost is None:
             base, t = 1.0, 1.0 + self.config.prior_token_cost * (n - bsz) / bsz
         else:
@@ -458,7 +467,7 @@ class SpecController:
             t += self._state(proposer).propose_cost.get(_bucket(bsz), 0.0)
         return (tokens / t) / (bsz / base)
 
-    def probe_extra(self, proposer: str, num_seqs: int) -> float:
+    def probe_extra(self, proposer: str, num_seqs: int, sampled: bool = False) -> float:
         """What one probe step costs over a plain step, in plain-step times: the cost model's (verify
         + drafting) or, when larger, the measured one of whole steps that speculated against whole
         plain steps (which sees what the model does not, e.g. a plain step overlapped with the GPU's
@@ -466,21 +475,21 @@ class SpecController:
         cfg = self.config
         st = self._state(proposer)
         b = _bucket(num_seqs)
-        extra = self.costs.ratio(num_seqs, cfg.probe_k) - 1.0
+        extra = self.costs.ratio(num_seqs, cfg.probe_k, sampled) - 1.0
         base = self.costs.predict(num_seqs, num_seqs)
         if base is not None:
             extra += st.propose_cost.get(b, 0.0) / base
-        if b in st.spec_step_s and self._plain_step_s.get(b):
-            extra = max(extra, st.spec_step_s[b] / self._plain_step_s[b] - 1.0)
+        if (b, sampled) in st.spec_step_s and self._plain_step_s.get(b):
+            extra = max(extra, st.spec_step_s[(b, sampled)] / self._plain_step_s[b] - 1.0)
         return max(extra, 0.05)
 
-    def probe_interval(self, proposer: str, num_seqs: int) -> int:
+    def probe_interval(self, proposer: str, num_seqs: int, sampled: bool = False) -> int:
         """Steps between batch-wide probes while off, when nothing else spends the probe credit:
         probe_interval, or more when probe_steps probe steps would cost more than the credit that
         many plain steps earn (probe_budget / backoff of their time)."""
         cfg = self.config
         st = self._state(proposer)
-        need = cfg.probe_steps * self.probe_extra(proposer, num_seqs) * st.backoff / cfg.probe_budget
+        need = cfg.probe_steps * self.probe_extra(proposer, num_seqs, sampled) * st.backoff / cfg.probe_budget
         return max(cfg.probe_interval, int(np.ceil(need)))
 
     def skip_step(self, proposer: str, num_seqs: int) -> bool:
@@ -504,7 +513,7 @@ class SpecController:
 
     def choose(
         self, request_ids: Sequence[str], proposer: str = "default", max_k: Optional[Sequence[int]] = None,
-        prechecked: bool = False,
+        prechecked: bool = False, sampled: bool = False,
     ) -> list[int]:
         """k for each request this step (0 = no drafts). max_k optionally caps each request
         (remaining max_tokens, room left in the context window). prechecked: skip_step was called
@@ -531,7 +540,7 @@ class SpecController:
         else:
             st.evals_skipped = 0
             alphas = [self.alpha(proposer, r) for r in request_ids]
-            ks, speedup = self.allocate(proposer, alphas, caps)
+            ks, speedup = self.allocate(proposer, alphas, caps, sampled)
             st.last_speedup = speedup
             speedup *= self.calibration(proposer, bsz)  # delivered so far against predicted
         st.last_mode = "probe" if st.probing > 0 else "on" if st.on else "off"
@@ -540,7 +549,7 @@ class SpecController:
             st.probing -= 1
             st.probe_ended = st.probing == 0
             ks = [min(cfg.probe_k, c) for c in caps]
-            st.last_speedup = self.predicted_speedup(proposer, alphas, ks)
+            st.last_speedup = self.predicted_speedup(proposer, alphas, ks, sampled)
         elif st.on:
             if speedup < cfg.off_threshold:
                 st.on, st.steps_in_mode, st.last_mode = False, 0, "off"
@@ -556,7 +565,7 @@ class SpecController:
                 # the probe found no gain: probe less often while that lasts
                 st.backoff = min(cfg.max_probe_backoff, 2 * st.backoff)
             st.probe_ended = False
-            extra = self.probe_extra(proposer, bsz)
+            extra = self.probe_extra(proposer, bsz, sampled)
             # unspent credit is capped at two batch-wide probes' worth
             st.credit = min(st.credit, 2.0 * cfg.probe_steps * max(extra, 1.0))
             if speedup >= cfg.on_threshold:
@@ -569,7 +578,7 @@ class SpecController:
                 st.last_mode = "probe"
                 ks = [min(cfg.probe_k, c) for c in caps]
                 alphas = alphas or [self.alpha(proposer, r) for r in request_ids]
-                st.last_speedup = self.predicted_speedup(proposer, alphas, ks)
+                st.last_speedup = self.predicted_speedup(proposer, alphas, ks, sampled)
             else:
                 # A request not seen speculating yet gets one probe of its own, paid from the same
                 # credit: its text may be far more predictable than the average (a request that
@@ -587,7 +596,7 @@ class SpecController:
                     st.probed.add(request_ids[i])
                 st.last_mode = "probe"
                 alphas = alphas or [self.alpha(proposer, r) for r in request_ids]
-                st.last_speedup = self.predicted_speedup(proposer, alphas, ks)
+                st.last_speedup = self.predicted_speedup(proposer, alphas, ks, sampled)
                 st.steps_in_mode -= 1  # (a multiple of the interval here) the next step evaluates again
         for r, k in zip(request_ids, ks):
             if k > 0:

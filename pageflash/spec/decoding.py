@@ -126,10 +126,10 @@ class SpecDecoder:
         self.draft_kv = None
         self.proposer: Proposer
         self._medusa = None
-        self._step_t0 = 0.0
         self._outcome_t0 = 0.0
         self._emitted0 = 0
         self._step_decode_only = False
+        self._step_sampled = False  # the last verification took the rejection-sampling path
         self._planned: Optional[tuple] = None  # (plan,) decided by plain_step_ahead for propose()
         self._drafted: list[Request] = []  # requests given drafts by the last propose()
         self._shadow_drafts = False  # set by bind(), once the proposer exists
@@ -346,7 +346,9 @@ class SpecDecoder:
             nodes = min(self.k, eng.max_model_len - r.num_tokens)
             caps.append(max(0, nodes if self.is_tree else min(nodes, left - 1)))
         if self.ctrl is not None:
-            ks = self.ctrl.choose([r.request_id for r in cands], self.name, caps, prechecked=True)
+            # verification by rejection sampling costs more than greedy's: priced apart
+            sampled = any(not r.params.greedy or r.params.reads_outputs(r.num_output_tokens) for r in cands)
+            ks = self.ctrl.choose([r.request_id for r in cands], self.name, caps, prechecked=True, sampled=sampled)
         else:
             ks = caps
         plan = {r.request_id: (k, d) for r, k, d in zip(cands, ks, depth_caps) if k > 0 and d > 0}
@@ -398,7 +400,6 @@ class SpecDecoder:
     # -- the forward ---------------------------------------------------------------------------
     def execute_kwargs(self, sched: SchedulerOutput) -> dict[str, Any]:
         """Extra ModelRunner.execute arguments for this step (tree mask and positions)."""
-        self._step_t0 = time.perf_counter()
         kw: dict[str, Any] = {"need_hidden": True} if self.needs_hidden else {}
         if not self._drafted:  # no drafts this step: only whether the controller learns from it
             self._step_decode_only = self.ctrl is not None and sched.is_decode
@@ -439,13 +440,17 @@ class SpecDecoder:
                     _state(s.request).hidden = result.hidden[start]
         touched = self._verify(spec, result) if spec else []
         if self.ctrl is not None and self._step_decode_only:
+            # Whole steps, drafting to processed outputs, on both sides: a plain step overlapped
+            # with the GPU (async scheduling) lasts about its period, a speculative one waits for
+            # its forward; the forward alone would price the first at its launch only.
             now = time.perf_counter()
             n_seqs = len(sched.seqs)
             n_tokens = sched.num_tokens if spec else n_seqs
-            self.ctrl.observe_step(n_seqs, n_tokens, now - self._step_t0)
+            sampled = bool(spec) and self._step_sampled
+            self.ctrl.observe_step(n_seqs, n_tokens, now - self._outcome_t0, sampled)
             self.ctrl.observe_outcome(
                 self.name, n_seqs, self.engine.generation_tokens_total - self._emitted0,
-                now - self._outcome_t0, speculated=n_tokens > n_seqs,
+                now - self._outcome_t0, speculated=n_tokens > n_seqs, sampled=sampled,
             )
         return touched
 
@@ -462,7 +467,8 @@ class SpecDecoder:
         # whether the target's distribution at a node depends on the draft tokens before it
         # (penalties; min_tokens masking EOS / stop ids at some nodes but maybe not others)
         ctxs = [r.params.reads_outputs(r.num_output_tokens) for r in reqs]
-        if all(greedy) and not any(ctxs):
+        self._step_sampled = not (all(greedy) and not any(ctxs))
+        if not self._step_sampled:
             # Plain greedy: only the target's argmax matters. One argmax over the step's rows and one
             # read, then the walk on the host (no row gather, no per-step verification kernels).
             res = verify_greedy(trees, result.logits.argmax(-1).tolist(), starts)
