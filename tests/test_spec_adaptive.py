@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
+import numpy as np
 import pytest
 
 from pageflash.spec.adaptive import AcceptanceEMA, AdaptiveConfig, SpecController, StepCostModel, expected_tokens
@@ -494,3 +495,26 @@ def test_sampled_verification_priced_apart_from_greedy() -> None:
     greedy = ctrl.allocate("ngram", [ctrl.alpha("ngram", "r")], sampled=False)[1]
     sampled = ctrl.allocate("ngram", [ctrl.alpha("ngram", "r")], sampled=True)[1]
     assert greedy > 2.5 and sampled < greedy / 2
+
+
+def test_small_batch_paths_equal_the_numpy_ones() -> None:
+    """allocate / predict take a plain-Python path for a few requests or token counts (numpy's fixed
+    costs dominate there): the same choices and values as the numpy path, on random inputs."""
+    rng = random.Random(15)
+    for trial in range(300):
+        k_max = rng.choice([1, 3, 5, 8])
+        ctrl = SpecController(AdaptiveConfig(k_max=k_max, probe_k=min(2, k_max)))
+        bsz = rng.choice([1, 2, 3, 4, 6])
+        for n in rng.sample(range(bsz, bsz * 9 + 1), rng.randint(1, 4)):
+            ctrl.observe_step(bsz, n, rng.uniform(0.001, 0.004))
+        if rng.random() < 0.5:
+            ctrl.observe_propose("ngram", bsz, rng.uniform(0, 0.0005))
+        alphas = [rng.choice([0.0, rng.random(), 0.999]) for _ in range(bsz)]
+        caps = [rng.randint(0, ctrl.config.k_max) for _ in range(bsz)]
+        ks, speedup = ctrl._allocate_small("ngram", alphas, caps, False)
+        ks_ref, speedup_ref = ctrl._allocate_numpy("ngram", alphas, caps, False)
+        assert ks == ks_ref and speedup == pytest.approx(speedup_ref, rel=1e-12), trial
+        cells = ctrl.costs._cells[(1 << max(0, (bsz - 1).bit_length()), False)]
+        counts = [float(rng.randint(0, bsz * 12)) for _ in range(rng.randint(1, 40))]
+        want = ctrl.costs._predict_numpy(cells, bsz, np.array(counts))
+        assert ctrl.costs._predict_small(cells, bsz, counts) == pytest.approx(list(want), rel=1e-12), trial

@@ -68,6 +68,7 @@ with greedy and sampled verification in one cell, which priced greedy probes at 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -261,6 +262,13 @@ class StepCostModel:
         cells = self._cells.get((_bucket(num_seqs), sampled))
         if not cells:
             return None
+        if np.ndim(num_tokens) == 0:
+            return self._predict_small(cells, num_seqs, [float(num_tokens)])[0]
+        if len(num_tokens) <= 48:  # numpy's fixed costs exceed the work (batch-1 steps decide each step)
+            return np.array(self._predict_small(cells, num_seqs, [float(n) for n in num_tokens]))
+        return self._predict_numpy(cells, num_seqs, num_tokens)
+
+    def _predict_numpy(self, cells: dict[int, float], num_seqs: int, num_tokens: np.ndarray) -> np.ndarray:
         xs = np.array(sorted(cells), dtype=np.float64)
         ys = np.array([cells[int(x)] for x in xs])
         n = np.asarray(num_tokens, dtype=np.float64)
@@ -274,12 +282,35 @@ class StepCostModel:
             hi_slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
             out = np.where(n < xs[0], ys[0] - lo_slope * (xs[0] - n), out)
             out = np.where(n > xs[-1], ys[-1] + hi_slope * (n - xs[-1]), out)
-        out = np.maximum(out, 1e-9)
-        return float(out) if np.ndim(out) == 0 else out
+        return np.maximum(out, 1e-9)
+
+    def _predict_small(self, cells: dict[int, float], num_seqs: int, ns: list[float]) -> list[float]:
+        """predict() in plain Python, for a few token counts (same formulas)."""
+        xs = sorted(cells)
+        ys = [cells[x] for x in xs]
+        out = []
+        if len(xs) == 1:
+            base = ys[0] / (1 + self.prior_token_cost * (xs[0] - num_seqs) / num_seqs)
+            for n in ns:
+                out.append(max(base * (1 + self.prior_token_cost * (n - num_seqs) / num_seqs), 1e-9))
+            return out
+        lo_slope = max((ys[1] - ys[0]) / (xs[1] - xs[0]), 0.0)
+        hi_slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        for n in ns:
+            if n < xs[0]:
+                y = ys[0] - lo_slope * (xs[0] - n)
+            elif n > xs[-1]:
+                y = ys[-1] + hi_slope * (n - xs[-1])
+            else:
+                i = max(1, bisect.bisect_left(xs, n))
+                x0, x1 = xs[i - 1], xs[i]
+                y = ys[i] if n == x1 else ys[i - 1] + (ys[i] - ys[i - 1]) * (n - x0) / (x1 - x0)
+            out.append(max(y, 1e-9))
+        return out
 
     def ratio(self, num_seqs: int, k: int, sampled: bool = False) -> float:
         """T(B, B (k + 1)) / T(B, B): the cost of a verify step with k drafts per sequence."""
-        t = self.predict(num_seqs, np.array([num_seqs, num_seqs * (k + 1)]), sampled)
+        t = self.predict(num_seqs, [num_seqs, num_seqs * (k + 1)], sampled)
         if t is None:
             return 1.0 + self.prior_token_cost * k
         return float(t[1] / t[0])
@@ -325,6 +356,7 @@ class SpecController:
         self._states: dict[str, _ProposerState] = {}
         self._plain_rate: dict[int, float] = {}  # bucket -> tokens/s of whole plain decode steps
         self._plain_step_s: dict[int, float] = {}  # bucket -> seconds of a whole plain decode step
+        self._extra_cache: dict[tuple, tuple[float, int]] = {}  # see _probe_extra_cached
 
     def _state(self, proposer: str) -> _ProposerState:
         st = self._states.get(proposer)
@@ -433,6 +465,14 @@ class SpecController:
         if bsz == 0:
             return [], 1.0
         caps = [cfg.k_max] * bsz if max_k is None else [max(0, min(cfg.k_max, m)) for m in max_k]
+        if bsz * cfg.k_max <= 48:
+            return self._allocate_small(proposer, alphas, caps, sampled)
+        return self._allocate_numpy(proposer, alphas, caps, sampled)
+
+    def _allocate_numpy(self, proposer: str, alphas: Sequence[float], caps: list[int],
+                        sampled: bool) -> tuple[list[int], float]:
+        cfg = self.config
+        bsz = len(alphas)
         a = np.asarray(alphas, dtype=np.float64)[:, None]
         j = np.arange(1, cfg.k_max + 1, dtype=np.float64)[None, :]
         gains = a**j  # [B, k_max]
@@ -451,6 +491,28 @@ class SpecController:
         ks = np.bincount(order[:best] // cfg.k_max, minlength=bsz)
         return [int(k) for k in ks], float(tput[best] / tput[0])
 
+    def _allocate_small(self, proposer: str, alphas: Sequence[float], caps: list[int],
+                        sampled: bool) -> tuple[list[int], float]:
+        """allocate() in plain Python, for a few requests (same order of drafts, same choice)."""
+        cfg = self.config
+        bsz = len(alphas)
+        flat = [(float(a) ** j if j <= c else -1.0) for a, c in zip(alphas, caps) for j in range(1, cfg.k_max + 1)]
+        order = [i for i in sorted(range(len(flat)), key=lambda i: -flat[i]) if flat[i] > 0]
+        tokens = [float(bsz)]
+        for i in order:
+            tokens.append(tokens[-1] + flat[i])
+        counts = [bsz + i for i in range(len(order) + 1)]
+        cost = self.costs.predict(bsz, counts, sampled)
+        if cost is None:
+            cost = [1.0 + cfg.prior_token_cost * (n - bsz) / bsz for n in counts]
+        pc = self._state(proposer).propose_cost.get(_bucket(bsz), 0.0)
+        tput = [t / (c + (pc if n > bsz else 0.0)) for t, c, n in zip(tokens, cost, counts)]
+        best = max(range(len(tput)), key=tput.__getitem__)
+        ks = [0] * bsz
+        for i in order[:best]:
+            ks[i // cfg.k_max] += 1
+        return ks, tput[best] / tput[0]
+
     def predicted_speedup(self, proposer: str, alphas: Sequence[float], ks: Sequence[int], sampled: bool = False) -> float:
         """The cost model's speedup over plain decode of a given allocation (probes' k)."""
         bsz = len(ks)
@@ -458,7 +520,7 @@ class SpecController:
             return 1.0
         tokens = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
         n = bsz + sum(ks)
-        cost = self.costs.predict(bsz, np.array([bsz, n], dtype=np.float64), sampled)
+        cost = self.costs.predict(bsz, [bsz, n], sampled)
         if cost is None:
             base, t = 1.0, 1.0 + self.config.prior_token_cost * (n - bsz) / bsz
         else:
@@ -482,6 +544,18 @@ class SpecController:
         if (b, sampled) in st.spec_step_s and self._plain_step_s.get(b):
             extra = max(extra, st.spec_step_s[(b, sampled)] / self._plain_step_s[b] - 1.0)
         return max(extra, 0.05)
+
+    def _probe_extra_cached(self, proposer: str, num_seqs: int, sampled: bool) -> float:
+        """probe_extra, recomputed every 16th call per (proposer, bucket, sampled): while off it is
+        asked at every decision that could probe, and the costs it reads move slowly."""
+        key = (proposer, _bucket(num_seqs), sampled)
+        hit = self._extra_cache.get(key)
+        if hit is not None and hit[1] > 0:
+            self._extra_cache[key] = (hit[0], hit[1] - 1)
+            return hit[0]
+        extra = self.probe_extra(proposer, num_seqs, sampled)
+        self._extra_cache[key] = (extra, 15)
+        return extra
 
     def probe_interval(self, proposer: str, num_seqs: int, sampled: bool = False) -> int:
         """Steps between batch-wide probes while off, when nothing else spends the probe credit:
@@ -565,39 +639,43 @@ class SpecController:
                 # the probe found no gain: probe less often while that lasts
                 st.backoff = min(cfg.max_probe_backoff, 2 * st.backoff)
             st.probe_ended = False
-            extra = self.probe_extra(proposer, bsz, sampled)
-            # unspent credit is capped at two batch-wide probes' worth
-            st.credit = min(st.credit, 2.0 * cfg.probe_steps * max(extra, 1.0))
             if speedup >= cfg.on_threshold:
                 st.on, st.steps_in_mode, st.last_mode, st.backoff = True, 0, "on", 1
-            elif st.steps_in_mode >= cfg.probe_interval and st.credit >= cfg.probe_steps * extra:
+                return self._mark_busy(st, request_ids, ks)
+            # A request not seen speculating yet gets one probe of its own, paid from the same
+            # credit as batch-wide ones: its text may be far more predictable than the average (a
+            # request that quotes its prompt), and a short request would end before the next
+            # batch-wide probe. Decided again the next step.
+            fresh = [i for i, r in enumerate(request_ids)
+                     if caps[i] > 0 and r not in st.requests and r not in st.probed]
+            batch_due = st.steps_in_mode >= cfg.probe_interval
+            extra = self._probe_extra_cached(proposer, bsz, sampled) if fresh or batch_due else 0.0
+            # unspent credit is capped at two batch-wide probes' worth
+            st.credit = min(st.credit, 2.0 * cfg.probe_steps * max(extra, 1.0))
+            if batch_due and st.credit >= cfg.probe_steps * extra:
                 st.credit -= cfg.probe_steps * extra
                 st.steps_in_mode = 0
                 st.probing = cfg.probe_steps - 1
                 st.probe_ended = st.probing == 0
-                st.last_mode = "probe"
                 ks = [min(cfg.probe_k, c) for c in caps]
-                alphas = alphas or [self.alpha(proposer, r) for r in request_ids]
-                st.last_speedup = self.predicted_speedup(proposer, alphas, ks, sampled)
-            else:
-                # A request not seen speculating yet gets one probe of its own, paid from the same
-                # credit: its text may be far more predictable than the average (a request that
-                # quotes its prompt), and a short request would end before the next batch-wide
-                # probe. Decided again the next step.
-                fresh = [i for i, r in enumerate(request_ids)
-                         if caps[i] > 0 and r not in st.requests and r not in st.probed]
-                st.eval_obs = st.acceptance.num_observations
-                if not fresh or st.credit < extra:
-                    return zeros
+            elif fresh and st.credit >= extra:
                 st.credit -= extra
                 ks = list(zeros)
                 for i in fresh:
                     ks[i] = min(cfg.probe_k, caps[i])
                     st.probed.add(request_ids[i])
-                st.last_mode = "probe"
-                alphas = alphas or [self.alpha(proposer, r) for r in request_ids]
-                st.last_speedup = self.predicted_speedup(proposer, alphas, ks, sampled)
                 st.steps_in_mode -= 1  # (a multiple of the interval here) the next step evaluates again
+            else:
+                st.eval_obs = st.acceptance.num_observations
+                return zeros
+            st.last_mode = "probe"
+            alphas = alphas or [self.alpha(proposer, r) for r in request_ids]
+            st.last_speedup = self.predicted_speedup(proposer, alphas, ks, sampled)
+        return self._mark_busy(st, request_ids, ks)
+
+    @staticmethod
+    def _mark_busy(st: _ProposerState, request_ids: Sequence[str], ks: list[int]) -> list[int]:
+        """Requests given drafts are no longer idle; returns ks."""
         for r, k in zip(request_ids, ks):
             if k > 0:
                 st.idle[r] = 0
