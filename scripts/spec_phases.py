@@ -48,6 +48,9 @@ def run(spec):
     if eng.runner.step_graphs is not None:
         wrap(eng.runner.step_graphs, "run", acc, "  step_graphs.run")
         wrap(eng.runner, "prepare", acc, "  runner.prepare")
+        import pageflash.engine.model_runner as mr
+        wrap(mr, "copy_to", acc, "    copy_to (H2D inputs)")
+        wrap(torch.cuda.CUDAGraph, "replay", acc, "    CUDAGraph.replay")
     wrap(eng, "_launch", acc)
     wrap(eng, "_resolve", acc)
     wrap(eng, "_outputs", acc)
