@@ -51,3 +51,39 @@ def test_step_graph_path_greedy_equals_plain(env, spec):
     assert all(r.step_graphs.replays > 0 for r in runners)
     assert any(s > 1 for s, _, _ in eng.runner.step_graphs.graphs)  # a padded multi-sequence verify ran
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_packed_input_copies_equal_one_copy_per_input(env):
+    """The verify graphs' inputs are filled by two copies of packed host images; they must leave what a
+    graph of the step's key reads exactly as one copy per input does (buffers poisoned before each)."""
+    import random
+
+    import torch
+
+    llm = LLM(env["target"], **ENGINE)
+    r = llm.llm_engine.runner
+    r.enable_step_graphs(8, cuda_graphs=False)
+    sg = r.step_graphs
+    rng = random.Random(0)
+    for trial in range(30):
+        s = rng.randint(1, 8)
+        b = next(x for x in sg.buckets if x >= s)
+        q = rng.choice([1, 2, 4, 8])
+        qlens = [rng.randint(1, q) for _ in range(s)]
+        n, t = sum(qlens), b * q
+        ids = [rng.randrange(V) for _ in range(n)]
+        pos = [rng.randrange(90) for _ in range(n)]
+        slots = [rng.randrange(800) for _ in range(n)]
+        seq_lens = [rng.randint(1, 90) for _ in range(s)]
+        tables = [[rng.randrange(200) for _ in range(rng.randint(1, sg.max_blocks))] for _ in range(s)]
+        got = {}
+        for packed in (True, False):
+            sg._i64.fill_(7)
+            sg._i32.fill_(7)
+            fill = sg._copy_packed if packed else sg._copy_each
+            qsl = fill(ids, pos, slots, qlens, seq_lens, tables, b, t)
+            got[packed] = ([x.clone() for x in (sg.input_ids[:t], sg.positions[:t], sg.slots[:t], sg.qsl[: b + 1],
+                                                 sg.seq_lens[:b], sg.block_tables[:b])], qsl.copy())
+        for x, y in zip(got[True][0], got[False][0]):
+            assert torch.equal(x, y), trial
+        assert (got[True][1] == got[False][1]).all()

@@ -525,13 +525,17 @@ class StepGraphs:
         self.buckets = _buckets(max_batch)
         n = self.buckets[-1]
         t = self.max_tokens = max(self.MAX_Q, min(self.MAX_TOKENS, self.LOGITS_BYTES // (4 * c.vocab_size)))
-        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.slots = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        # The graphs' inputs are views of two buffers, [ids | positions | slots] and [query starts |
+        # lengths | block tables], each filled by one host-to-device copy of its used prefix per
+        # step (plus the mask's), instead of one copy per input.
+        self._i64 = torch.zeros(3 * t, dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.slots = self._i64[:t], self._i64[t: 2 * t], self._i64[2 * t:]
+        self.slots.fill_(-1)
+        self._i32 = torch.zeros(2 * n + 1 + n * self.max_blocks, dtype=torch.int32, device=dev)
+        self.qsl, self.seq_lens = self._i32[: n + 1], self._i32[n + 1: 2 * n + 1]
+        self.block_tables = self._i32[2 * n + 1:].view(n, self.max_blocks)
         self.mask = torch.zeros(t, self.MAX_Q, dtype=torch.uint8, device=dev)
-        self.qsl = torch.zeros(n + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.packed_copies = True  # False: one copy per input (the reference the packed path is tested against)
         self.out_logits = torch.zeros(t, c.vocab_size, dtype=torch.float32, device=dev)
         self.out_hidden = torch.zeros(t, c.hidden_size, dtype=runner.dtype, device=dev)
         self.graphs: dict[tuple[int, int, int], Any] = {}
@@ -607,19 +611,30 @@ class StepGraphs:
         g, _ = _capture_graph(self.runner, fwd)
         return g, fwd
 
-    def run(self, ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers):
-        """The step through a graph, or None (not eligible / not captured yet: run it eagerly)."""
-        key = self._key(qlens, tree_mask, num_layers)
-        if key is None:
-            return None
-        entry = self.graphs.get(key)
-        if entry is None:
-            seen = self.seen[key] = self.seen.get(key, 0) + 1
-            if seen < self.CAPTURE_AFTER or len(self.graphs) >= self.MAX_GRAPHS:
-                return None
-            entry = self.graphs[key] = self._capture(key)
-        b, q, _ = key
-        s, n, t = len(qlens), len(ids), b * q
+    def _copy_packed(self, ids, pos, slots, qlens, seq_lens, block_tables, b: int, t: int) -> np.ndarray:
+        """The step's inputs into the graphs' buffers, two copies (host images of the buffers' used
+        prefixes; padding: id 0, position 0, slot -1, no query, length 0). Returns the query starts."""
+        s, n, T, N, w = len(qlens), len(ids), self.max_tokens, self.buckets[-1], self.max_blocks
+        h64 = np.zeros(2 * T + t, dtype=np.int64)
+        h64[:n] = ids
+        h64[T: T + n] = pos
+        h64[2 * T: 2 * T + n] = slots
+        h64[2 * T + n:] = -1
+        h32 = np.zeros(2 * N + 1 + b * w, dtype=np.int32)
+        qsl = h32[: b + 1]
+        np.cumsum(qlens, out=qsl[1: s + 1])
+        qsl[s + 1:] = n
+        h32[N + 1: N + 1 + s] = seq_lens
+        bt = h32[2 * N + 1:].reshape(b, w)
+        for i, table in enumerate(block_tables):
+            bt[i, : len(table)] = table
+        copy_to(self._i64[: h64.shape[0]], torch.from_numpy(h64))
+        copy_to(self._i32[: h32.shape[0]], torch.from_numpy(h32))
+        return qsl
+
+    def _copy_each(self, ids, pos, slots, qlens, seq_lens, block_tables, b: int, t: int) -> np.ndarray:
+        """The same as _copy_packed, one copy per input (its reference)."""
+        s, n = len(qlens), len(ids)
         pad = t - n
         qsl = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(qlens, out=qsl[1 : s + 1])
@@ -635,6 +650,25 @@ class StepGraphs:
         copy_to(self.qsl[: b + 1], torch.from_numpy(qsl))
         copy_to(self.seq_lens[:b], torch.from_numpy(lens))
         copy_to(self.block_tables[:b], torch.from_numpy(bt))
+        return qsl
+
+    def run(self, ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers):
+        """The step through a graph, or None (not eligible / not captured yet: run it eagerly)."""
+        key = self._key(qlens, tree_mask, num_layers)
+        if key is None:
+            return None
+        entry = self.graphs.get(key)
+        if entry is None:
+            seen = self.seen[key] = self.seen.get(key, 0) + 1
+            if seen < self.CAPTURE_AFTER or len(self.graphs) >= self.MAX_GRAPHS:
+                return None
+            entry = self.graphs[key] = self._capture(key)
+        b, q, _ = key
+        s, n, t = len(qlens), len(ids), b * q
+        if self.packed_copies:
+            qsl = self._copy_packed(ids, pos, slots, qlens, seq_lens, block_tables, b, t)
+        else:
+            qsl = self._copy_each(ids, pos, slots, qlens, seq_lens, block_tables, b, t)
         if tree_mask is None:  # causal within each sequence's new tokens
             local = np.arange(n) - np.repeat(qsl[:s], qlens)
             m = (np.arange(self.MAX_Q)[None, :] <= local[:, None]).astype(np.uint8)
