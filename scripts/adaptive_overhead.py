@@ -8,28 +8,18 @@ import gc
 import io
 import os
 import pstats
-import random
 import statistics
 import time
 
-import torch
 
-from pageflash import LLM, SamplingParams
+from probe_timing import chat_waves  # scripts/probe_timing.py (this script's folder)
+from pageflash.bench.spec import run_waves
 from pageflash.spec.adaptive import AdaptiveConfig, SpecController
 from pageflash.spec.config import SpeculativeConfig
 from pageflash.spec.decoding import SpecDecoder
 
-B = int(os.environ.get("B", "64"))
-N = int(os.environ.get("PROMPTS", "256"))
-MAX_TOKENS = int(os.environ.get("MAX_TOKENS", "128"))
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
-sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-rng = random.Random(0)
-prompts = [{"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(rng.randrange(30, 90))]} for _ in range(N)]
-llm = LLM("smollm2-135m", load_format="dummy", max_model_len=1024, max_num_seqs=256)
-eng = llm.llm_engine
-sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+eng, prompts, sp, B = chat_waves()
 
 
 def decoder(probes: bool, adaptive: bool = True, tree=None) -> SpecDecoder:
@@ -66,23 +56,12 @@ gc_log = {}
 
 def run(d, name: str) -> float:
     eng.spec = d
-    eng.reset_prefix_cache()
     if GC_BEFORE:
         gc.collect()
     gc_t.update(t=0.0, n2=0)
-    sync()
-    t0 = time.perf_counter()
-    toks = 0
-    for w in range(0, N, B):
-        ids = {eng.add_request(None, p, sp) for p in prompts[w: w + B]}
-        while ids:
-            for o in eng.step():
-                if o.finished:
-                    ids.discard(o.request_id)
-                    toks += len(o.outputs[0].token_ids)
-    sync()
+    outs, secs = run_waves(eng, prompts, sp, B)
     gc_log.setdefault(name, []).append((round(gc_t["t"] * 1e3), gc_t["n2"]))
-    return toks / (time.perf_counter() - t0)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / secs
 
 
 for m, d in modes.items():  # warm-up

@@ -6,26 +6,17 @@ step, GPU speed), and the SM clock nvidia-smi sampled every 50 ms during the rou
 Usage: [B=64 PROMPTS=256 MAX_TOKENS=128 ROUNDS=12] python scripts/clock_probe.py"""
 
 import os
-import random
 import statistics
 import subprocess
 import threading
 import time
 
-import torch
 
-from pageflash import LLM, SamplingParams
+from probe_timing import chat_waves  # scripts/probe_timing.py (this script's folder)
+from pageflash.bench.spec import run_waves
 
-B = int(os.environ.get("B", "64"))
-N = int(os.environ.get("PROMPTS", "256"))
-MAX_TOKENS = int(os.environ.get("MAX_TOKENS", "128"))
 ROUNDS = int(os.environ.get("ROUNDS", "12"))
-
-rng = random.Random(0)
-prompts = [{"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(rng.randrange(30, 90))]} for _ in range(N)]
-llm = LLM("smollm2-135m", load_format="dummy", max_model_len=1024, max_num_seqs=256)
-eng = llm.llm_engine
-sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+eng, prompts, sp, B = chat_waves()
 
 clocks: list[tuple[float, int]] = []
 stop = threading.Event()
@@ -54,20 +45,9 @@ def cpu_loop() -> float:
 
 
 def round_() -> tuple[float, float, float]:
-    eng.reset_prefix_cache()
-    torch.cuda.synchronize()
     t0 = time.perf_counter()
-    toks = 0
-    for w in range(0, N, B):
-        ids = {eng.add_request(None, p, sp) for p in prompts[w: w + B]}
-        while ids:
-            for o in eng.step():
-                if o.finished:
-                    ids.discard(o.request_id)
-                    toks += len(o.outputs[0].token_ids)
-    torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    return toks / (t1 - t0), t0, t1
+    outs, secs = run_waves(eng, prompts, sp, B)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / secs, t0, time.perf_counter()
 
 
 th = threading.Thread(target=sample, daemon=True)

@@ -25,11 +25,10 @@ import time
 
 import torch
 
-from pageflash import LLM, SamplingParams
 from pageflash.engine.model_runner import DecodeGraphs
 from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode
 from pageflash.kernels.rotary import apply_rotary
-from probe_timing import round_robin  # scripts/probe_timing.py (this script's folder)
+from probe_timing import decode_engine, round_robin  # scripts/probe_timing.py (this script's folder)
 
 name = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
 variants = sys.argv[2:] or ["rope=0,combine=0", "rope=1,combine=0", "rope=1,combine=1"]
@@ -101,15 +100,9 @@ torch.cuda.empty_cache()
 # ---- 2. engine -----------------------------------------------------------------------------------
 if os.environ.get("ENGINE", "1") == "0":
     sys.exit(0)
-llm = LLM(name, load_format="dummy")
-eng = llm.llm_engine
+llm, eng = decode_engine(name)
 r = eng.runner
 be = r.backend
-eng.add_request(None, {"prompt_token_ids": list(range(10, 138))},
-                SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True))
-for _ in range(5):
-    eng.step()
-torch.cuda.synchronize()
 graphs = {}
 saved = be.decode_rope, be._fused_combine
 for var in variants:

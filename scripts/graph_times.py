@@ -3,12 +3,12 @@ timed back to back, then the kernels of a few replays of each under torch.profil
 Usage: [Q=6] python scripts/graph_times.py"""
 
 import os
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pageflash import LLM, SamplingParams
+from probe_timing import replay_us  # scripts/probe_timing.py (this script's folder)
 
 Q = int(os.environ.get("Q", "6"))
 llm = LLM("smollm2-135m", load_format="dummy", max_model_len=2048, num_kv_blocks=4096,
@@ -23,19 +23,8 @@ verify = sg.graphs[verify_key][0]
 print("verify graph key", verify_key)
 
 
-def timeit(g, n=200):
-    for _ in range(10):
-        g.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e3
-
-
 for name, g in (("decode", decode), ("verify", verify)):
-    print(f"{name}: {timeit(g):.3f} ms per replay (back to back)")
+    print(f"{name}: {replay_us(g, reps=200, warm=10) / 1e3:.3f} ms per replay (back to back)")
 for name, g in (("decode", decode), ("verify", verify)):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):

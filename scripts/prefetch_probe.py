@@ -19,11 +19,10 @@ import time
 
 import torch
 
-from pageflash import LLM, SamplingParams
 from pageflash.engine.model_runner import DecodeGraphs
 from pageflash.kernels.prefetch import l2_prefetch
 from pageflash.layers.linear import linear
-from probe_timing import round_robin  # scripts/probe_timing.py (this script's folder)
+from probe_timing import decode_engine, round_robin  # scripts/probe_timing.py (this script's folder)
 
 name = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
 variants = sys.argv[2:] or ["off", "bulk:o=16", "bulk:o=24", "bulk:o=32", "bulk:o=24,qkv=8",
@@ -73,14 +72,8 @@ for m in ("bulk", "line", "load"):
     print(f"  prefetch kernel {m}: {s.elapsed_time(e) * 1e3:.2f} us")
 
 # ---- 2. engine -----------------------------------------------------------------------------------
-llm = LLM(name, load_format="dummy")
-eng = llm.llm_engine
+llm, eng = decode_engine(name)
 r = eng.runner
-eng.add_request(None, {"prompt_token_ids": list(range(10, 138))},
-                SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True))
-for _ in range(5):
-    eng.step()
-torch.cuda.synchronize()
 max_batch = r.graphs.max_batch
 graphs = {}
 from pageflash.kernels import skinny_gemm as sg

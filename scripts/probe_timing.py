@@ -1,5 +1,5 @@
-"""Timing loops shared by the decode probes (scripts/decode_probe.py, prefetch_probe.py,
-step_timeline.py): graph replays and engine steps, one variant after another in rounds, so that
+"""Timing loops shared by the probes (scripts/decode_probe.py, prefetch_probe.py, step_timeline.py,
+graph_times.py) and their dummy-weights decoding engine: graph replays and engine steps, one variant after another in rounds, so that
 the clocks' drift within a process falls on every variant alike."""
 
 from __future__ import annotations
@@ -33,6 +33,39 @@ def step_us(eng: Any, steps: int = 100, warm: int = 5) -> float:
         eng.step()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / steps * 1e6
+
+
+def decode_engine(name: str) -> tuple[Any, Any]:
+    """(llm, engine) of a dummy-weights model decoding one 128-token prompt (up to 8000 new tokens),
+    a few steps in: its decode graphs are captured and its steps are batch-1 decode steps."""
+    from pageflash import LLM, SamplingParams
+
+    llm = LLM(name, load_format="dummy")
+    eng = llm.llm_engine
+    eng.add_request(None, {"prompt_token_ids": list(range(10, 138))},
+                    SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True))
+    for _ in range(5):
+        eng.step()
+    torch.cuda.synchronize()
+    return llm, eng
+
+
+def chat_waves() -> tuple[Any, list[dict], Any, int]:
+    """The host-bound batch-64 workload of adaptive_overhead.py and clock_probe.py: (engine, prompts,
+    sampling params, batch). Dummy smollm2-135m; PROMPTS (256) random chat-like prompts of 30-90
+    tokens (nothing to copy), run in waves of B (64), MAX_TOKENS (128) new tokens each, greedy."""
+    import os
+    import random
+
+    from pageflash import LLM, SamplingParams
+
+    b, n = int(os.environ.get("B", "64")), int(os.environ.get("PROMPTS", "256"))
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(rng.randrange(30, 90))]}
+               for _ in range(n)]
+    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=1024, max_num_seqs=256)
+    sp = SamplingParams(temperature=0, max_tokens=int(os.environ.get("MAX_TOKENS", "128")), ignore_eos=True)
+    return llm.llm_engine, prompts, sp, b
 
 
 def round_robin(graphs: dict, eng: Any, graph_of: Callable[[Any], Any], replay_rounds: int = 7,

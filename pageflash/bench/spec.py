@@ -175,7 +175,7 @@ def _prompts(eng, task: str, n: int, a: argparse.Namespace) -> list[dict]:
     return prompts
 
 
-def _generate(eng, prompts: list[dict], params, batch: int) -> tuple[list, float]:
+def run_waves(eng, prompts: list[dict], params, batch: int) -> tuple[list, float]:
     """Run prompts in waves of `batch` (all of a wave submitted at once); (outputs, seconds).
     Starts from an empty prefix cache, so that every run computes its prompts (the runs repeat the
     same prompts: otherwise each task's first run would be the only one without cache hits)."""
@@ -266,11 +266,11 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
             for d in [None, *decoders.values()]:
                 eng.spec = d
                 for _ in range(2):
-                    _generate(eng, wp, warm, b)
+                    run_waves(eng, wp, warm, b)
             # every prompt of the cells once (their prefill shapes: otherwise the first timed round
             # compiles them, measured at half the speed of the next rounds at batch 1)
             eng.spec = None
-            _generate(eng, prompt_sets[task][: max(a.num_prompts, b)], SamplingParams(temperature=0.0, max_tokens=2), b)
+            run_waves(eng, prompt_sets[task][: max(a.num_prompts, b)], SamplingParams(temperature=0.0, max_tokens=2), b)
     log(f"warm-up {time.perf_counter() - t0:.1f} s")
 
     rows: list[dict[str, Any]] = []
@@ -299,7 +299,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
                         for m in order:
                             eng.spec = None if m is None else decoders[m]
                             torch.manual_seed(a.seed + 1000 * it + wi)
-                            outs, secs = _generate(eng, wave, params, b)
+                            outs, secs = run_waves(eng, wave, params, b)
                             acc[m][0] += secs
                             acc[m][1] += sum(len(o.outputs[0].token_ids) for o in outs)
                             if it == 0:

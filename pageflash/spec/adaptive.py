@@ -329,9 +329,9 @@ class _ProposerState:
     on: bool = False
     steps_in_mode: int = 0
     probing: int = 0  # speculative probe steps left
-    # what probes may still spend, in plain-step times (starts with one batch-wide probe's worth
-    # at an extra cost of one plain step), and the divisor of its rate
-    credit: float = 4.0
+    # what probes may still spend, in plain-step times (SpecController starts it at one batch-wide
+    # probe's worth at an extra cost of one plain step), and the divisor of its rate
+    credit: float = 0.0
     backoff: int = 1
     probe_ended: bool = False  # a batch-wide probe's last step was chosen; its verdict is pending
     # acceptance observations at the last decision that stayed off, and decisions skipped since

@@ -91,6 +91,12 @@ def _prune_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     return DraftTree([tree.tokens[j] for j in keep], [index.get(tree.parents[j], -1) for j in keep], q)
 
 
+def _verified_by_sampling(req: Request) -> bool:
+    """Whether req's drafts go through rejection sampling (it samples, or its distribution at a node
+    depends on the draft tokens before it: penalties, min_tokens) rather than the greedy walk."""
+    return not req.params.greedy or req.params.reads_outputs(req.num_output_tokens)
+
+
 def _state(req: Request) -> _ReqState:
     if req.spec_state is None:
         req.spec_state = _ReqState()
@@ -347,7 +353,7 @@ class SpecDecoder:
             caps.append(max(0, nodes if self.is_tree else min(nodes, left - 1)))
         if self.ctrl is not None:
             # verification by rejection sampling costs more than greedy's: priced apart
-            sampled = any(not r.params.greedy or r.params.reads_outputs(r.num_output_tokens) for r in cands)
+            sampled = any(_verified_by_sampling(r) for r in cands)
             ks = self.ctrl.choose([r.request_id for r in cands], self.name, caps, prechecked=True, sampled=sampled)
         else:
             ks = caps
@@ -467,7 +473,7 @@ class SpecDecoder:
         # whether the target's distribution at a node depends on the draft tokens before it
         # (penalties; min_tokens masking EOS / stop ids at some nodes but maybe not others)
         ctxs = [r.params.reads_outputs(r.num_output_tokens) for r in reqs]
-        self._step_sampled = not (all(greedy) and not any(ctxs))
+        self._step_sampled = any(_verified_by_sampling(r) for r in reqs)
         if not self._step_sampled:
             # Plain greedy: only the target's argmax matters. One argmax over the step's rows and one
             # read, then the walk on the host (no row gather, no per-step verification kernels).
