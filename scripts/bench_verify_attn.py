@@ -1,5 +1,6 @@
 """Verify-step attention (few queries per sequence over a long paged context): time the paged kernel
-with the keys split over 1..N programs. Usage: python scripts/bench_verify_attn.py"""
+with the keys split over 1..N programs, block ids loaded in the tile's iteration (a0) or one
+iteration ahead (a1, BT_AHEAD). Usage: python scripts/bench_verify_attn.py"""
 import torch
 import triton.testing
 
@@ -23,9 +24,11 @@ for b, qn, ctx, tree in [(1, 6, 1100, True), (1, 16, 1100, True), (64, 6, 1100, 
     tiles = build_tiles([qn] * b, [ctx + qn] * b, cfg["BLOCK_M"] // 4, q.device)
     res = []
     for s in (1, 2, 4, 8, 16):
-        f = lambda: paged_attention(q, kc, vc, qsl, sl, bt, 0.125, [qn] * b, [ctx + qn] * b, tree_mask=mask,
-                                    tiles=tiles, config=cfg, num_splits=s)
-        f()
-        torch.cuda.synchronize()
-        res.append(f"sp{s} {triton.testing.do_bench_cudagraph(f, rep=50) * 1e3:.1f}us")
+        for a in (0, 1):
+            c = dict(cfg, BT_AHEAD=a)
+            f = lambda: paged_attention(q, kc, vc, qsl, sl, bt, 0.125, [qn] * b, [ctx + qn] * b, tree_mask=mask,
+                                        tiles=tiles, config=c, num_splits=s)
+            f()
+            torch.cuda.synchronize()
+            res.append(f"sp{s} a{a} {triton.testing.do_bench_cudagraph(f, rep=50) * 1e3:.1f}us")
     print(f"B{b} Q{qn} ctx{ctx} tiles {tiles[0].numel()} cfg {cfg['BLOCK_M']}x{cfg['BLOCK_N']}: " + ", ".join(res), flush=True)

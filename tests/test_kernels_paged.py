@@ -128,15 +128,17 @@ def test_paged_tree_mask(heads, d, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("ahead", [0, 1])
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 32), (64, 16)])
-def test_paged_prefill_tiles(block_m, block_n):
-    """Other tilings: BLOCK_N larger than a page, several queries per tile with GQA packing."""
+def test_paged_prefill_tiles(block_m, block_n, ahead):
+    """Other tilings: BLOCK_N larger than a page, several queries per tile with GQA packing; block
+    ids loaded in the tile's iteration or one ahead."""
     q, k, v, kc, vc, meta = make_case([(19, 13), (0, 33), (40, 2)], 8, 2, 64, 8, torch.float32, seed=block_m)
     TorchBackend().forward(q, k, v, kc, vc, meta, 0.0)
     ref = paged_attention_ref(q, kc, vc, meta, 0.125)
     out = paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125,
                           meta.query_lens_cpu, meta.seq_lens_cpu,
-                          config=dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1))
+                          config=dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1, BT_AHEAD=ahead))
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
@@ -206,6 +208,44 @@ def test_flash_decode_rope_store(heads, d, splits, fused, dtype):
     with pytest.raises(ValueError, match="cos must be float32"):
         flash_decode(q, kc, vc, meta.block_tables, sl, 0.1, rope=(pos, cos.double(), sin), k_new=k, v_new=v,
                      slot_mapping=slots)
+
+
+@pytest.mark.parametrize("ahead,strided", [(0, False), (1, False), (0, True), (1, True)])
+@pytest.mark.parametrize("splits,fused,rope", [(3, False, False), (7, True, True), (2, False, True)])
+def test_flash_decode_layouts(ahead, strided, splits, fused, rope):
+    """The split kernel's switches (block ids one tile ahead; contiguous or strided splits) give the
+    reference's output, with and without the fused combine and the rotary + store, over lengths that
+    leave some splits empty, BLOCK_N larger than a page, a padded slot, and block-table columns past
+    each sequence's end poisoned (loaded ahead, never dereferenced)."""
+    from pageflash.kernels.rotary import apply_rotary
+
+    hq, hkv, d, page = 4, 2, 32, 8
+    specs = [(0, 1), (8, 1), (30, 1), (100, 1), (16, 1)]
+    q, k, v, kc, vc, meta = make_case(specs, hq, hkv, d, page, torch.float32, seed=ahead + 2 * splits)
+    bt = meta.block_tables.clone()
+    for i, s_len in enumerate(meta.seq_lens_cpu):
+        bt[i, (s_len + page - 1) // page:] = 10**6  # far outside the cache
+    sl, slots = meta.seq_lens.clone(), meta.slot_mapping.clone()
+    sl[4], slots[4] = 0, -1  # a padded batch slot
+    cfg = dict(BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=ahead, STRIDED=strided)
+    counters = torch.zeros(len(specs) * hkv, dtype=torch.int32) if fused else None
+    if rope:
+        cos, sin = _rope_tables(128, d, seed=splits)
+        pos = (sl - 1).clamp_min(0).to(torch.int64)
+        kc_ref, vc_ref, q_ref, k_ref = kc.clone(), vc.clone(), q.clone(), k.clone()
+        apply_rotary(q_ref, k_ref, pos, cos, sin, v=v, k_cache=kc_ref, v_cache=vc_ref, slot_mapping=slots)
+        ref = flash_decode_ref(q_ref, kc_ref, vc_ref, meta.block_tables, sl, 0.2)
+        out = flash_decode(q, kc, vc, bt, sl, 0.2, num_splits=splits, config=cfg, counters=counters,
+                           rope=(pos, cos, sin), k_new=k, v_new=v, slot_mapping=slots)
+        assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    else:
+        ref = flash_decode_ref(q, kc, vc, meta.block_tables, sl, 0.2)
+        out = flash_decode(q, kc, vc, bt, sl, 0.2, num_splits=splits, config=cfg, counters=counters)
+    ref[4] = 0
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+    assert rel_err(out, ref) < TOL[torch.float32]
+    if fused:
+        assert not counters.any()
 
 
 def test_flash_decode_fused_combine_many_splits():

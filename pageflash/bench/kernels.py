@@ -7,7 +7,8 @@
 - decode (W-attn-decode): one query per sequence, 32 query heads over 8 KV heads, D 128, bf16, block
   size 16 (pages shuffled), (B, L) in {(1,32768), (8,8192), (64,2048), (1,131072), (256,1024)}; K+V
   bytes / time vs a measured device-to-device copy bandwidth and vs SDPA on contiguous KV. Timed as
-  CUDA-graph replays (both sides), which also checks that the decode path is graph-safe.
+  CUDA-graph replays (both sides), which also checks that the decode path is graph-safe. Also timed
+  over the same cache with each sequence's pages in order (what a fresh pool hands a long prompt).
 - backward: the prefill shapes, TFLOP/s with FLOPs = 2.5 x forward, vs SDPA's backward.
 
 Timing: ``triton.testing.do_bench`` (median); random inputs. ``--sweep`` also times a few tile
@@ -191,19 +192,25 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
         row["ours_us"] = ms * 1e3
         row["ours_GBs"] = gbs(ms)
         row["ours_pct_copy"] = 100 * gbs(ms) / bw
+        # the same kernel with each sequence's pages in order (physical blocks ascending)
+        bt_seq = torch.arange(b * nb, device="cuda", dtype=torch.int32).view(b, nb)
+        torch.cuda.synchronize()
+        row["ours_inorder_us"] = 1e3 * _bench(
+            lambda: flash_decode(q, kc, vc, bt_seq, sl, d**-0.5, num_splits=splits), graph=True)
         if splits > 1:  # combine fused into the split kernel (TritonBackend(fused_combine=True))
             row["ours_fused_us"] = 1e3 * _bench(
                 lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits, counters=counters), graph=True)
         if sweep:
             res = {}
-            for bn, w, s in [(64, 4, 3), (64, 4, 4), (64, 4, 2), (64, 8, 3), (32, 4, 3), (128, 4, 3), (128, 8, 3)]:
-                cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=s)
+            for a, st, bn, w, s in [(1, 1, 64, 4, 2), (1, 1, 64, 4, 3), (1, 0, 64, 4, 2), (0, 0, 64, 4, 3),
+                                    (1, 1, 32, 4, 3), (1, 1, 32, 4, 4), (1, 1, 128, 4, 2), (1, 1, 64, 8, 2)]:
+                cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=s, BT_AHEAD=a, STRIDED=bool(st))
                 for sp in sorted({max(1, splits // 2), splits, splits * 2}):
                     for fused in (False,):
                         r = _try(lambda: gbs(_bench(lambda: flash_decode(
                             q, kc, vc, bt, sl, d**-0.5, num_splits=sp, config=cfg,
                             counters=counters if fused else None), graph=True)))
-                        res[f"n{bn} w{w} s{s} sp{sp}{' fused' if fused and sp > 1 else ''}"] = r
+                        res[f"a{a}{'S' if st else 'C'} n{bn} w{w} s{s} sp{sp}{' fused' if fused and sp > 1 else ''}"] = r
             row["sweep"] = res
         # SDPA on contiguous KV, GQA handled by SDPA
         kk = kc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
@@ -229,7 +236,7 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
             row[f"sdpa_{be}_us"] = _try(run)
         rows.append(row)
         print(f"decode B{b} L{L}: splits {splits}, ours {row['ours_us']:.1f} us {row['ours_GBs']:.0f} GB/s "
-              f"({row['ours_pct_copy']:.0f}% of copy), fused combine {row.get('ours_fused_us', 0):.1f} us, sdpa {row['sdpa_us'] or float('nan'):.1f} us; "
+              f"({row['ours_pct_copy']:.0f}% of copy), pages in order {row['ours_inorder_us']:.1f} us, fused combine {row.get('ours_fused_us', 0):.1f} us, sdpa {row['sdpa_us'] or float('nan'):.1f} us; "
               + ", ".join(f"{k_} {v_:.1f}" for k_, v_ in row.items() if k_.startswith("sdpa_") and k_.endswith("_us")
                           and k_ != "sdpa_us" and v_),
               flush=True)
@@ -309,11 +316,13 @@ def print_tables(result: dict) -> None:
                   f"{_fmt(r.get('EFFICIENT_ATTENTION')):>7}{_fmt(r['ours'] / fa * 100 if fa else None):>9}%")
     if result.get("decode"):
         print(f"\nW-attn-decode (bf16, Hq 32 / Hkv 8, D 128, page 16; copy {result['copy_GBs']:.0f} GB/s)")
-        print(f"{'B,L':<12}{'splits':>7}{'ours us':>9}{'GB/s':>7}{'%copy':>7}{'sdpa us':>9}{'sdpa/ours':>10}")
+        print(f"{'B,L':<12}{'splits':>7}{'ours us':>9}{'GB/s':>7}{'%copy':>7}{'sdpa us':>9}{'sdpa/ours':>10}"
+              f"{'in-order us':>12}{'sdpa/in-order':>14}")
         for r in result["decode"]:
-            su = r.get("sdpa_us")
+            su, io = r.get("sdpa_us"), r.get("ours_inorder_us")
             print(f"{','.join(map(str, r['shape'])):<12}{r['splits']:>7}{r['ours_us']:>9.1f}{r['ours_GBs']:>7.0f}"
-                  f"{r['ours_pct_copy']:>6.0f}%{_fmt(su, 1):>9}{_fmt(su / r['ours_us'] if su else None, 2):>10}")
+                  f"{r['ours_pct_copy']:>6.0f}%{_fmt(su, 1):>9}{_fmt(su / r['ours_us'] if su else None, 2):>10}"
+                  f"{_fmt(io, 1):>12}{_fmt(su / io if su and io else None, 2):>14}")
     if result.get("backward"):
         print("\nBackward (causal bf16, TFLOP/s, FLOPs = 2.5 x forward)")
         print(f"{'B,H,N,D':<18}{'ours':>7}{'FA2':>7}{'cuDNN':>7}{'effic':>7}{'ours/FA2':>10}")

@@ -51,9 +51,13 @@ def split_range(end, split, num_splits, BLOCK_N: tl.constexpr, SPLIT: tl.constex
 
 
 @triton.jit
-def live_splits(end, num_splits, BLOCK_N: tl.constexpr):
-    """How many splits hold keys (at least 1, so that an empty sequence still has one, all -inf)."""
-    return tl.maximum(tl.cdiv(end, tl.maximum(split_chunk(end, num_splits, BLOCK_N), 1)), 1)
+def live_splits(end, num_splits, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr = False):
+    """How many splits hold keys (at least 1, so that an empty sequence still has one, all -inf).
+    STRIDED: split s holds tiles s, s + num_splits, ... of BLOCK_N keys."""
+    if STRIDED:
+        return tl.minimum(tl.maximum(tl.cdiv(end, BLOCK_N), 1), num_splits)
+    else:
+        return tl.maximum(tl.cdiv(end, tl.maximum(split_chunk(end, num_splits, BLOCK_N), 1)), 1)
 
 
 @triton.jit
@@ -69,27 +73,35 @@ def _rope_tile(x, xp, c, s, lo_half):
 
 # num_splits is not specialized: the batch buckets' split counts share one compile (cold start);
 # nor is the block-table width, which eager steps size to their longest sequence
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "bt_width"])
 def _decode_split_kernel(
     Q, KC, VC, O, PO, PLSE, BT, SEQ_LENS, COUNTERS,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
-    stride_bt,
+    stride_bt, bt_width,
     qk_scale, num_splits,
     KN, VN, POS, COS, SIN, SLOTS, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos, stride_sin,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-    BLOCK_S: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_S: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr = False,
+    BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
     seq_len = tl.load(SEQ_LENS + b)
-    lo, hi = split_range(seq_len, split, num_splits, BLOCK_N, SPLIT)
+    if STRIDED and SPLIT:
+        # tiles split, split + num_splits, ...: the first tile's position needs no seq_len
+        lo = split * BLOCK_N
+        hi = seq_len
+        step = num_splits * BLOCK_N
+    else:
+        lo, hi = split_range(seq_len, split, num_splits, BLOCK_N, SPLIT)
+        step = BLOCK_N
     if SPLIT:
-        eff = live_splits(seq_len, num_splits, BLOCK_N)
+        eff = live_splits(seq_len, num_splits, BLOCK_N, STRIDED)
     else:
         eff = 1
     # a program past the last split with keys writes nothing (the combine reads the first eff splits);
@@ -123,8 +135,12 @@ def _decode_split_kernel(
         s = s.to(tl.float32)
         qp = tl.load(q_ptr + partner[None, :], mask=q_mask, other=0.0)
         q = _rope_tile(q, qp, c[None, :], s[None, :], lo_half[None, :])
-        owner = (seq_len > 0) & (lo <= seq_len - 1) & (seq_len - 1 < hi)
-        hi_loop = tl.where(owner, hi - 1, hi)
+        if STRIDED and SPLIT:
+            owner = (seq_len > 0) & (((seq_len - 1) // BLOCK_N) % num_splits == split)
+            hi_loop = hi - 1  # == seq_len - 1: no other program's tiles hold that key
+        else:
+            owner = (seq_len > 0) & (lo <= seq_len - 1) & (seq_len - 1 < hi)
+            hi_loop = tl.where(owner, hi - 1, hi)
         kn_ptr = KN + b64 * stride_knb + kvh * stride_knh
         kn = tl.load(kn_ptr + offs_d, mask=d_ok, other=0.0)
         knp = tl.load(kn_ptr + partner, mask=d_ok, other=0.0)
@@ -146,10 +162,23 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, hi_loop, BLOCK_N):
+    # BT_AHEAD: a tile's block ids are loaded one iteration ahead (the first before the loop), masked by
+    # the table's width only (not by seq_len: the first load need not wait for it). The K/V copies then
+    # depend on no load of their own iteration, and Triton's pipeliner gives them num_stages - 1
+    # shared-memory buffers; with the block-table load inside the iteration it gives them one, whatever
+    # num_stages, and each copy waits for that load (docs/KERNELS.md). (Two tiles ahead: no pipelining.)
+    if BT_AHEAD:
+        ja = lo + offs_n
+        blk_a = tl.load(bt_row + ja // PAGE_SIZE, mask=ja // PAGE_SIZE < bt_width, other=0)
+    for start_n in range(lo, hi_loop, step):
         j = start_n + offs_n
         kv_ok = j < hi_loop
-        blk = tl.load(bt_row + j // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        if BT_AHEAD:
+            blk = blk_a.to(tl.int64)
+            jn = j + step
+            blk_a = tl.load(bt_row + jn // PAGE_SIZE, mask=jn // PAGE_SIZE < bt_width, other=0)
+        else:
+            blk = tl.load(bt_row + j // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
         slot_n = (j % PAGE_SIZE)[:, None]
         if BLOCK_D != HEAD_DIM:
             ld_mask = kv_ok[:, None] & d_ok[None, :]
@@ -166,6 +195,10 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_ij
+    if PDL:
+        # the combine kernel (launched as a programmatic dependent) may be scheduled from here on: its
+        # programs wait (gdc_wait) for this whole grid's completion and memory flush before reading
+        tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
         # the new key, from registers (the owner only: everyone else adds a zero weight)
         qk_n = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * qk_scale
@@ -223,17 +256,19 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     O, PO, PLSE, SEQ_LENS, stride_ob, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    LENS: tl.constexpr, BLOCK_N: tl.constexpr,
+    LENS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False, STRIDED: tl.constexpr = False,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     row0 = (b * NUM_HEADS + h) * num_splits
+    if PDL:  # launched before the split kernel has finished: wait for its partials
+        tl.extra.cuda.gdc_wait()
     # every split's lse, loaded alongside seq_len (not after it); the dead ones are masked below
     lse_all = tl.load(PLSE + row0 + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     if LENS:  # the decode kernel's splits: only the first eff hold partials; eff == 1 wrote O itself
-        eff = live_splits(tl.load(SEQ_LENS + b), num_splits, BLOCK_N)
+        eff = live_splits(tl.load(SEQ_LENS + b), num_splits, BLOCK_N, STRIDED)
     else:
         eff = num_splits
     if (eff > 1) | (not LENS):
@@ -253,13 +288,18 @@ def _decode_combine_kernel(
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """BLOCK_N, num_warps, num_stages of the split kernel (static: CUDA-graph friendly)."""
+    """BLOCK_N, num_warps, num_stages of the split kernel (static: CUDA-graph friendly), and its two
+    layout switches: BT_AHEAD=1 loads a tile's block ids one iteration ahead (the K/V copies then get
+    num_stages - 1 buffers and never wait on the block table), STRIDED gives split s the tiles s,
+    s + num_splits, ... (the first tile's address needs no seq_len; with pages in order, the programs
+    sweep memory together). H100 sweeps in docs/KERNELS.md."""
     if device.type != "cuda":
-        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True)
     d = triton.next_power_of_2(head_dim)
     if dtype == torch.float32 or d > 128:
-        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=3)  # H100 sweep (docs/KERNELS.md)
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True)
+    # 2 stages: ~39 KB of shared memory, 4 programs per SM (choose_num_splits' slots_per_sm)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True)
 
 
 def choose_num_splits(
@@ -292,6 +332,7 @@ def flash_decode(
     k_new: Optional[torch.Tensor] = None,
     v_new: Optional[torch.Tensor] = None,
     slot_mapping: Optional[torch.Tensor] = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its K/V already stored), caches
     [num_blocks, block_size, Hkv, D], block_tables int32 [B, W], seq_lens int32 [B] (>= 1).
@@ -306,7 +347,11 @@ def flash_decode(
     projections (q is not modified); each query is rotated at its position, the new key rotated, and
     both k and v written to the cache at the token's slot (-1: not stored), exactly as
     ``apply_rotary(q, k_new, *rope, v=v_new, k_cache=..., v_cache=..., slot_mapping=...)`` followed by
-    this call without rope would; key seq_len - 1 (the new token's) is taken from registers."""
+    this call without rope would; key seq_len - 1 (the new token's) is taken from registers.
+
+    pdl: launch the combine kernel (num_splits > 1, no counters) as a programmatic dependent of the
+    split kernel (CUDA only): it is scheduled while the split programs finish their last tiles and
+    waits on the device for their partials, instead of a launch after the split kernel's end."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"flash_decode: q must be [B, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
@@ -357,6 +402,7 @@ def flash_decode(
     o = torch.empty_like(q)
     if b == 0:
         return o
+    pdl = pdl and q.is_cuda and num_splits > 1 and counters is None
     group = hq // hkv
     cfg = dict(decode_config(d, q.dtype, q.device))
     cfg.update(config or {})
@@ -376,35 +422,40 @@ def flash_decode(
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), block_tables.shape[1],
         scale * LOG2E, num_splits, *rope_args,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-        BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1, FUSED=fused,
+        BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1, FUSED=fused, BT_AHEAD=cfg.get("BT_AHEAD", 0),
+        STRIDED=bool(cfg.get("STRIDED", False)),
         BLOCK_S=triton.next_power_of_2(num_splits) if fused else 1,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
         enable_fp_fusion=rope is None,
     )
     if num_splits > 1 and not fused:
-        combine_partials(o, po, plse, lens=(seq_lens, cfg["BLOCK_N"]))
+        combine_partials(o, po, plse, lens=(seq_lens, cfg["BLOCK_N"]), pdl=pdl,
+                         strided=bool(cfg.get("STRIDED", False)))
     return o
 
 
 def combine_partials(o: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
-                     lens: Optional[tuple[torch.Tensor, int]] = None) -> None:
+                     lens: Optional[tuple[torch.Tensor, int]] = None, pdl: bool = False,
+                     strided: bool = False) -> None:
     """o[r, h] = the splits' partial outputs po [R, Hq, S, D] (fp32) weighted by their log2-domain
     log-sum-exps plse [R, Hq, S]; a row whose splits are all empty (lse -inf) becomes zeros. The tile
     over splits is at least 16, so that the batch buckets' split counts share a few compiles.
     lens=(seq_lens, BLOCK_N): the decode kernel's partials, of which only the live splits were
-    written (``live_splits``), none where one split held every key (o already written)."""
+    written (``live_splits``), none where one split held every key (o already written).
+    pdl: launched as a programmatic dependent of the kernel that wrote the partials (which signals
+    ``gdc_launch_dependents``); its programs ``gdc_wait`` before reading them."""
     rows, hq, num_splits, d = po.shape
     seq_lens, block_n = lens if lens is not None else (plse, 1)
     _decode_combine_kernel[(hq, rows)](
         o, po, plse, seq_lens, o.stride(0), o.stride(1), num_splits,
         NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_S=max(16, triton.next_power_of_2(num_splits)), LENS=lens is not None, BLOCK_N=block_n,
-        num_warps=4 if d >= 128 else 2,
+        PDL=pdl, STRIDED=strided, num_warps=4 if d >= 128 else 2, **({"launch_pdl": True} if pdl else {}),
     )
 
 

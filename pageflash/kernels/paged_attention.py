@@ -38,14 +38,25 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
-                 lo, hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale, offs_n, offs_d,
+                 lo, hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale, offs_n, offs_d, bt_width,
                  MASKED: tl.constexpr, USE_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PREC: tl.constexpr):
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr):
+    if BT_AHEAD:
+        # a tile's block ids are loaded one iteration ahead (masked by the table's width only): its K/V
+        # copies then depend on no load of their own iteration, and Triton's pipeliner gives them
+        # num_stages - 1 shared-memory buffers instead of one (flash_decoding's split kernel does the same)
+        ja = lo + offs_n
+        blk_a = tl.load(bt_row + ja // PAGE_SIZE, mask=ja // PAGE_SIZE < bt_width, other=0)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         j = start_n + offs_n
         if MASKED:
             kv_ok = j < seq_len
+        if BT_AHEAD:
+            blk = blk_a.to(tl.int64)
+            jn = j + BLOCK_N
+            blk_a = tl.load(bt_row + jn // PAGE_SIZE, mask=jn // PAGE_SIZE < bt_width, other=0)
+        elif MASKED:
             blk = tl.load(bt_row + j // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + j // PAGE_SIZE).to(tl.int64)
@@ -95,17 +106,17 @@ def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
 
 # The block-table width (stride_bt) and the tree-mask stride change from step to step: specializing
 # on them (divisibility by 16) would compile new variants in the middle of serving.
-@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_tree"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_tree", "bt_width"])
 def _paged_prefill_kernel(
     Q, KC, VC, O, PO, PLSE, BT, SEQ_LENS, QSL, TILE_SEQ, TILE_QB, TREE,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
-    stride_bt, stride_tree,
+    stride_bt, stride_tree, bt_width,
     qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    USE_TREE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    USE_TREE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -149,13 +160,13 @@ def _paged_prefill_kernel(
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  lo, tl.minimum(full, hi), seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
-                                 qk_scale, offs_n, offs_d, False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE,
-                                 PREC)
+                                 qk_scale, offs_n, offs_d, bt_width, False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                 PAGE_SIZE, PREC, BT_AHEAD)
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  tl.maximum(full, lo), hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
-                                 qk_scale, offs_n, offs_d, True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE,
-                                 PREC)
+                                 qk_scale, offs_n, offs_d, bt_width, True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                 PAGE_SIZE, PREC, BT_AHEAD)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -172,20 +183,22 @@ def _paged_prefill_kernel(
 
 
 def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """BLOCK_M (= queries per tile x padded group), BLOCK_N, num_warps, num_stages for the paged kernel."""
+    """BLOCK_M (= queries per tile x padded group), BLOCK_N, num_warps, num_stages for the paged kernel,
+    and BT_AHEAD (a tile's block ids loaded one iteration ahead: see flash_decoding.decode_config)."""
     group_pad = triton.next_power_of_2(group)
     rows = triton.next_power_of_2(max(1, max_query_len) * group_pad)
     d = triton.next_power_of_2(head_dim)
     if device.type != "cuda":
-        return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1)
     big = dtype == torch.float32 or d > 128
     cap = 64 if big else 128
     block_m = max(16, min(rows, cap), group_pad)
     if big:
-        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=1 if d > 128 and dtype == torch.float32 else 2)
-    if block_m >= 128:  # H100 sweep: 128x128 w8 s2 (D 128), 128x64 w8 s2 (D 64)
-        return dict(BLOCK_M=block_m, BLOCK_N=128 if d >= 128 else 64, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=1 if d > 128 and dtype == torch.float32 else 2,
+                    BT_AHEAD=1)
+    if block_m >= 128:  # H100 sweep (scripts/paged_ahead_probe.py): 128x64 w8 s3 with the block ids ahead
+        return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, BT_AHEAD=1)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, BT_AHEAD=1)
 
 
 def build_tiles(
@@ -290,12 +303,12 @@ def paged_attention(
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), tree_mask.stride(0) if tree_mask is not None else 0,
+        block_tables.stride(0), tree_mask.stride(0) if tree_mask is not None else 0, block_tables.shape[1],
         scale * LOG2E, num_splits,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page,
         USE_TREE=tree_mask is not None, SPLIT=split, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BT_AHEAD=cfg.get("BT_AHEAD", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:
         from pageflash.kernels.flash_decoding import combine_partials

@@ -228,6 +228,28 @@ def test_decode_workload_shapes(b, L):
             assert not counters.any()
 
 
+@pytest.mark.parametrize("ahead,strided", [(0, False), (1, False), (0, True), (1, True)])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_decode_layouts_gpu(ahead, strided, stages):
+    """The split kernel's switches at full size in bf16 (block ids ahead: deeper cp.async pipelines),
+    ragged lengths, several split counts, with and without the fused combine."""
+    torch.manual_seed(ahead + 2 * strided)
+    b, L, page, hq, hkv, d = 8, 8192, 16, 32, 8, 128
+    lens = [L] + [random.Random(i).randint(1, L) for i in range(b - 1)]
+    nb = L // page
+    kc, vc = rnd(b * nb + 1, page, hkv, d), rnd(b * nb + 1, page, hkv, d)
+    bt = torch.randperm(b * nb + 1, device=DEV)[: b * nb].to(torch.int32).view(b, nb)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = rnd(b, hq, d)
+    ref = flash_decode_ref(q, kc, vc, bt, sl, d**-0.5)
+    cfg = dict(BLOCK_N=64, num_warps=4, num_stages=stages, BT_AHEAD=ahead, STRIDED=strided)
+    counters = torch.zeros(b * hkv, dtype=torch.int32, device=DEV)
+    for splits, cnt in ((1, None), (8, None), (33, None), (33, counters)):
+        out = flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits, config=cfg, counters=cnt)
+        assert rel_err(out, ref) < TOL[torch.bfloat16], (splits, cnt is not None)
+    assert not counters.any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,d", [((32, 8), 128), ((9, 3), 64), ((8, 8), 80), ((16, 1), 256)])
 def test_decode_dtypes_dims(heads, d, dtype):
