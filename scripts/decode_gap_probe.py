@@ -2,7 +2,6 @@
 
 For each W-attn-decode shape, CUDA-graph replays (triton do_bench_cudagraph, median) of:
   ours       flash_decode as the backend calls it (split kernel + combine kernel)
-  pdl        the same with the combine launched as a programmatic dependent (pdl=True)
   fused      the combine done by the last split program (counters)
   split      the split kernel alone (combine skipped: the output is wrong, timing only)
   cudnn      SDPA (its default pick, cuDNN on H100) on contiguous KV with enable_gqa
@@ -60,7 +59,6 @@ def fns(b, L):
     sc = D ** -0.5
     out = {}
     out["ours"] = lambda: fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=splits)
-    out["pdl"] = lambda: fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=splits, pdl=True)
     if splits > 1:
         out["fused"] = lambda: fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=splits, counters=counters)
         real = fd.combine_partials
@@ -107,7 +105,7 @@ def main():
         b, L = map(int, shape.split("x"))
         f, splits, nbytes, ref = fns(b, L)
         if ref is not None:
-            for name in ("ours", "pdl", "fused"):
+            for name in ("ours", "fused"):
                 if name in f:
                     err = (f[name]().float() - ref.float()).abs().max().item()
                     assert err < 2e-2, (name, err)
@@ -121,7 +119,7 @@ def main():
         print(shape, splits, {k: round(v, 2) for k, v in t.items()}, flush=True)
         del f
         torch.cuda.empty_cache()
-    names = ["ours", "pdl", "fused", "split", "cudnn", "stream", "null"]
+    names = ["ours", "fused", "split", "cudnn", "stream", "null"]
     print(f"{'shape':<10}{'sp':>4}" + "".join(f"{n:>8}" for n in names) + f"{'GB/s ours':>10}{'stream':>8}")
     for shape, splits, nbytes, t in rows:
         print(f"{shape:<10}{splits:>4}" + "".join(f"{t.get(n, float('nan')):>8.1f}" for n in names)

@@ -1,17 +1,18 @@
 """Decode attention (one query per sequence) over the paged KV cache: Flash-Decoding in Triton.
 
 Kernel 1, grid ``(num_splits, Hkv, B)``: each program takes the G = Hq/Hkv query heads of one KV head
-of one sequence (one ``[BLOCK_H >= 16, D]`` Q tile, so the G heads share every K/V load) and one
-contiguous chunk of the sequence's keys, read BLOCK_N at a time through the block table with an online
-softmax. With ``num_splits == 1`` it writes the output directly; otherwise it writes an fp32 partial
-output (normalised within the chunk) and its log-sum-exp (base 2), and kernel 2, grid ``(Hq, B)``,
-rescales and sums the partials -- or, given a counters buffer, the last program of each (sequence,
-KV head) to finish does that itself (an acq_rel atomic counter per (sequence, KV head)).
+of one sequence (one ``[BLOCK_H >= 16, D]`` Q tile, so the G heads share every K/V load) and a share
+of the sequence's keys, read BLOCK_N at a time through the block table with an online softmax: by
+default (STRIDED) the tiles split, split + num_splits, ...; otherwise one contiguous chunk. Each
+tile's block ids are loaded one iteration ahead (BT_AHEAD), so that Triton's pipeliner double-buffers
+the K/V copies. With ``num_splits == 1`` it writes the output directly; otherwise it writes an fp32
+partial output (normalised within its keys) and its log-sum-exp (base 2), and kernel 2, grid
+``(Hq, B)``, rescales and sums the partials -- or, given a counters buffer, the last program of each
+(sequence, KV head) to finish does that itself (an acq_rel atomic counter per (sequence, KV head)).
 
 CUDA-graph safe: ``num_splits`` is a static function of (batch, Hkv, block-table width, SM count),
-never of the lengths; the chunk bounds are computed on the device from ``seq_lens`` (equal chunks of
-the actual length, in multiples of BLOCK_N), and a program whose chunk is empty writes a zero partial
-with lse = -inf, which the combine weights by 0.
+never of the lengths; each program's keys follow from ``seq_lens`` on the device, and a program with
+no keys writes nothing: the combine reads only the live splits (``live_splits``).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _decode_split_kernel(
     KN, VN, POS, COS, SIN, SLOTS, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos, stride_sin,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-    BLOCK_S: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
     BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False,
 ):
     split = tl.program_id(0)
@@ -195,10 +196,6 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_ij
-    if PDL:
-        # the combine kernel (launched as a programmatic dependent) may be scheduled from here on: its
-        # programs wait (gdc_wait) for this whole grid's completion and memory flush before reading
-        tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
         # the new key, from registers (the owner only: everyone else adds a zero weight)
         qk_n = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * qk_scale
@@ -256,15 +253,13 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     O, PO, PLSE, SEQ_LENS, stride_ob, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    LENS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False, STRIDED: tl.constexpr = False,
+    LENS: tl.constexpr, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr = False,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     row0 = (b * NUM_HEADS + h) * num_splits
-    if PDL:  # launched before the split kernel has finished: wait for its partials
-        tl.extra.cuda.gdc_wait()
     # every split's lse, loaded alongside seq_len (not after it); the dead ones are masked below
     lse_all = tl.load(PLSE + row0 + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     if LENS:  # the decode kernel's splits: only the first eff hold partials; eff == 1 wrote O itself
@@ -332,7 +327,6 @@ def flash_decode(
     k_new: Optional[torch.Tensor] = None,
     v_new: Optional[torch.Tensor] = None,
     slot_mapping: Optional[torch.Tensor] = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its K/V already stored), caches
     [num_blocks, block_size, Hkv, D], block_tables int32 [B, W], seq_lens int32 [B] (>= 1).
@@ -347,11 +341,7 @@ def flash_decode(
     projections (q is not modified); each query is rotated at its position, the new key rotated, and
     both k and v written to the cache at the token's slot (-1: not stored), exactly as
     ``apply_rotary(q, k_new, *rope, v=v_new, k_cache=..., v_cache=..., slot_mapping=...)`` followed by
-    this call without rope would; key seq_len - 1 (the new token's) is taken from registers.
-
-    pdl: launch the combine kernel (num_splits > 1, no counters) as a programmatic dependent of the
-    split kernel (CUDA only): it is scheduled while the split programs finish their last tiles and
-    waits on the device for their partials, instead of a launch after the split kernel's end."""
+    this call without rope would; key seq_len - 1 (the new token's) is taken from registers."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"flash_decode: q must be [B, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
@@ -402,7 +392,6 @@ def flash_decode(
     o = torch.empty_like(q)
     if b == 0:
         return o
-    pdl = pdl and q.is_cuda and num_splits > 1 and counters is None
     group = hq // hkv
     cfg = dict(decode_config(d, q.dtype, q.device))
     cfg.update(config or {})
@@ -428,34 +417,31 @@ def flash_decode(
         BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1, FUSED=fused, BT_AHEAD=cfg.get("BT_AHEAD", 0),
         STRIDED=bool(cfg.get("STRIDED", False)),
         BLOCK_S=triton.next_power_of_2(num_splits) if fused else 1,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, PDL=pdl,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
         enable_fp_fusion=rope is None,
     )
     if num_splits > 1 and not fused:
-        combine_partials(o, po, plse, lens=(seq_lens, cfg["BLOCK_N"]), pdl=pdl,
-                         strided=bool(cfg.get("STRIDED", False)))
+        combine_partials(o, po, plse, lens=(seq_lens, cfg["BLOCK_N"]), strided=bool(cfg.get("STRIDED", False)))
     return o
 
 
 def combine_partials(o: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
-                     lens: Optional[tuple[torch.Tensor, int]] = None, pdl: bool = False,
-                     strided: bool = False) -> None:
+                     lens: Optional[tuple[torch.Tensor, int]] = None, strided: bool = False) -> None:
     """o[r, h] = the splits' partial outputs po [R, Hq, S, D] (fp32) weighted by their log2-domain
     log-sum-exps plse [R, Hq, S]; a row whose splits are all empty (lse -inf) becomes zeros. The tile
     over splits is at least 16, so that the batch buckets' split counts share a few compiles.
     lens=(seq_lens, BLOCK_N): the decode kernel's partials, of which only the live splits were
     written (``live_splits``), none where one split held every key (o already written).
-    pdl: launched as a programmatic dependent of the kernel that wrote the partials (which signals
-    ``gdc_launch_dependents``); its programs ``gdc_wait`` before reading them."""
+    strided: the decode kernel's STRIDED splits (live splits counted accordingly)."""
     rows, hq, num_splits, d = po.shape
     seq_lens, block_n = lens if lens is not None else (plse, 1)
     _decode_combine_kernel[(hq, rows)](
         o, po, plse, seq_lens, o.stride(0), o.stride(1), num_splits,
         NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_S=max(16, triton.next_power_of_2(num_splits)), LENS=lens is not None, BLOCK_N=block_n,
-        PDL=pdl, STRIDED=strided, num_warps=4 if d >= 128 else 2, **({"launch_pdl": True} if pdl else {}),
+        STRIDED=strided, num_warps=4 if d >= 128 else 2,
     )
 
 
