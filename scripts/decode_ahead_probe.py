@@ -13,12 +13,12 @@ Usage: python scripts/decode_ahead_probe.py [--shapes 1x32768 ...] [--quick]
 import argparse
 
 import torch
-import triton
 from triton.testing import do_bench_cudagraph
 
 import pageflash.kernels.flash_decoding as fd
+from pageflash.bench.kernels import DECODE_HEADS, PAGE, decode_case
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+HQ, HKV, D = DECODE_HEADS
 CONFIGS = [  # BT_AHEAD, STRIDED, BLOCK_N, warps, stages
     (0, 0, 64, 4, 3), (1, 0, 64, 4, 3), (1, 0, 64, 4, 2), (1, 1, 64, 4, 3), (1, 1, 64, 4, 2), (1, 1, 32, 4, 4),
     (1, 1, 32, 4, 3),
@@ -37,14 +37,7 @@ def name_of(c, sp):
 
 
 def setup(b, L, seed=0):
-    torch.manual_seed(seed)
-    nb = triton.cdiv(L, PAGE)
-    kc = torch.randn(b * nb + 1, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    bt = torch.randperm(b * nb + 1, device="cuda")[: b * nb].to(torch.int32).view(b, nb)
-    sl = torch.full((b,), L, device="cuda", dtype=torch.int32)
-    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-    return q, kc, vc, bt, sl
+    return decode_case(b, L, seed)
 
 
 def check():

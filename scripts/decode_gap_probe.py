@@ -21,8 +21,9 @@ import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
 import pageflash.kernels.flash_decoding as fd
+from pageflash.bench.kernels import DECODE_HEADS, decode_case
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+HQ, HKV, D = DECODE_HEADS
 
 
 @triton.jit
@@ -40,15 +41,8 @@ def _null(X):
     pass
 
 
-def setup(b, L):
-    torch.manual_seed(0)
-    nb = L // PAGE
-    kc = torch.randn(b * nb + 1, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    bt = torch.randperm(b * nb + 1, device="cuda")[: b * nb].to(torch.int32).view(b, nb)
-    sl = torch.full((b,), L, device="cuda", dtype=torch.int32)
-    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-    return q, kc, vc, bt, sl
+def setup(b, L, seed=0):
+    return decode_case(b, L, seed)
 
 
 def fns(b, L):

@@ -165,6 +165,20 @@ def bench_prefill(sweep: bool) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 
 
+def decode_case(b: int, L: int, seed: int = 0):
+    """W-attn-decode inputs: (q, k_cache, v_cache, block_tables, seq_lens) for b sequences of L keys,
+    bf16, DECODE_HEADS, page PAGE, the pages shuffled over a pool of b * ceil(L / PAGE) + 1 blocks."""
+    hq, hkv, d = DECODE_HEADS
+    torch.manual_seed(seed)
+    nb = (L + PAGE - 1) // PAGE
+    kc = torch.randn(b * nb + 1, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(b * nb + 1, device="cuda")[: b * nb].to(torch.int32).view(b, nb)
+    sl = torch.full((b,), L, device="cuda", dtype=torch.int32)
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    return q, kc, vc, bt, sl
+
+
 def bench_decode(sweep: bool, bw: float) -> list[dict]:
     import torch.nn.functional as F
 
@@ -174,13 +188,8 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for b, L in DECODE_SHAPES:
-        torch.manual_seed(0)
-        nb = L // PAGE
-        kc = torch.randn(b * nb + 1, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        bt = torch.randperm(b * nb + 1, device="cuda")[: b * nb].to(torch.int32).view(b, nb)
-        sl = torch.full((b,), L, device="cuda", dtype=torch.int32)
-        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+        q, kc, vc, bt, sl = decode_case(b, L)
+        nb = bt.shape[1]
         nbytes = 2 * b * L * hkv * d * 2
         gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
         splits = choose_num_splits(b, hkv, nb * PAGE, sms)

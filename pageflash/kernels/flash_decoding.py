@@ -275,9 +275,15 @@ def _decode_combine_kernel(
         w = tl.math.exp2(lse - m)
         den = tl.sum(w, 0)
         w = w / tl.where(den > 0.0, den, 1.0)
-        # empty splits (weight 0) are not read: at short lengths most of a decode step's splits are empty
+        # splits with no partial are not read: at short lengths most of a decode step's splits are dead.
+        # The decode kernel's live splits all hold keys, so their load waits only for seq_len, not for
+        # the lse loads; paged_attention's splits may be empty (weight 0, rows of no tile unwritten)
+        if LENS:
+            po_ok = s_ok
+        else:
+            po_ok = s_ok & (w > 0.0)
         po = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                     mask=(s_ok & (w > 0.0))[:, None] & d_ok[None, :], other=0.0)
+                     mask=po_ok[:, None] & d_ok[None, :], other=0.0)
         out = tl.sum(po * w[:, None], 0)
         tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
