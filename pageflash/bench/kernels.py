@@ -206,6 +206,9 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
         torch.cuda.synchronize()
         row["ours_inorder_us"] = 1e3 * _bench(
             lambda: flash_decode(q, kc, vc, bt_seq, sl, d**-0.5, num_splits=splits), graph=True)
+        # eager launches as well (do_bench: events around each call, L2 flushed between calls), as a
+        # caller outside a CUDA graph sees them; SDPA likewise below
+        row["ours_eager_us"] = 1e3 * _bench(lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits))
         if splits > 1:  # combine fused into the split kernel (TritonBackend(fused_combine=True))
             row["ours_fused_us"] = 1e3 * _bench(
                 lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits, counters=counters), graph=True)
@@ -234,6 +237,7 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
         torch.cuda.synchronize()
         ms = _try(lambda: _bench(sdpa, graph=True))
         row["sdpa_us"] = ms * 1e3 if ms else None
+        row["sdpa_eager_us"] = _try(lambda: _bench(sdpa) * 1e3)
         row["sdpa_GBs"] = gbs(ms) if ms else None
         for be in ["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"]:
 
@@ -245,7 +249,8 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
             row[f"sdpa_{be}_us"] = _try(run)
         rows.append(row)
         print(f"decode B{b} L{L}: splits {splits}, ours {row['ours_us']:.1f} us {row['ours_GBs']:.0f} GB/s "
-              f"({row['ours_pct_copy']:.0f}% of copy), pages in order {row['ours_inorder_us']:.1f} us, fused combine {row.get('ours_fused_us', 0):.1f} us, sdpa {row['sdpa_us'] or float('nan'):.1f} us; "
+              f"({row['ours_pct_copy']:.0f}% of copy), pages in order {row['ours_inorder_us']:.1f} us, eager "
+              f"{row['ours_eager_us']:.1f} us (sdpa {row['sdpa_eager_us'] or float('nan'):.1f}), fused combine {row.get('ours_fused_us', 0):.1f} us, sdpa {row['sdpa_us'] or float('nan'):.1f} us; "
               + ", ".join(f"{k_} {v_:.1f}" for k_, v_ in row.items() if k_.startswith("sdpa_") and k_.endswith("_us")
                           and k_ != "sdpa_us" and v_),
               flush=True)
@@ -332,6 +337,10 @@ def print_tables(result: dict) -> None:
             print(f"{','.join(map(str, r['shape'])):<12}{r['splits']:>7}{r['ours_us']:>9.1f}{r['ours_GBs']:>7.0f}"
                   f"{r['ours_pct_copy']:>6.0f}%{_fmt(su, 1):>9}{_fmt(su / r['ours_us'] if su else None, 2):>10}"
                   f"{_fmt(io, 1):>12}{_fmt(su / io if su and io else None, 2):>14}")
+        print("eager launches (do_bench, L2 flushed between calls), us:")
+        for r in result["decode"]:
+            print(f"  B{r['shape'][0]} L{r['shape'][1]}: ours {_fmt(r.get('ours_eager_us'), 1)}, "
+                  f"sdpa {_fmt(r.get('sdpa_eager_us'), 1)}")
     if result.get("backward"):
         print("\nBackward (causal bf16, TFLOP/s, FLOPs = 2.5 x forward)")
         print(f"{'B,H,N,D':<18}{'ours':>7}{'FA2':>7}{'cuDNN':>7}{'effic':>7}{'ours/FA2':>10}")

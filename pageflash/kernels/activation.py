@@ -18,6 +18,7 @@ try:  # libdevice's expf, the function ATen's silu calls (tl.exp lowers to the f
 except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra.cuda import libdevice
 
+from pageflash.kernels.host_math import cdiv
 from pageflash.layers.activation import silu_and_mul_ref
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
@@ -67,7 +68,7 @@ def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
     if t == 0 or inter == 0:
         return out
     block, num_warps = _config(t)
-    _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
+    _silu_and_mul_kernel[(t, cdiv(inter, block))](
         x, out, x.stride(0), out.stride(0), inter,
         BLOCK=block, LIBDEVICE=x.is_cuda, num_warps=num_warps, enable_fp_fusion=False,
     )

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.host_math import cdiv, next_pow2
+
 __all__ = ["argmax", "argmax_ref"]
 
 CHUNKS = 64
@@ -84,8 +86,8 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 512) -
         out = torch.empty(b, dtype=torch.int64, device=x.device)
     if b == 0:
         return out
-    nch = min(CHUNKS, triton.next_power_of_2(triton.cdiv(v, block)))
-    chunk = triton.cdiv(triton.cdiv(v, nch), block) * block
+    nch = min(CHUNKS, next_pow2(cdiv(v, block)))
+    chunk = cdiv(cdiv(v, nch), block) * block
     pv = torch.empty(b, nch, dtype=torch.float32, device=x.device)
     pi = torch.empty(b, nch, dtype=torch.int32, device=x.device)
     big = 2**31 - 1

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.host_math import cdiv, next_pow2
+
 __all__ = [
     "flash_attention",
     "flash_attention_ref",
@@ -386,7 +388,7 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
     """BLOCK_M, BLOCK_N, num_warps, num_stages of the forward kernel (BLOCK_M % BLOCK_N == 0)."""
     if device.type != "cuda":  # interpreter: small tiles keep the tests fast and cross block borders
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    d = triton.next_power_of_2(head_dim)
+    d = next_pow2(head_dim)
     if dtype == torch.float32:
         if d <= 64:
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
@@ -404,7 +406,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
     """Blocks of the dK/dV kernel (BLOCK_M1 x BLOCK_N1) and the dQ kernel (BLOCK_M2 x BLOCK_N2)."""
     if device.type != "cuda":
         return dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, num_warps=4, num_stages=1)
-    d = triton.next_power_of_2(head_dim)
+    d = next_pow2(head_dim)
     if dtype == torch.float32 or d > 128:
         return dict(BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, num_warps=4, num_stages=1)
     if d <= 64:
@@ -480,13 +482,13 @@ def _fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale, varlen, config=None):
         seqlen_static = n
     if batch == 0 or max_seqlen == 0 or q.numel() == 0:
         return o, lse
-    grid = (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), hq, batch)
+    grid = (cdiv(max_seqlen, cfg["BLOCK_M"]), hq, batch)
     _fwd_kernel[grid](
         q, k, v, o, lse, cu_seqlens if varlen else q,
         *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(o, varlen),
         slb, slh,
         seqlen_static, scale * LOG2E,
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         CAUSAL=causal, VARLEN=varlen, PREC=_prec(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -513,22 +515,22 @@ def _bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale, varlen, con
     if batch == 0 or max_seqlen == 0 or q.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     cu = cu_seqlens if varlen else q
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_pow2(d))
     pre_m = 64 if q.device.type == "cuda" else 16
-    _bwd_preprocess_kernel[(triton.cdiv(max_seqlen, pre_m), hq, batch)](
+    _bwd_preprocess_kernel[(cdiv(max_seqlen, pre_m), hq, batch)](
         o, do, delta, cu, *_strides(o, varlen), *_strides(do, varlen), slb, slh, seqlen_static,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m, VARLEN=varlen,
     )
     common = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, VARLEN=varlen, PREC=_prec(q.dtype),
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, cfg["BLOCK_N1"]), hkv, batch)](
+    _bwd_dkdv_kernel[(cdiv(max_seqlen, cfg["BLOCK_N1"]), hkv, batch)](
         q, k, v, do, dk, dv, lse, delta, cu,
         *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(do, varlen),
         *_strides(dk, varlen), *_strides(dv, varlen), slb, slh,
         seqlen_static, scale * LOG2E, scale,
         BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], **common,
     )
-    _bwd_dq_kernel[(triton.cdiv(max_seqlen, cfg["BLOCK_M2"]), hq, batch)](
+    _bwd_dq_kernel[(cdiv(max_seqlen, cfg["BLOCK_M2"]), hq, batch)](
         q, k, v, do, dq, lse, delta, cu,
         *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(do, varlen),
         *_strides(dq, varlen), slb, slh,

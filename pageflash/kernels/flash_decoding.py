@@ -17,12 +17,14 @@ no keys writes nothing: the combine reads only the live splits (``live_splits``)
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.kv_store import check_store_args
 from pageflash.layers.attention import _decode_batched_ref
 
@@ -288,15 +290,16 @@ def _decode_combine_kernel(
         tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
 
+@functools.lru_cache(maxsize=64)
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
     """BLOCK_N, num_warps, num_stages of the split kernel (static: CUDA-graph friendly), and its two
     layout switches: BT_AHEAD=1 loads a tile's block ids one iteration ahead (the K/V copies then get
     num_stages - 1 buffers and never wait on the block table), STRIDED gives split s the tiles s,
     s + num_splits, ... (the first tile's address needs no seq_len; with pages in order, the programs
-    sweep memory together). H100 sweeps in docs/KERNELS.md."""
+    sweep memory together). H100 sweeps in docs/KERNELS.md. Cached: callers copy before changing it."""
     if device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True)
-    d = triton.next_power_of_2(head_dim)
+    d = next_pow2(head_dim)
     if dtype == torch.float32 or d > 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True)
     # 2 stages: ~39 KB of shared memory, 4 programs per SM (choose_num_splits' slots_per_sm)
@@ -315,7 +318,7 @@ def choose_num_splits(
     if programs >= 2 * num_sms:
         return 1
     splits = max(1, (slots_per_sm * num_sms) // programs)
-    splits = min(splits, max(1, triton.cdiv(max_kv_len, min_chunk)), max_splits)
+    splits = min(splits, max(1, cdiv(max_kv_len, min_chunk)), max_splits)
     return max(1, splits)
 
 
@@ -359,12 +362,13 @@ def flash_decode(
         raise ValueError(f"flash_decode: q heads/dim {(hq, d)} incompatible with cache heads/dim {(hkv, dk)}")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"flash_decode: dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+    qs, ks, vs, bts = q.stride(), k_cache.stride(), v_cache.stride(), block_tables.stride()
+    if qs[-1] != 1 or ks[-1] != 1 or vs[-1] != 1:
         raise ValueError("flash_decode: q and caches must be contiguous in head_dim")
     if seq_lens.shape != (b,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"flash_decode: seq_lens must be int32 [{b}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     if block_tables.dim() != 2 or block_tables.shape[0] < b or block_tables.dtype != torch.int32 \
-            or block_tables.stride(1) != 1:
+            or bts[-1] != 1:
         raise ValueError(
             f"flash_decode: block_tables must be int32 [B, W] row-major, got {block_tables.dtype} "
             f"{tuple(block_tables.shape)}"
@@ -394,35 +398,37 @@ def flash_decode(
     elif k_new is not None or v_new is not None or slot_mapping is not None:
         raise ValueError("flash_decode: k_new, v_new and slot_mapping go with rope")
     else:
-        rope_args = (q, q, seq_lens, q, q, seq_lens) + (0,) * 6  # dummies, unused without ROPE
+        # unused without ROPE: None arguments are constexprs to Triton, so they cost no per-launch binding
+        rope_args = (None,) * 12
     o = torch.empty_like(q)
+    os_ = o.stride()
     if b == 0:
         return o
     group = hq // hkv
     cfg = dict(decode_config(d, q.dtype, q.device))
     cfg.update(config or {})
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_pow2(d))
     if num_splits > 1:
         po = torch.empty((b, hq, num_splits, d), device=q.device, dtype=torch.float32)
         plse = torch.empty((b, hq, num_splits), device=q.device, dtype=torch.float32)
     else:
-        po = plse = o
+        po = plse = None
     # the fused combine unrolls over the group's heads and holds [splits, D] fp32 tiles: keep it small
     fused = counters is not None and 1 < num_splits <= 64 and group <= 16
     if fused and (counters.dtype != torch.int32 or counters.numel() < b * hkv or not counters.is_contiguous()):
         raise ValueError(f"flash_decode: counters must be contiguous int32 [>= {b * hkv}], got "
                          f"{counters.dtype} {tuple(counters.shape)}")
     _decode_split_kernel[(num_splits, hkv, b)](
-        q, k_cache, v_cache, o, po, plse, block_tables, seq_lens, counters if fused else seq_lens,
-        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), block_tables.shape[1],
+        q, k_cache, v_cache, o, po, plse, block_tables, seq_lens, counters if fused else None,
+        qs[0], qs[1], os_[0], os_[1],
+        ks[0], ks[1], ks[2],
+        vs[0], vs[1], vs[2],
+        bts[0], block_tables.shape[1],
         scale * LOG2E, num_splits, *rope_args,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
+        GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1, FUSED=fused, BT_AHEAD=cfg.get("BT_AHEAD", 0),
         STRIDED=bool(cfg.get("STRIDED", False)),
-        BLOCK_S=triton.next_power_of_2(num_splits) if fused else 1,
+        BLOCK_S=next_pow2(num_splits) if fused else 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
@@ -445,8 +451,8 @@ def combine_partials(o: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
     seq_lens, block_n = lens if lens is not None else (plse, 1)
     _decode_combine_kernel[(hq, rows)](
         o, po, plse, seq_lens, o.stride(0), o.stride(1), num_splits,
-        NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_S=max(16, triton.next_power_of_2(num_splits)), LENS=lens is not None, BLOCK_N=block_n,
+        NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+        BLOCK_S=max(16, next_pow2(num_splits)), LENS=lens is not None, BLOCK_N=block_n,
         STRIDED=strided, num_warps=4 if d >= 128 else 2,
     )
 

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.host_math import cdiv
+
 __all__ = ["gemv", "gemv_ref", "MAX_M"]
 
 MAX_M = 4
@@ -122,7 +124,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device) if out is None else out
     bm = 1 if m == 1 else (2 if m == 2 else 4)
     per = rows // 2 if silu_mul else rows
-    _gemv_kernel[(triton.cdiv(n_out, per),)](
+    _gemv_kernel[(cdiv(n_out, per),)](
         x, w, y, m, n, k, rows, n_out, x.stride(0), w.stride(0), y.stride(0),
         BM=bm, R=r, BK=bk, STAGES=num_stages, SILU=silu_mul, LIBDEVICE=x.is_cuda, num_warps=num_warps,
     )

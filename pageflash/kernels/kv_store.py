@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.host_math import next_pow2
 from pageflash.layers.attention import store_kv_ref
 
 __all__ = ["store_kv", "store_kv_ref"]
@@ -88,6 +89,6 @@ def store_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=h, HEAD_DIM=d,
-        BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=next_pow2(h), BLOCK_D=next_pow2(d), PAGE_SIZE=k_cache.shape[1],
         num_warps=4 if h * d >= 2048 else 2,
     )

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.flash_decoding import split_range
+from pageflash.kernels.host_math import next_pow2
 from pageflash.layers.attention import paged_attention_ref
 from pageflash.transfer import to_device
 
@@ -185,9 +186,9 @@ def _paged_prefill_kernel(
 def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype, device: torch.device) -> dict:
     """BLOCK_M (= queries per tile x padded group), BLOCK_N, num_warps, num_stages for the paged kernel,
     and BT_AHEAD (a tile's block ids loaded one iteration ahead: see flash_decoding.decode_config)."""
-    group_pad = triton.next_power_of_2(group)
-    rows = triton.next_power_of_2(max(1, max_query_len) * group_pad)
-    d = triton.next_power_of_2(head_dim)
+    group_pad = next_pow2(group)
+    rows = next_pow2(max(1, max_query_len) * group_pad)
+    d = next_pow2(head_dim)
     if device.type != "cuda":
         return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1)
     big = dtype == torch.float32 or d > 128
@@ -272,7 +273,7 @@ def paged_attention(
     group = hq // hkv
     cfg = dict(prefill_config(d, group, max(query_lens_cpu), q.dtype, q.device))
     cfg.update(config or {})
-    group_pad = triton.next_power_of_2(group)
+    group_pad = next_pow2(group)
     if cfg["BLOCK_M"] % group_pad:
         raise ValueError(f"paged_attention: BLOCK_M {cfg['BLOCK_M']} must be a multiple of the padded group")
     if tiles is None:
@@ -296,16 +297,16 @@ def paged_attention(
         po = torch.empty((t, hq, num_splits, d), device=q.device, dtype=torch.float32)
         plse = torch.empty((t, hq, num_splits), device=q.device, dtype=torch.float32)
     else:
-        po = plse = o
+        po = plse = None  # unused without SPLIT (None: a constexpr to Triton, nothing to bind per launch)
     _paged_prefill_kernel[(tile_seq.numel(), hkv, num_splits)](
         q, k_cache, v_cache, o, po, plse, block_tables, seq_lens, query_start_loc, tile_seq, tile_qb,
-        tree_mask if tree_mask is not None else q,
+        tree_mask,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), tree_mask.stride(0) if tree_mask is not None else 0, block_tables.shape[1],
         scale * LOG2E, num_splits,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page,
         USE_TREE=tree_mask is not None, SPLIT=split, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         BT_AHEAD=cfg.get("BT_AHEAD", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

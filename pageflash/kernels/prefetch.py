@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.host_math import cdiv
+
 __all__ = ["l2_prefetch", "MODES"]
 
 MODES = ("bulk", "line", "load")
@@ -80,19 +82,19 @@ def l2_prefetch(w: torch.Tensor, nbytes: int, mode: str = "bulk", programs: int 
         if nchunk == 0:
             return
         # 32 chunks per program (one warp): the prefetches are spread over many SMs' copy engines
-        _prefetch_bulk_kernel[(triton.cdiv(nchunk, 32),)](w.data_ptr(), nchunk, CHUNK=_BULK_CHUNK,
+        _prefetch_bulk_kernel[(cdiv(nchunk, 32),)](w.data_ptr(), nchunk, CHUNK=_BULK_CHUNK,
                                                           BLOCK=32, num_warps=1)
     elif mode == "line":
-        nlines = triton.cdiv(nbytes, 128)
-        per = max(1, triton.cdiv(nlines, programs * _BLOCK))
-        _prefetch_line_kernel[(triton.cdiv(nlines, _BLOCK * per),)](w.data_ptr(), nlines, BLOCK=_BLOCK,
+        nlines = cdiv(nbytes, 128)
+        per = max(1, cdiv(nlines, programs * _BLOCK))
+        _prefetch_line_kernel[(cdiv(nlines, _BLOCK * per),)](w.data_ptr(), nlines, BLOCK=_BLOCK,
                                                                     PER=per, num_warps=4)
     else:
         n = nbytes // w.element_size()
         flat = w.view(-1)
         block = 1024
-        per = max(1, triton.cdiv(n, programs * block))
-        grid = triton.cdiv(n, block * per)
+        per = max(1, cdiv(n, programs * block))
+        grid = cdiv(n, block * per)
         sink = _sinks.get(w.device)
         if sink is None or sink.numel() < grid:
             sink = _sinks[w.device] = torch.empty(max(grid, 1024), dtype=torch.float32, device=w.device)

@@ -26,6 +26,7 @@ try:  # libdevice's rsqrtf, the function ATen's rsqrt calls (tl.math.rsqrt may l
 except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra.cuda import libdevice
 
+from pageflash.kernels.host_math import next_pow2
 from pageflash.layers.norm import rms_norm_ref
 
 __all__ = ["rms_norm", "rms_norm_ref", "rms_norm_fused_ref"]
@@ -132,7 +133,7 @@ def rms_norm(
         if a.device != x.device:
             raise ValueError(f"rms_norm: {name} is on {a.device}, x on {x.device}")
     if t > 0:
-        block = triton.next_power_of_2(h)
+        block = next_pow2(h)
         res = residual if residual is not None else x  # dummies when HAS_RES is off
         rout = residual_out if residual_out is not None else out
         _rms_norm_kernel[(t,)](

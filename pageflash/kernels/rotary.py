@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.kv_store import check_store_args, slot_page
 from pageflash.layers.rotary import _rotate
 
@@ -97,7 +98,7 @@ def rotary_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int, 
     """(BLOCK_H, num_warps). Few tokens: small head blocks, so a decode step still spreads over
     several SMs; many tokens: ~1K elements of q or k per program."""
     block_h = 2 if num_tokens <= 16 else max(1, 1024 // head_dim)
-    block_h = min(block_h, triton.next_power_of_2(max_heads))
+    block_h = min(block_h, next_pow2(max_heads))
     return block_h, 4
 
 
@@ -151,7 +152,7 @@ def apply_rotary(
         return q, k
     positions = positions.contiguous()
     block_h, num_warps = rotary_config(t, d, max(hq, hkv))
-    grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
+    grid = (t, cdiv(hq, block_h) + cdiv(hkv, block_h))
     if store:
         slots = slot_mapping.contiguous()
         kc_st, vc_st = k_cache.stride(), v_cache.stride()
@@ -163,7 +164,7 @@ def apply_rotary(
         q, k, positions, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
         hq, hkv, *extra,
-        HALF=half, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
+        HALF=half, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half),
         STORE=store, PAGE_SIZE=k_cache.shape[1] if store else 1,
         num_warps=num_warps, enable_fp_fusion=False,
     )

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.gemv import gemv
+from pageflash.kernels.host_math import cdiv
 
 
 # M is not specialized: one compile per config serves every decode batch size (cold start)
@@ -59,7 +60,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: in
     assert m <= 16, f"skinny_gemm is for M <= 16 rows, got {m}"
     assert x.dtype == w.dtype, f"dtype mismatch: x {x.dtype}, w {w.dtype}"
     assert x.stride(1) == 1 and w.stride(1) == 1, "x and w must be contiguous along K"
-    grid = (triton.cdiv(n, block_n), split_k)
+    grid = (cdiv(n, block_n), split_k)
     if split_k == 1:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         _skinny_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), 0,

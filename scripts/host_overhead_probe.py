@@ -1,0 +1,79 @@
+"""Host time per call of the attention launch wrappers (CUDA): tiny shapes, so that the GPU keeps up
+and the wall time per call is the host's. Usage: python scripts/host_overhead_probe.py
+
+Rows: flash_decode (1 split / 8 splits: two launches), its split kernel launched bare with the same
+arguments, a bare launch of an empty kernel with 1 and with 45 arguments, torch SDPA, torch.empty.
+"""
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+import pageflash.kernels.flash_decoding as fd
+from pageflash.bench.kernels import decode_case
+
+
+@triton.jit
+def _null1(X):
+    pass
+
+
+@triton.jit
+def _null45(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
+            a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32, a33, a34, a35, a36, a37, a38, a39,
+            A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, E: tl.constexpr, F: tl.constexpr):
+    pass
+
+
+def per_call_us(fn, n=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    return best
+
+
+q, kc, vc, bt, sl = decode_case(1, 64)
+x = torch.zeros(16, device="cuda")
+ints = list(range(1, 29))
+kk = kc[:4].flatten(0, 1).transpose(0, 1)[None].contiguous()
+vv = vc[:4].flatten(0, 1).transpose(0, 1)[None].contiguous()
+po = torch.empty((1, 32, 8, 128), device="cuda")
+plse = torch.empty((1, 32, 8), device="cuda")
+o = torch.empty_like(q)
+
+
+def split_bare(splits):
+    args = (q, kc, vc, o, po, plse, bt, sl, sl, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), bt.stride(0),
+            bt.shape[1], 0.1, splits, q, q, sl, q, q, sl) + (0,) * 6
+    fd._decode_split_kernel[(splits, 8, 1)](
+        *args, GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, PAGE_SIZE=16, SPLIT=splits > 1,
+        FUSED=False, BT_AHEAD=1, STRIDED=True, BLOCK_S=1, PREC="tf32", ROPE=False, num_warps=4, num_stages=2)
+
+
+rows = {
+    "decode_config": lambda: fd.decode_config(128, q.dtype, q.device),
+    "split kernel launch, bare, 1 split": lambda: split_bare(1),
+    "split kernel launch, bare, 8 splits": lambda: split_bare(8),
+    "combine_partials, 8 splits": lambda: fd.combine_partials(o, po, plse, lens=(sl, 64), strided=True),
+    "flash_decode 1 split": lambda: fd.flash_decode(q, kc, vc, bt, sl, 0.1, num_splits=1),
+    "flash_decode 8 splits": lambda: fd.flash_decode(q, kc, vc, bt, sl, 0.1, num_splits=8),
+    "empty kernel, 1 arg": lambda: _null1[(1,)](x),
+    "empty kernel, 40 args + 5 constexpr": lambda: _null45[(1,)](x, x, x, x, x, x, x, x, x, x, x, x, *ints,
+                                                               A=1, B=2, C=3, E=4, F=5),
+    "torch.empty x3": lambda: (torch.empty(4, device="cuda"), torch.empty(4, device="cuda"),
+                               torch.empty(4, device="cuda")),
+    "torch SDPA (GQA)": lambda: torch.nn.functional.scaled_dot_product_attention(
+        q.view(1, 32, 1, 128), kk, vv, enable_gqa=True),
+}
+print(f"host us per call (triton {triton.__version__}, torch {torch.__version__})")
+for name, fn in rows.items():
+    print(f"  {name:<40}{per_call_us(fn):8.1f}", flush=True)
