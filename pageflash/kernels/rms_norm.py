@@ -134,11 +134,12 @@ def rms_norm(
             raise ValueError(f"rms_norm: {name} is on {a.device}, x on {x.device}")
     if t > 0:
         block = next_pow2(h)
-        res = residual if residual is not None else x  # dummies when HAS_RES is off
-        rout = residual_out if residual_out is not None else out
+        # without a residual its pointers and strides are None (constexprs to Triton: nothing to bind)
+        has_res = residual is not None
         _rms_norm_kernel[(t,)](
-            x, res, weight, out, rout,
-            x.stride(0), res.stride(0), out.stride(0), rout.stride(0),
+            x, residual, weight, out, residual_out if has_res else None,
+            x.stride(0), residual.stride(0) if has_res else None, out.stride(0),
+            residual_out.stride(0) if has_res else None,
             h, 1.0 / h, eps,
             HAS_RES=residual is not None, BLOCK=block, LIBDEVICE=x.is_cuda,
             num_warps=num_warps or _num_warps(block), enable_fp_fusion=False,

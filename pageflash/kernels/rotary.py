@@ -158,8 +158,8 @@ def apply_rotary(
         kc_st, vc_st = k_cache.stride(), v_cache.stride()
         extra = (v, k_cache, v_cache, slots, v.stride(0), v.stride(1), kc_st[0], kc_st[1], kc_st[2],
                  vc_st[0], vc_st[1], vc_st[2])
-    else:  # dummies, unused with STORE off
-        extra = (k, k, k, positions) + (0,) * 8
+    else:  # unused with STORE off: None arguments are constexprs to Triton (nothing to bind per launch)
+        extra = (None,) * 12
     _rotary_kernel[grid](
         q, k, positions, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
