@@ -18,6 +18,7 @@ import torch
 
 from pageflash.kernels.flash_attention import flash_attn_varlen_fwd
 from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode
+from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.kv_store import store_kv
 from pageflash.kernels.paged_attention import build_tiles, paged_attention, prefill_config
 from pageflash.kernels.rotary import apply_rotary
@@ -165,7 +166,7 @@ class TritonBackend:
             return out
         group = q.shape[1] // hkv
         cfg = prefill_config(q.shape[2], group, meta.max_query_len, q.dtype, q.device)
-        per_tile = cfg["BLOCK_M"] // _pow2(group)
+        per_tile = cfg["BLOCK_M"] // next_pow2(group)
         tiles = plan.tiles_for(per_tile, q.device)
         splits = 1
         if meta.max_query_len <= MAX_SPLIT_QUERY_LEN:  # few queries over the cache (verify steps): split the keys
@@ -179,10 +180,6 @@ class TritonBackend:
             meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask,
             tiles=tiles, config=cfg, num_splits=splits,
         )
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 register_backend("triton", TritonBackend)

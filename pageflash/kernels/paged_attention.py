@@ -20,6 +20,7 @@ by :func:`build_tiles` (``TritonBackend.plan``), heaviest tiles first.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -183,9 +184,11 @@ def _paged_prefill_kernel(
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=ok)
 
 
+@functools.lru_cache(maxsize=256)
 def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype, device: torch.device) -> dict:
     """BLOCK_M (= queries per tile x padded group), BLOCK_N, num_warps, num_stages for the paged kernel,
-    and BT_AHEAD (a tile's block ids loaded one iteration ahead: see flash_decoding.decode_config)."""
+    and BT_AHEAD (a tile's block ids loaded one iteration ahead: see flash_decoding.decode_config).
+    Cached: callers copy before changing it."""
     group_pad = next_pow2(group)
     rows = next_pow2(max(1, max_query_len) * group_pad)
     d = next_pow2(head_dim)
