@@ -469,16 +469,16 @@ class SpecDecoder:
             start, count = result.rows[i]
             assert count == 1 + len(t), f"verify rows {count} != 1 + {len(t)} drafts"
             starts.append(start)
-        greedy = [r.params.greedy for r in reqs]
-        # whether the target's distribution at a node depends on the draft tokens before it
-        # (penalties; min_tokens masking EOS / stop ids at some nodes but maybe not others)
-        ctxs = [r.params.reads_outputs(r.num_output_tokens) for r in reqs]
         self._step_sampled = any(_verified_by_sampling(r) for r in reqs)
         if not self._step_sampled:
             # Plain greedy: only the target's argmax matters. One argmax over the step's rows and one
             # read, then the walk on the host (no row gather, no per-step verification kernels).
             res = verify_greedy(trees, result.logits.argmax(-1).tolist(), starts)
         else:
+            greedy = [r.params.greedy for r in reqs]
+            # whether the target's distribution at a node depends on the draft tokens before it
+            # (penalties; min_tokens masking EOS / stop ids at some nodes but maybe not others)
+            ctxs = [r.params.reads_outputs(r.num_output_tokens) for r in reqs]
             rows = [j for st, t in zip(starts, trees) for j in range(st, st + 1 + len(t))]
             logits = result.logits[torch.tensor(rows, device=result.logits.device)]
             res = self._verify_sampled(reqs, trees, logits, greedy, ctxs)
