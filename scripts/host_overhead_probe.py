@@ -1,8 +1,8 @@
 """Host time per call of the attention launch wrappers (CUDA): tiny shapes, so that the GPU keeps up
 and the wall time per call is the host's. Usage: python scripts/host_overhead_probe.py
 
-Rows: flash_decode (1 split / 8 splits: two launches), its split kernel launched bare with the same
-arguments, a bare launch of an empty kernel with 1 and with 45 arguments, torch SDPA, torch.empty.
+Rows: flash_decode (1 / 8 / 66 splits: two launches with splits), its split kernel launched bare with
+the same arguments (and through the CompiledKernel that launch returned), a bare launch of an empty kernel with 1 and with 45 arguments, torch SDPA, torch.empty.
 """
 import time
 
@@ -54,15 +54,46 @@ def split_bare(splits):
     args = (q, kc, vc, o, po, plse, bt, sl, sl, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), bt.stride(0),
             bt.shape[1], 0.1, splits, q, q, sl, q, q, sl) + (0,) * 6
-    fd._decode_split_kernel[(splits, 8, 1)](
-        *args, GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, PAGE_SIZE=16, SPLIT=splits > 1,
-        FUSED=False, BT_AHEAD=1, STRIDED=True, BLOCK_S=1, PREC="tf32", ROPE=False, num_warps=4, num_stages=2)
+    return fd._decode_split_kernel[(splits, 8, 1)](*args, **split_kw(splits), num_warps=4, num_stages=2)
+
+
+def split_kw(splits):
+    return dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, PAGE_SIZE=16, SPLIT=splits > 1,
+                FUSED=False, BT_AHEAD=1, STRIDED=True, BLOCK_S=1, PREC="tf32", ROPE=False)
+
+
+def split_direct(splits):
+    """The same launch through the CompiledKernel the JIT path returned (no binder, no cache key):
+    what a cached launcher could save."""
+    ck = split_bare(splits)
+    args = (q, kc, vc, o, po, plse, bt, sl, sl, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), bt.stride(0),
+            bt.shape[1], 0.1, splits, q, q, sl, q, q, sl) + (0,) * 6
+    kw = split_kw(splits)
+    names = fd._decode_split_kernel.arg_names
+    full = list(args) + [kw[n] for n in names[len(args):]]
+    runner = ck[(splits, 8, 1)]
+    return lambda: runner(*full)
+
+
+def lazy(factory, *a):
+    """Build the timed function on first use (a factory that fails is reported as that row's failure)."""
+    box = []
+
+    def fn():
+        if not box:
+            box.append(factory(*a))
+        return box[0]()
+    return fn
 
 
 rows = {
     "decode_config": lambda: fd.decode_config(128, q.dtype, q.device),
     "split kernel launch, bare, 1 split": lambda: split_bare(1),
     "split kernel launch, bare, 8 splits": lambda: split_bare(8),
+    "split kernel, CompiledKernel runner, 8 splits": lazy(split_direct, 8),
+    "current stream handle": lambda: torch.cuda.current_stream().cuda_stream,
+    "flash_decode 66 splits": lambda: fd.flash_decode(q, kc, vc, bt, sl, 0.1, num_splits=66),
     "combine_partials, 8 splits": lambda: fd.combine_partials(o, po, plse, lens=(sl, 64), strided=True),
     "flash_decode 1 split": lambda: fd.flash_decode(q, kc, vc, bt, sl, 0.1, num_splits=1),
     "flash_decode 8 splits": lambda: fd.flash_decode(q, kc, vc, bt, sl, 0.1, num_splits=8),
@@ -76,4 +107,7 @@ rows = {
 }
 print(f"host us per call (triton {triton.__version__}, torch {torch.__version__})")
 for name, fn in rows.items():
-    print(f"  {name:<40}{per_call_us(fn):8.1f}", flush=True)
+    try:
+        print(f"  {name:<48}{per_call_us(fn):8.1f}", flush=True)
+    except Exception as e:  # e.g. the CompiledKernel API of another Triton version
+        print(f"  {name:<48}  failed: {type(e).__name__}: {str(e)[:100]}", flush=True)

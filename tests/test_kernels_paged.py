@@ -3,6 +3,7 @@ against the PyTorch references, under the Triton interpreter on CPU (tiny shapes
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -246,6 +247,51 @@ def test_flash_decode_layouts(ahead, strided, splits, fused, rope):
     assert rel_err(out, ref) < TOL[torch.float32]
     if fused:
         assert not counters.any()
+
+
+@pytest.mark.parametrize("combine", [dict(BLOCK_DC=0, EAGER=False), dict(BLOCK_DC=16, EAGER=True),
+                                     dict(BLOCK_DC=32, EAGER=False, num_warps=2), dict(BLOCK_DC=0, EAGER=True)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_decode_combine_variants(combine, strided):
+    """The combine's column chunks and eager partial loads: the live splits' partials weighted by their
+    lse (torch reference), the dead splits' rows (NaN-poisoned, as stale memory may be) never reaching
+    the output, rows whose one live split wrote O left alone, a padded slot (seq_len 0) untouched."""
+    from pageflash.kernels.flash_decoding import combine_partials
+
+    g = torch.Generator().manual_seed(7 + strided)
+    rows, hq, s, d, block_n = 5, 3, 6, 48, 16
+    seq_lens = torch.tensor([0, 10, 40, 16 * 6 + 3, 16 * 2], dtype=torch.int32)
+    po = torch.randn(rows, hq, s, d, generator=g)
+    plse = torch.randn(rows, hq, s, generator=g) * 3
+    eff = []
+    for r, n in enumerate(seq_lens.tolist()):
+        if strided:
+            e = min(max(-(-n // block_n), 1), s)
+        else:
+            chunk = -(-(-(-n // s)) // block_n) * block_n
+            e = max(-(-n // max(chunk, 1)), 1)
+        eff.append(e)
+        po[r, :, e:] = float("nan")
+        plse[r, :, e:] = float("nan")
+    o = torch.full((rows, hq, d), 7.0)
+    combine_partials(o, po, plse, lens=(seq_lens, block_n), strided=strided, config=combine)
+    for r, e in enumerate(eff):
+        if e == 1:
+            assert torch.equal(o[r], torch.full((hq, d), 7.0)), r  # the split kernel wrote this row
+            continue
+        w = torch.softmax(plse[r, :, :e] * math.log(2), dim=-1)
+        ref = (w[..., None] * po[r, :, :e]).sum(1)
+        torch.testing.assert_close(o[r], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("combine", [dict(COMBINE_BLOCK_DC=16, COMBINE_EAGER=True), dict(COMBINE_EAGER=True)])
+def test_flash_decode_combine_config(combine):
+    """flash_decode passes COMBINE_* config keys to the combine: same output as the reference."""
+    q, k, v, kc, vc, meta = make_case([(0, 1), (100, 1), (7, 1), (64, 1)], 8, 2, 32, 8, torch.float32, seed=9)
+    ref = flash_decode_ref(q, kc, vc, meta.block_tables, meta.seq_lens, 0.2)
+    cfg = dict(BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True, **combine)
+    out = flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, 0.2, num_splits=5, config=cfg)
+    assert rel_err(out, ref) < TOL[torch.float32]
 
 
 def test_flash_decode_fused_combine_many_splits():

@@ -255,37 +255,51 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     O, PO, PLSE, SEQ_LENS, stride_ob, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    LENS: tl.constexpr, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr = False,
+    LENS: tl.constexpr, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr = False, BLOCK_DC: tl.constexpr = 0,
+    EAGER: tl.constexpr = False,
 ):
+    """Grid (Hq, rows, D / BLOCK_DC): program (h, r, c) combines columns [c * BLOCK_DC, ...) of row r,
+    head h (BLOCK_DC 0: all of D). EAGER (decode partials, LENS): every split's partial is loaded
+    alongside seq_len and the lse, the dead ones dropped afterwards, so that no load waits for another."""
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    if BLOCK_DC == 0:
+        offs_d = tl.arange(0, BLOCK_D)
+    else:
+        offs_d = tl.program_id(2) * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    d_ok = offs_d < HEAD_DIM
     row0 = (b * NUM_HEADS + h) * num_splits
     # every split's lse, loaded alongside seq_len (not after it); the dead ones are masked below
     lse_all = tl.load(PLSE + row0 + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    if EAGER:
+        # stale rows of dead splits are read too and dropped by the where below (never multiplied)
+        po_all = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                         mask=(offs_s < num_splits)[:, None] & d_ok[None, :], other=0.0)
     if LENS:  # the decode kernel's splits: only the first eff hold partials; eff == 1 wrote O itself
         eff = live_splits(tl.load(SEQ_LENS + b), num_splits, BLOCK_N, STRIDED)
     else:
         eff = num_splits
     if (eff > 1) | (not LENS):
         s_ok = offs_s < eff
-        d_ok = offs_d < HEAD_DIM
         lse = tl.where(s_ok, lse_all, float("-inf"))
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0 (a padded batch slot): every split empty -> 0
         w = tl.math.exp2(lse - m)
         den = tl.sum(w, 0)
         w = w / tl.where(den > 0.0, den, 1.0)
-        # splits with no partial are not read: at short lengths most of a decode step's splits are dead.
-        # The decode kernel's live splits all hold keys, so their load waits only for seq_len, not for
-        # the lse loads; paged_attention's splits may be empty (weight 0, rows of no tile unwritten)
-        if LENS:
-            po_ok = s_ok
+        if EAGER:
+            po = tl.where(s_ok[:, None], po_all, 0.0)
         else:
-            po_ok = s_ok & (w > 0.0)
-        po = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                     mask=po_ok[:, None] & d_ok[None, :], other=0.0)
+            # splits with no partial are not read: at short lengths most of a decode step's splits are
+            # dead. The decode kernel's live splits all hold keys, so their load waits only for seq_len,
+            # not for the lse loads; paged_attention's splits may be empty (weight 0, rows unwritten)
+            if LENS:
+                po_ok = s_ok
+            else:
+                po_ok = s_ok & (w > 0.0)
+            po = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                         mask=po_ok[:, None] & d_ok[None, :], other=0.0)
         out = tl.sum(po * w[:, None], 0)
         tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
@@ -293,17 +307,20 @@ def _decode_combine_kernel(
 @functools.lru_cache(maxsize=64)
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
     """BLOCK_N, num_warps, num_stages of the split kernel (static: CUDA-graph friendly), and its two
-    layout switches: BT_AHEAD=1 loads a tile's block ids one iteration ahead (the K/V copies then get
+    layout switches, and the combine's (COMBINE_*: see ``combine_partials``): BT_AHEAD=1 loads a tile's block ids one iteration ahead (the K/V copies then get
     num_stages - 1 buffers and never wait on the block table), STRIDED gives split s the tiles s,
     s + num_splits, ... (the first tile's address needs no seq_len; with pages in order, the programs
     sweep memory together). H100 sweeps in docs/KERNELS.md. Cached: callers copy before changing it."""
+    # the combine: 32 columns per program over 2 warps, every split's partial loaded without waiting
+    # for seq_len (H100: -0.3 to -0.5 us at batch 1 against one program per head; docs/KERNELS.md)
+    comb = dict(COMBINE_BLOCK_DC=32, COMBINE_EAGER=True, COMBINE_num_warps=2)
     if device.type != "cuda":
-        return dict(BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True)
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True, **comb)
     d = next_pow2(head_dim)
     if dtype == torch.float32 or d > 128:
-        return dict(BLOCK_N=32, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True)
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True, **comb)
     # 2 stages: ~39 KB of shared memory, 4 programs per SM (choose_num_splits' slots_per_sm)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True, **comb)
 
 
 def choose_num_splits(
@@ -435,25 +452,37 @@ def flash_decode(
         enable_fp_fusion=rope is None,
     )
     if num_splits > 1 and not fused:
-        combine_partials(o, po, plse, lens=(seq_lens, cfg["BLOCK_N"]), strided=bool(cfg.get("STRIDED", False)))
+        combine_partials(o, po, plse, lens=(seq_lens, cfg["BLOCK_N"]), strided=bool(cfg.get("STRIDED", False)),
+                         config={k[len("COMBINE_"):]: v for k, v in cfg.items() if k.startswith("COMBINE_")})
     return o
 
 
 def combine_partials(o: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
-                     lens: Optional[tuple[torch.Tensor, int]] = None, strided: bool = False) -> None:
+                     lens: Optional[tuple[torch.Tensor, int]] = None, strided: bool = False,
+                     config: Optional[dict] = None) -> None:
     """o[r, h] = the splits' partial outputs po [R, Hq, S, D] (fp32) weighted by their log2-domain
     log-sum-exps plse [R, Hq, S]; a row whose splits are all empty (lse -inf) becomes zeros. The tile
     over splits is at least 16, so that the batch buckets' split counts share a few compiles.
     lens=(seq_lens, BLOCK_N): the decode kernel's partials, of which only the live splits were
     written (``live_splits``), none where one split held every key (o already written).
-    strided: the decode kernel's STRIDED splits (live splits counted accordingly)."""
+    strided: the decode kernel's STRIDED splits (live splits counted accordingly).
+    config: BLOCK_DC (columns per program; 0: all of D), EAGER (with lens: read every split's partial
+    without waiting for seq_len), num_warps."""
     rows, hq, num_splits, d = po.shape
     seq_lens, block_n = lens if lens is not None else (plse, 1)
-    _decode_combine_kernel[(hq, rows)](
+    block_d = max(16, next_pow2(d))
+    cfg = dict(BLOCK_DC=0, EAGER=False, num_warps=4 if d >= 128 else 2)
+    cfg.update(config or {})
+    block_dc = cfg["BLOCK_DC"]
+    if block_dc and (block_dc & (block_dc - 1) or block_dc < 16):
+        raise ValueError(f"combine_partials: BLOCK_DC must be 0 or a power of two >= 16, got {block_dc}")
+    chunks = cdiv(block_d, block_dc) if block_dc else 1
+    _decode_combine_kernel[(hq, rows, chunks)](
         o, po, plse, seq_lens, o.stride(0), o.stride(1), num_splits,
-        NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+        NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_S=max(16, next_pow2(num_splits)), LENS=lens is not None, BLOCK_N=block_n,
-        STRIDED=strided, num_warps=4 if d >= 128 else 2,
+        STRIDED=strided, BLOCK_DC=min(block_dc, block_d), EAGER=bool(cfg["EAGER"]) and lens is not None,
+        num_warps=cfg["num_warps"],
     )
 
 
