@@ -1,8 +1,10 @@
 """Host time per call of the attention launch wrappers (CUDA): tiny shapes, so that the GPU keeps up
-and the wall time per call is the host's. Usage: python scripts/host_overhead_probe.py
+and the wall time per call is the host's, with pageflash's fast launch path (kernels/launch.py) on and
+off in alternating rounds. Usage: python scripts/host_overhead_probe.py
 
 Rows: flash_decode (1 / 8 / 66 splits: two launches with splits), its split kernel launched bare with
-the same arguments (and through the CompiledKernel that launch returned), a bare launch of an empty kernel with 1 and with 45 arguments, torch SDPA, torch.empty.
+the same arguments (and through the CompiledKernel that launch returned), a bare launch of an empty
+kernel with 1 and with 45 arguments (plain and wrapped by fast_launch), torch SDPA, torch.empty.
 """
 import time
 
@@ -11,6 +13,7 @@ import triton
 import triton.language as tl
 
 import pageflash.kernels.flash_decoding as fd
+from pageflash.kernels.launch import fast_launch, set_fast_launch
 from pageflash.bench.kernels import decode_case
 
 
@@ -26,18 +29,18 @@ def _null45(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15
     pass
 
 
-def per_call_us(fn, n=2000):
+_null45_fast = fast_launch(_null45)
+
+
+def per_call_us(fn, n=1000):
     for _ in range(50):
         fn()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
 
 
 q, kc, vc, bt, sl = decode_case(1, 64)
@@ -100,14 +103,24 @@ rows = {
     "empty kernel, 1 arg": lambda: _null1[(1,)](x),
     "empty kernel, 40 args + 5 constexpr": lambda: _null45[(1,)](x, x, x, x, x, x, x, x, x, x, x, x, *ints,
                                                                A=1, B=2, C=3, E=4, F=5),
+    "empty kernel, 40 args + 5 constexpr, fast_launch": lambda: _null45_fast[(1,)](
+        x, x, x, x, x, x, x, x, x, x, x, x, *ints, A=1, B=2, C=3, E=4, F=5),
     "torch.empty x3": lambda: (torch.empty(4, device="cuda"), torch.empty(4, device="cuda"),
                                torch.empty(4, device="cuda")),
     "torch SDPA (GQA)": lambda: torch.nn.functional.scaled_dot_product_attention(
         q.view(1, 32, 1, 128), kk, vv, enable_gqa=True),
 }
-print(f"host us per call (triton {triton.__version__}, torch {torch.__version__})")
+print(f"host us per call (triton {triton.__version__}, torch {torch.__version__}); best of 4 rounds each, "
+      "pageflash's fast launch path on and off alternating")
+print(f"  {'':<48}{'fast':>8}{'triton':>8}")
 for name, fn in rows.items():
+    best = {True: float("inf"), False: float("inf")}
     try:
-        print(f"  {name:<48}{per_call_us(fn):8.1f}", flush=True)
+        for _ in range(4):
+            for flag in (True, False):
+                set_fast_launch(flag)
+                best[flag] = min(best[flag], per_call_us(fn))
+        print(f"  {name:<48}{best[True]:8.1f}{best[False]:8.1f}", flush=True)
     except Exception as e:  # e.g. the CompiledKernel API of another Triton version
         print(f"  {name:<48}  failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
+set_fast_launch(True)

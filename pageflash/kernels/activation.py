@@ -19,6 +19,7 @@ except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra.cuda import libdevice
 
 from pageflash.kernels.host_math import cdiv
+from pageflash.kernels.launch import fast_launch
 from pageflash.layers.activation import silu_and_mul_ref
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
@@ -43,6 +44,9 @@ def _silu_and_mul_kernel(
         e = tl.exp(-g)
     act = tl.math.div_rn(g, 1.0 + e).to(O.dtype.element_ty).to(tl.float32)
     tl.store(O + t * stride_ot + cols, (act * u).to(O.dtype.element_ty), mask=mask)
+
+
+_silu_and_mul_kernel = fast_launch(_silu_and_mul_kernel)  # host launches via the cached CompiledKernel
 
 
 def _config(num_tokens: int) -> tuple[int, int]:

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
+from pageflash.kernels.launch import fast_launch
 
 __all__ = ["argmax", "argmax_ref"]
 
@@ -56,6 +57,9 @@ def _argmax_chunks(X, PV, PI, V, CHUNK, stride_x, NCH: tl.constexpr, BLOCK: tl.c
     tl.store(PI + b * NCH + c, tl.where(pi == BIG, lo, pi))  # an all -inf chunk: its first index
 
 
+_argmax_chunks = fast_launch(_argmax_chunks)  # host launches via the cached CompiledKernel
+
+
 @triton.jit
 def _argmax_final(PV, PI, OUT, NCH: tl.constexpr, BIG: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -66,6 +70,9 @@ def _argmax_final(PV, PI, OUT, NCH: tl.constexpr, BIG: tl.constexpr):
     # an all -inf row: every chunk ties at -inf and the first index, 0, wins
     _, best = _best(v, i, BIG)
     tl.store(OUT + b, best.to(tl.int64))
+
+
+_argmax_final = fast_launch(_argmax_final)  # host launches via the cached CompiledKernel
 
 
 def argmax(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 512) -> torch.Tensor:

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
+from pageflash.kernels.launch import fast_launch
 
 __all__ = [
     "flash_attention",
@@ -166,6 +167,9 @@ def _fwd_kernel(
     tl.store(LSE + b64 * stride_lb + h * stride_lh + s64 + offs_m, lse, mask=row_ok)
 
 
+_fwd_kernel = fast_launch(_fwd_kernel)  # host launches via the cached CompiledKernel
+
+
 @triton.jit
 def _bwd_preprocess_kernel(
     O, DO, DELTA, CU_SEQLENS,
@@ -198,6 +202,9 @@ def _bwd_preprocess_kernel(
                     True, HEAD_DIM, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + b64 * stride_lb + h * stride_lh + s64 + offs_m, delta, mask=offs_m < seqlen)
+
+
+_bwd_preprocess_kernel = fast_launch(_bwd_preprocess_kernel)  # host launches via the cached CompiledKernel
 
 
 @triton.jit
@@ -291,6 +298,9 @@ def _bwd_dkdv_kernel(
              + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=row_ok)
 
 
+_bwd_dkdv_kernel = fast_launch(_bwd_dkdv_kernel)  # host launches via the cached CompiledKernel
+
+
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, seqlen, qk_scale,
                   offs_m, offs_d,
@@ -382,6 +392,9 @@ def _bwd_dq_kernel(
 # ----------------------------------------------------------------------------------------------
 # configs (static heuristics; tuned on H100 with pageflash.bench.kernels --sweep)
 # ----------------------------------------------------------------------------------------------
+
+
+_bwd_dq_kernel = fast_launch(_bwd_dq_kernel)  # host launches via the cached CompiledKernel
 
 
 def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.kv_store import check_store_args
+from pageflash.kernels.launch import fast_launch
 from pageflash.layers.attention import _decode_batched_ref
 
 __all__ = ["flash_decode", "flash_decode_ref", "choose_num_splits", "decode_config", "split_range"]
@@ -251,6 +252,9 @@ def _decode_split_kernel(
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # reset for the next launch
 
 
+_decode_split_kernel = fast_launch(_decode_split_kernel)  # host launches via the cached CompiledKernel
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_combine_kernel(
     O, PO, PLSE, SEQ_LENS, stride_ob, stride_oh, num_splits,
@@ -302,6 +306,9 @@ def _decode_combine_kernel(
                          mask=po_ok[:, None] & d_ok[None, :], other=0.0)
         out = tl.sum(po * w[:, None], 0)
         tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+
+
+_decode_combine_kernel = fast_launch(_decode_combine_kernel)  # host launches via the cached CompiledKernel
 
 
 @functools.lru_cache(maxsize=64)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv
+from pageflash.kernels.launch import fast_launch
 
 __all__ = ["gemv", "gemv_ref", "MAX_M"]
 
@@ -90,6 +91,9 @@ def _gemv_kernel(
                 tl.store(Y + offs_m[:, None] * stride_ym + rows[None, :],
                          out.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=(offs_m[:, None] < M) & row_ok[None, :])
             acc = tl.zeros([BM, R, BK], dtype=tl.float32)
+
+
+_gemv_kernel = fast_launch(_gemv_kernel)  # host launches via the cached CompiledKernel
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int = 512, num_stages: int = 4,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.host_math import next_pow2
+from pageflash.kernels.launch import fast_launch
 from pageflash.layers.attention import store_kv_ref
 
 __all__ = ["store_kv", "store_kv_ref"]
@@ -48,6 +49,9 @@ def _store_kv_kernel(
              k.to(KC.dtype.element_ty), mask=mask)
     tl.store(VC + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :],
              v.to(VC.dtype.element_ty), mask=mask)
+
+
+_store_kv_kernel = fast_launch(_store_kv_kernel)  # host launches via the cached CompiledKernel
 
 
 def check_store_args(

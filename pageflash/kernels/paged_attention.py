@@ -29,6 +29,7 @@ import triton.language as tl
 
 from pageflash.kernels.flash_decoding import split_range
 from pageflash.kernels.host_math import next_pow2
+from pageflash.kernels.launch import fast_launch
 from pageflash.layers.attention import paged_attention_ref
 from pageflash.transfer import to_device
 
@@ -182,6 +183,9 @@ def _paged_prefill_kernel(
     else:
         o_ptrs = O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=ok)
+
+
+_paged_prefill_kernel = fast_launch(_paged_prefill_kernel)  # host launches via the cached CompiledKernel
 
 
 @functools.lru_cache(maxsize=256)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv
+from pageflash.kernels.launch import fast_launch
 
 __all__ = ["l2_prefetch", "MODES"]
 
@@ -41,6 +42,9 @@ def _prefetch_bulk_kernel(BASE, NCHUNK, CHUNK: tl.constexpr, BLOCK: tl.constexpr
     )
 
 
+_prefetch_bulk_kernel = fast_launch(_prefetch_bulk_kernel)  # host launches via the cached CompiledKernel
+
+
 @triton.jit
 def _prefetch_line_kernel(BASE, NLINES, BLOCK: tl.constexpr, PER: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * (BLOCK * PER)
@@ -53,6 +57,9 @@ def _prefetch_line_kernel(BASE, NLINES, BLOCK: tl.constexpr, PER: tl.constexpr):
         )
 
 
+_prefetch_line_kernel = fast_launch(_prefetch_line_kernel)  # host launches via the cached CompiledKernel
+
+
 @triton.jit
 def _prefetch_load_kernel(W, N, SINK, BLOCK: tl.constexpr, PER: tl.constexpr):
     pid = tl.program_id(0)
@@ -62,6 +69,9 @@ def _prefetch_load_kernel(W, N, SINK, BLOCK: tl.constexpr, PER: tl.constexpr):
         offs = start + j * BLOCK + tl.arange(0, BLOCK)
         acc += tl.load(W + offs, mask=offs < N, other=0.0).to(tl.float32)
     tl.store(SINK + pid, tl.sum(acc, axis=0))
+
+
+_prefetch_load_kernel = fast_launch(_prefetch_load_kernel)  # host launches via the cached CompiledKernel
 
 
 _sinks: dict[torch.device, torch.Tensor] = {}

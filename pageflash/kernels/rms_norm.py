@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra.cuda import libdevice
 
 from pageflash.kernels.host_math import next_pow2
+from pageflash.kernels.launch import fast_launch
 from pageflash.layers.norm import rms_norm_ref
 
 __all__ = ["rms_norm", "rms_norm_ref", "rms_norm_fused_ref"]
@@ -62,6 +63,9 @@ def _rms_norm_kernel(
     xn = (xf * rstd).to(X.dtype.element_ty)
     y = xn.to(tl.float32) * w.to(tl.float32)  # exact for 16-bit operands: one rounding below
     tl.store(O + t * stride_o + cols, y.to(O.dtype.element_ty), mask=mask)
+
+
+_rms_norm_kernel = fast_launch(_rms_norm_kernel)  # host launches via the cached CompiledKernel
 
 
 def rms_norm_fused_ref(

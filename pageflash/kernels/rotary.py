@@ -21,6 +21,7 @@ import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.kv_store import check_store_args, slot_page
+from pageflash.kernels.launch import fast_launch
 from pageflash.layers.rotary import _rotate
 
 __all__ = ["apply_rotary", "apply_rotary_ref"]
@@ -84,6 +85,9 @@ def _rotary_kernel(
             vc = VC + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
             tl.store(vc, tl.load(pv, mask=mask).to(VC.dtype.element_ty), mask=mask)
             tl.store(vc + HALF, tl.load(pv + HALF, mask=mask).to(VC.dtype.element_ty), mask=mask)
+
+
+_rotary_kernel = fast_launch(_rotary_kernel)  # host launches via the cached CompiledKernel
 
 
 def apply_rotary_ref(

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from pageflash.kernels.gemv import gemv
 from pageflash.kernels.host_math import cdiv
+from pageflash.kernels.launch import fast_launch
 
 
 # M is not specialized: one compile per config serves every decode batch size (cold start)
@@ -48,6 +49,9 @@ def _skinny_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_skinny_kernel = fast_launch(_skinny_kernel)  # host launches via the cached CompiledKernel
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 256,

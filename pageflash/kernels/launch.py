@@ -1,0 +1,150 @@
+"""A cheaper host path for launching our Triton kernels.
+
+``kernel[grid](*args, **constexprs)`` through Triton's JIT costs ~40 us of host time per launch for a
+kernel of ~40 arguments on the H100 machine's host (binding, specialization, a string cache key),
+against ~12 us for launching the same compiled kernel through the ``CompiledKernel`` that call returns
+(``scripts/host_overhead_probe.py``). Eager steps (prefill, mixed batches, ``bench kernels`` eager
+timings) launch dozens of kernels, so that difference is host time the GPU waits for.
+
+``fast_launch(jit_fn)`` wraps a kernel: the first launch for a given *specialization key* goes through
+Triton (compiling if needed) and keeps the ``CompiledKernel`` it returns; later launches with the same
+key call that kernel directly. The key is at least as fine as Triton's own specialization, so that two
+calls with one key always get the same compiled kernel from Triton too:
+
+- each tensor: its dtype and whether its address is 16-byte aligned (Triton's "divisible by 16");
+- each int: int32 / int64 / uint64 range, == 1, divisible by 16 (Triton specializes some of these);
+- each float: "float"; each bool and each None: its value;
+- every keyword argument (the constexprs and launch options: num_warps, num_stages, ...) by value.
+
+Runtime arguments must come positionally (keyword arguments are frozen into the key, so a keyword that
+is not a constexpr or a launch option disables the fast path for that wrapper). Any other argument type,
+a callable grid, Triton's interpreter (CPU), or ``PAGEFLASH_FAST_LAUNCH=0`` take Triton's own path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["fast_launch", "FastKernel", "spec_key", "set_fast_launch"]
+
+_I32 = (-(2**31), 2**31 - 1)
+_I64 = (-(2**63), 2**63 - 1)
+
+
+def _int_key(v: int):
+    if _I32[0] <= v <= _I32[1]:
+        rng = 32
+    elif _I64[0] <= v <= _I64[1]:
+        rng = 64
+    else:
+        rng = 65  # unsigned 64-bit (or out of range: Triton raises on the slow path)
+    return (rng, v == 1, v % 16 == 0)
+
+
+def spec_key(args: tuple) -> tuple | None:
+    """The per-argument part of the key (see the module docstring); None when an argument is of a
+    type the fast path does not handle."""
+    out = []
+    for a in args:
+        t = type(a)
+        if t is bool or a is None:
+            out.append(a)
+        elif t is int:
+            out.append(_int_key(a))
+        elif t is float:
+            out.append(float)
+        elif isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.data_ptr() % 16 == 0))
+        else:
+            return None
+    return tuple(out)
+
+
+def _enabled_by_env() -> bool:
+    return os.environ.get("PAGEFLASH_FAST_LAUNCH", "1") != "0"
+
+
+class FastKernel:
+    """``kernel[grid](*args, **kwargs)`` with a cached-``CompiledKernel`` fast path (module docstring).
+    Other attributes are the wrapped kernel's."""
+
+    def __init__(self, fn: Any, enabled: bool | None = None, device_fn: Callable[[], int] | None = None):
+        self.fn = fn
+        self._device = device_fn or torch.cuda.current_device  # compiled kernels are per device
+        if enabled is None:
+            from triton.runtime.jit import JITFunction
+
+            enabled = isinstance(fn, JITFunction) and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+        self.enabled = self.supported = enabled and _enabled_by_env()
+        self._cache: dict = {}
+        if self.enabled:
+            sig = inspect.signature(fn.fn)
+            self._names = list(sig.parameters)
+            self._defaults = {n: p.default for n, p in sig.parameters.items()
+                              if p.default is not inspect.Parameter.empty}
+            self._constexpr = {self._names[i] for i in fn.constexprs}
+
+    def __getattr__(self, name):  # arg_names, params, ... of the wrapped kernel
+        return getattr(self.__dict__["fn"], name)
+
+    def __getitem__(self, grid) -> Callable[..., Any]:
+        if not self.enabled or callable(grid):
+            return self.fn[grid]
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _tail(self, nargs: int, kwargs: dict) -> tuple | None:
+        """The arguments after the positional ones, in signature order (constexprs and defaults): fixed
+        for a key. None if a runtime argument was passed by keyword (it would be frozen)."""
+        tail = []
+        for name in self._names[nargs:]:
+            if name in kwargs:
+                if name not in self._constexpr:
+                    return None
+                tail.append(kwargs[name])
+            elif name in self._defaults:
+                tail.append(self._defaults[name])
+            else:
+                return None  # missing: let Triton raise its own error
+        return tuple(tail)
+
+    def _launch(self, grid, args: tuple, kwargs: dict):
+        spec = spec_key(args)
+        if spec is None:
+            return self.fn[grid](*args, **kwargs)
+        key = (spec, tuple(kwargs.items()), self._device())
+        try:
+            hit = self._cache.get(key)
+        except TypeError:  # an unhashable keyword value
+            return self.fn[grid](*args, **kwargs)
+        if hit is not None:
+            ck, tail = hit
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            ck[grid](*args, *tail)
+            return ck
+        ck = self.fn[grid](*args, **kwargs)
+        tail = self._tail(len(args), kwargs)
+        if tail is None or ck is None or not hasattr(ck, "__getitem__"):
+            self.enabled = self.supported = False  # unsupported call or Triton API: Triton's path from now on
+        else:
+            self._cache[key] = (ck, tail)
+        return ck
+
+
+_ALL: list[FastKernel] = []
+
+
+def fast_launch(fn: Any) -> FastKernel:
+    """Wrap a ``@triton.jit`` kernel launched from the host (see the module docstring)."""
+    k = FastKernel(fn)
+    _ALL.append(k)
+    return k
+
+
+def set_fast_launch(enabled: bool) -> None:
+    """Turn the fast path of every wrapped kernel on (where supported) or off, e.g. for A/B timings."""
+    for k in _ALL:
+        k.enabled = enabled and k.supported

@@ -1,0 +1,113 @@
+"""The cached-CompiledKernel launch path (pageflash/kernels/launch.py), against a stand-in for Triton's
+JITFunction that records which path each launch took and with which arguments. (On the GPU the real
+kernels run through it: tests/gpu.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pageflash.kernels.launch import FastKernel, spec_key
+
+
+def _kernel(X, Y, n, scale, N_PER: "tl.constexpr", FLAG: "tl.constexpr" = 0, OPT=None):  # noqa: F821
+    pass
+
+
+class _Compiled:
+    def __init__(self, log, n):
+        self.log, self.n = log, n
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("fast", self.n, grid, args))
+
+
+class _JIT:
+    """Stands in for triton's JITFunction: fn, constexprs, kernel[grid](...) -> a compiled kernel."""
+
+    def __init__(self):
+        self.fn = _kernel
+        self.constexprs = [4, 5]
+        self.arg_names = ["X", "Y", "n", "scale", "N_PER", "FLAG", "OPT"]
+        self.log = []
+        self.compiled = 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("slow", grid, args, kwargs))
+            self.compiled += 1
+            return _Compiled(self.log, self.compiled)
+        return run
+
+
+def test_spec_key_follows_triton_specialisation():
+    x = torch.zeros(64)
+    assert spec_key((x,)) == spec_key((torch.ones(8),))  # dtype and alignment only, not values or shape
+    assert spec_key((x[1:],)) != spec_key((x,))  # 4-byte offset: not 16-byte aligned
+    assert spec_key((x[4:],)) == spec_key((x,))
+    assert spec_key((x.half(),)) != spec_key((x,))
+    assert spec_key((1,)) != spec_key((2,)) != spec_key((16,))  # == 1, divisible by 16
+    assert spec_key((3,)) == spec_key((5,))
+    assert spec_key((2**31,)) != spec_key((3,)) and spec_key((2**63,)) != spec_key((2**31,))
+    assert spec_key((0.5,)) == spec_key((2.0,))
+    assert spec_key((None,)) != spec_key((False,))
+    assert spec_key((torch.float32,)) is None  # not handled: Triton's path
+
+
+def test_fast_path_reuses_the_compiled_kernel_with_signature_order_arguments():
+    jit = _JIT()
+    k = FastKernel(jit, enabled=True, device_fn=lambda: 0)
+    x, y = torch.zeros(32), torch.zeros(32)
+    first = k[(4,)](x, y, 7, 0.5, N_PER=8, num_warps=4)
+    again = k[(4, 2)](y, x, 9, 1.5, N_PER=8, num_warps=4)  # same key: fast, full argument list, grid padded
+    assert again is first  # the compiled kernel, as Triton's launch returns it
+    assert [e[0] for e in jit.log] == ["slow", "fast"]
+    assert jit.log[1] == ("fast", 1, (4, 2, 1), (y, x, 9, 1.5, 8, 0, None))
+    # a different constexpr, launch option, alignment, int class or dtype: Triton's path once, then fast
+    for args, kw in [((x, y, 7, 0.5), dict(N_PER=16, num_warps=4)),
+                     ((x, y, 7, 0.5), dict(N_PER=8, num_warps=8)),
+                     ((x[1:], y, 7, 0.5), dict(N_PER=8, num_warps=4)),
+                     ((x, y, 1, 0.5), dict(N_PER=8, num_warps=4)),
+                     ((x.double(), y, 7, 0.5), dict(N_PER=8, num_warps=4))]:
+        n = len(jit.log)
+        k[(1,)](*args, **kw)
+        k[(1,)](*args, **kw)
+        assert [e[0] for e in jit.log[n:]] == ["slow", "fast"], kw
+        assert jit.log[-1][1] == jit.compiled  # the kernel that key's slow launch returned
+    assert jit.compiled == 6
+
+
+def test_fast_path_off_for_keyword_runtime_args_callable_grids_and_odd_types():
+    jit = _JIT()
+    k = FastKernel(jit, enabled=True, device_fn=lambda: 0)
+    x = torch.zeros(8)
+    k[lambda meta: (1,)](x, x, 3, 0.5, N_PER=8)
+    k[lambda meta: (1,)](x, x, 3, 0.5, N_PER=8)
+    k[(1,)](x, x, 3, torch.float32, N_PER=8)  # an argument type the key does not know
+    k[(1,)](x, x, 3, torch.float32, N_PER=8)
+    assert all(e[0] == "slow" for e in jit.log)
+    k[(1,)](x, x, n=3, scale=0.5, N_PER=8)  # a runtime argument by keyword: would be frozen -> disabled
+    assert not k.enabled
+    k[(1,)](x, x, 3, 0.5, N_PER=8)
+    assert all(e[0] == "slow" for e in jit.log)
+
+
+def test_disabled_by_env_and_passthrough_attributes(monkeypatch):
+    monkeypatch.setenv("PAGEFLASH_FAST_LAUNCH", "0")
+    jit = _JIT()
+    k = FastKernel(jit, enabled=True, device_fn=lambda: 0)
+    assert not k.enabled and k.arg_names == jit.arg_names
+    x = torch.zeros(8)
+    k[(1,)](x, x, 3, 0.5, N_PER=8)
+    k[(1,)](x, x, 3, 0.5, N_PER=8)
+    assert [e[0] for e in jit.log] == ["slow", "slow"]
+
+
+def test_real_kernels_wrapped_pass_through_under_the_interpreter():
+    from pageflash.kernels import flash_decoding
+
+    k = flash_decoding._decode_split_kernel
+    assert isinstance(k, FastKernel)
+    if not torch.cuda.is_available():
+        assert not k.enabled  # TRITON_INTERPRET=1 (tests/conftest.py): Triton's interpreter runs it
+    assert "seq_len" not in k.arg_names and "SEQ_LENS" in k.arg_names
