@@ -31,37 +31,33 @@ import torch
 
 __all__ = ["fast_launch", "FastKernel", "spec_key", "set_fast_launch"]
 
-_I32 = (-(2**31), 2**31 - 1)
-_I64 = (-(2**63), 2**63 - 1)
+def _tensor_key(a: torch.Tensor):
+    return (a.dtype, a.data_ptr() % 16 == 0)
 
 
 def _int_key(v: int):
-    if _I32[0] <= v <= _I32[1]:
-        rng = 32
-    elif _I64[0] <= v <= _I64[1]:
-        rng = 64
-    else:
-        rng = 65  # unsigned 64-bit (or out of range: Triton raises on the slow path)
-    return (rng, v == 1, v % 16 == 0)
+    # == 1, divisible by 16, fits int32, fits int64 (else uint64): at least Triton's int specialization
+    n = v.bit_length()
+    return (v == 1, v & 15 == 0, n < 32, n < 64)
+
+
+_SPEC = {
+    torch.Tensor: _tensor_key,
+    torch.nn.Parameter: _tensor_key,
+    int: _int_key,
+    float: lambda v: float,
+    bool: lambda v: v,
+    type(None): lambda v: None,
+}
 
 
 def spec_key(args: tuple) -> tuple | None:
     """The per-argument part of the key (see the module docstring); None when an argument is of a
-    type the fast path does not handle."""
-    out = []
-    for a in args:
-        t = type(a)
-        if t is bool or a is None:
-            out.append(a)
-        elif t is int:
-            out.append(_int_key(a))
-        elif t is float:
-            out.append(float)
-        elif isinstance(a, torch.Tensor):
-            out.append((a.dtype, a.data_ptr() % 16 == 0))
-        else:
-            return None
-    return tuple(out)
+    type the fast path does not handle (Triton's path then)."""
+    try:
+        return tuple([_SPEC[type(a)](a) for a in args])
+    except KeyError:
+        return None
 
 
 def _enabled_by_env() -> bool:
