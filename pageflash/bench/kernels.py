@@ -250,7 +250,7 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
         rows.append(row)
         print(f"decode B{b} L{L}: splits {splits}, ours {row['ours_us']:.1f} us {row['ours_GBs']:.0f} GB/s "
               f"({row['ours_pct_copy']:.0f}% of copy), pages in order {row['ours_inorder_us']:.1f} us, eager "
-              f"{row['ours_eager_us']:.1f} us (sdpa {row['sdpa_eager_us'] or float('nan'):.1f}), fused combine {row.get('ours_fused_us', 0):.1f} us, sdpa {row['sdpa_us'] or float('nan'):.1f} us; "
+              f"{row['ours_eager_us']:.1f} us (sdpa {row['sdpa_eager_us'] or float('nan'):.1f}), fused combine {row.get('ours_fused_us', float('nan')):.1f} us, sdpa {row['sdpa_us'] or float('nan'):.1f} us; "
               + ", ".join(f"{k_} {v_:.1f}" for k_, v_ in row.items() if k_.startswith("sdpa_") and k_.endswith("_us")
                           and k_ != "sdpa_us" and v_),
               flush=True)
