@@ -23,7 +23,8 @@ class _Compiled:
 
 
 class _JIT:
-    """Stands in for triton's JITFunction: fn, constexprs, kernel[grid](...) -> a compiled kernel."""
+    """Stands in for triton's JITFunction: fn, constexprs, kernel[grid](...) -> a compiled kernel,
+    warmup(...) -> the same without a launch."""
 
     def __init__(self):
         self.fn = _kernel
@@ -38,6 +39,14 @@ class _JIT:
             self.compiled += 1
             return _Compiled(self.log, self.compiled)
         return run
+
+    def warmup(self, *args, grid, **kwargs):
+        if kwargs.get("N_PER") == 0:
+            raise RuntimeError("does not compile")
+        self.log.append(("warmup", grid, args, kwargs))
+        c = _Compiled(self.log, 0)
+        c._init_handles = lambda: self.log.append(("init",))
+        return c
 
 
 def test_spec_key_follows_triton_specialisation():
@@ -111,3 +120,33 @@ def test_real_kernels_wrapped_pass_through_under_the_interpreter():
     if not torch.cuda.is_available():
         assert not k.enabled  # TRITON_INTERPRET=1 (tests/conftest.py): Triton's interpreter runs it
     assert "seq_len" not in k.arg_names and "SEQ_LENS" in k.arg_names
+
+
+def test_precompile_compiles_on_a_pool_without_launching():
+    import threading
+
+    from pageflash.kernels import launch
+
+    jit = _JIT()
+    k = FastKernel(jit, enabled=True, device_fn=lambda: 0)
+    x, y = torch.zeros(32), torch.zeros(32)
+    seen_in_thread = []
+    assert not launch.precompiling()
+    with launch.precompile(workers=3):
+        assert launch.precompiling()
+        t = threading.Thread(target=lambda: seen_in_thread.append(launch.precompiling()))
+        t.start()
+        t.join()
+        k[(4,)](x, y, 7, 0.5, N_PER=8)
+        k[(2,)](y, x, 9, 1.5, N_PER=8)  # same key: queued once
+        k[(4,)](x[1:], y, 7, 0.5, N_PER=8)  # misaligned: its own compile
+        k[(4,)](x, y, 7, 0.5, N_PER=0)  # fails to compile: logged, not raised
+        with pytest.raises(RuntimeError, match="already active"):
+            with launch.precompile():
+                pass
+    assert seen_in_thread == [False]  # other threads launch as usual
+    assert not launch.precompiling()
+    kinds = [e[0] for e in jit.log]
+    assert kinds.count("warmup") == 2 and kinds.count("init") == 2 and "slow" not in kinds and "fast" not in kinds
+    k[(4,)](x, y, 7, 0.5, N_PER=8)  # afterwards: launches again (Triton's path first, as before)
+    assert jit.log[-1][0] == "slow"

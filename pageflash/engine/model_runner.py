@@ -18,6 +18,7 @@ import torch
 
 from pageflash.config import ModelConfig
 from pageflash.engine.scheduler import SchedulerOutput
+from pageflash.kernels.launch import precompile
 from pageflash.transfer import copy_to, to_device
 from pageflash.layers.attention import AttentionMetadata, get_backend
 from pageflash.model.llama import LlamaForCausalLM
@@ -305,15 +306,28 @@ class DecodeGraphs:
         r.model.set_prefetcher(pf)  # only while capturing: eager steps skip the fork calls
         try:
             hkv = r.model.cfg.num_key_value_heads
+            steps = []  # (bucket, plan, short?) in capture order
             for b in reversed(self.buckets):  # largest first: the pool then fits the smaller ones
-                if pf is not None:
-                    pf.active = b <= pf.max_batch
                 plan = r.backend.plan(self._meta(b))
-                self.full[b] = self._capture(b, plan)
+                steps.append((b, plan, False))
                 if 0 < self.short_blocks < self.max_blocks:
                     short = r.backend.plan(self._meta(b, self.short_blocks))
                     if _decode_splits(short, hkv) != _decode_splits(plan, hkv):
-                        self.short[b] = self._capture(b, short)
+                        steps.append((b, short, True))
+            if _precompile_from_env():
+                # every step's Triton kernels compiled at once on a thread pool (their first launches
+                # below then find them), instead of one after another inside the warm-up runs
+                t0 = time.perf_counter()
+                with precompile():
+                    for b, plan, _ in steps:
+                        if pf is not None:
+                            pf.active = b <= pf.max_batch
+                        self._step_fn(b, plan)()
+                logger.info("decode graphs: kernels precompiled in %.2f s", time.perf_counter() - t0)
+            for b, plan, short in steps:
+                if pf is not None:
+                    pf.active = b <= pf.max_batch
+                (self.short if short else self.full)[b] = self._capture(b, plan)
         finally:
             r.model.set_prefetcher(None)
         torch.cuda.synchronize()
@@ -363,6 +377,11 @@ class DecodeGraphs:
         """The step captured: logits, and their row argmax for the greedy fast path (kernels/argmax.py:
         two launches inside the graph instead of five PyTorch reductions after it;
         PAGEFLASH_GRAPH_ARGMAX=0 turns it off)."""
+        graph, (logits, greedy) = _capture_graph(self.runner, self._step_fn(b, plan))
+        return CapturedStep(graph, logits, greedy, plan)
+
+    def _step_fn(self, b: int, plan: Any):
+        """The decode step of bucket b under plan: () -> (logits, greedy or None)."""
         r = self.runner
         argmax = self.argmax and b <= _GRAPH_ARGMAX_MAX_BATCH
 
@@ -375,8 +394,7 @@ class DecodeGraphs:
 
             return logits, argmax_kernel(logits)
 
-        graph, (logits, greedy) = _capture_graph(r, fwd)
-        return CapturedStep(graph, logits, greedy, plan)
+        return fwd
 
 
 class CapturedStep(NamedTuple):
@@ -399,6 +417,11 @@ _GRAPH_ARGMAX_MAX_BATCH = 8
 # At 4096 the split rule (chunks of >= 256 keys of the bound) gives batch 1 16 splits where
 # max_model_len 8192 gives 32; 16 splits are as fast as 32 at 4096 keys and faster below (H100).
 _SHORT_KV = 4096
+
+
+def _precompile_from_env() -> bool:
+    """PAGEFLASH_PRECOMPILE=0: no parallel precompile before the decode graphs' capture."""
+    return os.environ.get("PAGEFLASH_PRECOMPILE", "1") != "0"
 
 
 def _short_kv_from_env() -> int:

@@ -23,13 +23,17 @@ a callable grid, Triton's interpreter (CPU), or ``PAGEFLASH_FAST_LAUNCH=0`` take
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import os
-from typing import Any, Callable
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["fast_launch", "FastKernel", "spec_key", "set_fast_launch"]
+__all__ = ["fast_launch", "FastKernel", "spec_key", "set_fast_launch", "precompile", "precompiling"]
 
 def _tensor_key(a: torch.Tensor):
     return (a.dtype, a.data_ptr() % 16 == 0)
@@ -88,6 +92,9 @@ class FastKernel:
         return getattr(self.__dict__["fn"], name)
 
     def __getitem__(self, grid) -> Callable[..., Any]:
+        pre = _PRECOMPILE
+        if pre is not None and self.supported and threading.get_ident() == pre.owner:
+            return lambda *args, **kwargs: pre.submit(self.fn, grid, args, kwargs)
         if not self.enabled or callable(grid):
             return self.fn[grid]
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
@@ -144,3 +151,74 @@ def set_fast_launch(enabled: bool) -> None:
     """Turn the fast path of every wrapped kernel on (where supported) or off, e.g. for A/B timings."""
     for k in _ALL:
         k.enabled = enabled and k.supported
+
+
+logger = logging.getLogger(__name__)
+
+
+class _Precompiler:
+    """Compiles (Triton's ``warmup``: compile, no launch) and builds each launch's C launcher on a
+    thread pool; see ``precompile``."""
+
+    def __init__(self, workers: int):
+        self.owner = threading.get_ident()
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pageflash-compile")
+        self.futures: list = []
+        self.seen: set = set()
+
+    def submit(self, fn: Any, grid, args: tuple, kwargs: dict) -> None:
+        spec = spec_key(args)
+        try:
+            key = (id(fn), spec, tuple(kwargs.items()))
+            if spec is not None and key in self.seen:
+                return
+            self.seen.add(key)
+        except TypeError:
+            pass
+        self.futures.append(self.pool.submit(self._job, fn, grid, args, kwargs))
+
+    @staticmethod
+    def _job(fn: Any, grid, args: tuple, kwargs: dict) -> None:
+        ck = fn.warmup(*args, grid=grid, **kwargs)
+        init = getattr(ck, "_init_handles", None)
+        if init is not None:
+            init()  # the launcher's C build and the module load, here rather than at the first launch
+
+    def wait(self) -> tuple[int, int]:
+        failed = 0
+        for f in self.futures:
+            try:
+                f.result()
+            except Exception as e:  # a precompile that fails only costs its compile at the real launch
+                failed += 1
+                logger.debug("precompile failed: %s: %s", type(e).__name__, e)
+        self.pool.shutdown()
+        return len(self.futures), failed
+
+
+_PRECOMPILE: _Precompiler | None = None
+
+
+def precompiling() -> bool:
+    """Whether this thread is inside ``precompile()`` (kernel launches only compile)."""
+    pre = _PRECOMPILE
+    return pre is not None and threading.get_ident() == pre.owner
+
+
+@contextlib.contextmanager
+def precompile(workers: int = 8) -> Iterator[None]:
+    """Inside: launches of wrapped kernels from this thread compile on a thread pool instead of
+    running (their outputs stay unwritten); on exit, wait for those compiles. For warming Triton's
+    caches with the launches a code path will make, several compiles at once (their ptxas and C
+    launcher builds are subprocesses, their MLIR work is C++), instead of one at a time at each first
+    launch. Run only code whose host side does not depend on kernel outputs."""
+    global _PRECOMPILE
+    if _PRECOMPILE is not None:
+        raise RuntimeError("precompile() is already active")
+    pre = _PRECOMPILE = _Precompiler(workers)
+    try:
+        yield
+    finally:
+        _PRECOMPILE = None
+        n, failed = pre.wait()
+        logger.info("precompiled %d kernel launches (%d failed)", n, failed)

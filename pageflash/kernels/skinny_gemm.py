@@ -22,7 +22,7 @@ import triton.language as tl
 
 from pageflash.kernels.gemv import gemv
 from pageflash.kernels.host_math import cdiv
-from pageflash.kernels.launch import fast_launch
+from pageflash.kernels.launch import fast_launch, precompiling
 
 
 # M is not specialized: one compile per config serves every decode batch size (cold start)
@@ -173,8 +173,30 @@ class SkinnyDispatch:
         if key not in self.choice:
             if torch.cuda.is_current_stream_capturing():
                 return None  # never time inside a capture: fall back, decide at the next warm-up
-            self.choice[key] = self._decide(x, w, skinny=large or w.numel() <= MAX_WEIGHT_ELEMENTS)
+            skinny = large or w.numel() <= MAX_WEIGHT_ELEMENTS
+            if precompiling():  # kernels only compile now: queue the candidates', decide later
+                for kind, cfg in self._candidates(x, w, skinny):
+                    if kind != "cublas":
+                        try:
+                            (gemv if kind == "gemv" else skinny_gemm)(x, w, *cfg)
+                        except Exception:  # as _decide: a config this GPU/Triton rejects is skipped
+                            pass
+                return None
+            self.choice[key] = self._decide(x, w, skinny=skinny)
         return self.choice[key]
+
+    @staticmethod
+    def _candidates(x: torch.Tensor, w: torch.Tensor, skinny: bool) -> list[tuple[str, Optional[tuple]]]:
+        """What _decide times, in its order."""
+        cands: list[tuple[str, Optional[tuple]]] = []
+        if x.shape[0] == 1:
+            r, bk, stages, warps = _GEMV_TILE
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            cands += [("gemv", (rows, r, bk, stages, warps)) for rows in _gemv_rows(w.shape[0], sms)]
+        cands.append(("cublas", None))
+        if skinny and x.shape[0] > 1:
+            cands += [("skinny", c) for c in _CONFIGS]
+        return cands
 
     @staticmethod
     def _decide(x: torch.Tensor, w: torch.Tensor, skinny: bool = True) -> Optional[tuple]:
@@ -186,14 +208,7 @@ class SkinnyDispatch:
         W-decode1 at 177.5 tok/s against 179.0 (docs/BENCHMARKS.md run 18)."""
         ref = torch.nn.functional.linear(x, w)
         flush = torch.empty(64 << 20, dtype=torch.float16, device=x.device)  # 128 MiB, freed on return
-        cands: list[tuple[str, Optional[tuple]]] = []
-        if x.shape[0] == 1:
-            r, bk, stages, warps = _GEMV_TILE
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            cands += [("gemv", (rows, r, bk, stages, warps)) for rows in _gemv_rows(w.shape[0], sms)]
-        cands.append(("cublas", None))
-        if skinny and x.shape[0] > 1:
-            cands += [("skinny", c) for c in _CONFIGS]
+        cands = SkinnyDispatch._candidates(x, w, skinny)
         best, best_t, t_cublas = None, float("inf"), float("nan")
         for kind, cfg in cands:
             try:
