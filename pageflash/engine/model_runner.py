@@ -7,11 +7,12 @@ runs the model, and returns float32 logits only at the rows that need sampling o
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -118,8 +119,24 @@ class ModelRunner:
         if self.device.type != "cuda" or self.backend.name != "triton":
             return
         graphs = DecodeGraphs(self, max_batch)
-        graphs.capture()
+        # the first prefill's kernels are queued with the decode graphs' (precompile): prompt lengths
+        # that are and are not multiples of 16 (Triton specializes ints divisible by 16)
+        graphs.capture(also=[functools.partial(self._prefill_once, n) for n in _PRECOMPILE_PROMPTS
+                             if n <= self.max_model_len])
         self.graphs = graphs
+
+    @torch.inference_mode()
+    def _prefill_once(self, n: int) -> None:
+        """One sequence's prefill of n tokens over blocks 0.., as a first request's step runs it. Only
+        run under precompile (its kernels compile, nothing is written); at engine start, before any
+        block holds a sequence's K/V."""
+        nb = -(-n // self.block_size)
+        meta = self.metadata([n], [n], list(range(n)), [list(range(nb))])
+        plan = self.backend.plan(meta)
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        pos = torch.arange(n, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, self.kv_caches, self.backend, plan)
+        self.model.compute_logits(hidden[-1:])
 
     def enable_step_graphs(self, max_batch: int, cuda_graphs: bool = True) -> None:
         """Lazily captured graphs of small multi-token steps (speculative verify, draft chains,
@@ -300,7 +317,9 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, also: Sequence[Callable[[], Any]] = ()) -> None:
+        """Capture every bucket's graph (and short-context graph). With precompile on, the steps'
+        kernels, and those of the callables in `also`, are first compiled together on a thread pool."""
         r = self.runner
         pf = _prefetcher_from_env(r.device)
         r.model.set_prefetcher(pf)  # only while capturing: eager steps skip the fork calls
@@ -323,6 +342,8 @@ class DecodeGraphs:
                         if pf is not None:
                             pf.active = b <= pf.max_batch
                         self._step_fn(b, plan)()
+                    for fn in also:
+                        fn()
                 logger.info("decode graphs: kernels precompiled in %.2f s", time.perf_counter() - t0)
             for b, plan, short in steps:
                 if pf is not None:
@@ -417,6 +438,10 @@ _GRAPH_ARGMAX_MAX_BATCH = 8
 # At 4096 the split rule (chunks of >= 256 keys of the bound) gives batch 1 16 splits where
 # max_model_len 8192 gives 32; 16 splits are as fast as 32 at 4096 keys and faster below (H100).
 _SHORT_KV = 4096
+
+
+# prompt lengths whose prefill kernels the engine precompiles at start (DecodeGraphs.capture)
+_PRECOMPILE_PROMPTS = (128, 100)
 
 
 def _precompile_from_env() -> bool:
