@@ -148,6 +148,9 @@ class SkinnyDispatch:
             return None
         c = self._choice(x, w, large)
         if c is None:
+            if precompiling() and m == 1 and out_dtype is not None and out_dtype != x.dtype:
+                out = torch.empty(m, w.shape[0], dtype=out_dtype, device=x.device)
+                self._queue_gemv(x, w, out=out)  # the widening GEMV's own compile (the LM head)
             return None
         if c[0] == "gemv":
             out = None
@@ -164,6 +167,8 @@ class SkinnyDispatch:
         if x.shape[0] != 1:
             return None
         c = self._choice(x, w, False)
+        if c is None and precompiling():
+            self._queue_gemv(x, w, silu_mul=True)
         if c is None or c[0] != "gemv" or c[1][0] % (2 * c[1][1]):
             return None
         return gemv(x, w, *c[1], silu_mul=True)
@@ -184,6 +189,15 @@ class SkinnyDispatch:
                 return None
             self.choice[key] = self._decide(x, w, skinny=skinny)
         return self.choice[key]
+
+    def _queue_gemv(self, x: torch.Tensor, w: torch.Tensor, **kw) -> None:
+        """Under precompile: the GEMV candidates' launches with these extras (their own compiles)."""
+        for kind, cfg in self._candidates(x, w, False):
+            if kind == "gemv" and not (kw.get("silu_mul") and cfg[0] % (2 * cfg[1])):
+                try:
+                    gemv(x, w, *cfg, **kw)
+                except Exception:
+                    pass
 
     @staticmethod
     def _candidates(x: torch.Tensor, w: torch.Tensor, skinny: bool) -> list[tuple[str, Optional[tuple]]]:
