@@ -22,13 +22,19 @@ class _Compiled:
         return lambda *args: self.log.append(("fast", self.n, grid, args))
 
 
+class _Param:
+    def __init__(self, nospec):
+        self.do_not_specialize = nospec
+
+
 class _JIT:
-    """Stands in for triton's JITFunction: fn, constexprs, kernel[grid](...) -> a compiled kernel,
-    warmup(...) -> the same without a launch."""
+    """Stands in for triton's JITFunction: fn, constexprs, params, kernel[grid](...) -> a compiled
+    kernel, warmup(...) -> the same without a launch. Its n is do_not_specialize."""
 
     def __init__(self):
         self.fn = _kernel
         self.constexprs = [4, 5]
+        self.params = [_Param(i == 2) for i in range(7)]
         self.arg_names = ["X", "Y", "n", "scale", "N_PER", "FLAG", "OPT"]
         self.log = []
         self.compiled = 0
@@ -139,6 +145,7 @@ def test_precompile_compiles_on_a_pool_without_launching():
         t.join()
         k[(4,)](x, y, 7, 0.5, N_PER=8)
         k[(2,)](y, x, 9, 1.5, N_PER=8)  # same key: queued once
+        k[(2,)](y, x, 32, 1.5, N_PER=8)  # n differs only in a do_not_specialize int: queued once
         k[(4,)](x[1:], y, 7, 0.5, N_PER=8)  # misaligned: its own compile
         k[(4,)](x, y, 7, 0.5, N_PER=0)  # fails to compile: logged, not raised
         with pytest.raises(RuntimeError, match="already active"):

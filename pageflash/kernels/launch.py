@@ -87,6 +87,9 @@ class FastKernel:
             self._defaults = {n: p.default for n, p in sig.parameters.items()
                               if p.default is not inspect.Parameter.empty}
             self._constexpr = {self._names[i] for i in fn.constexprs}
+            # arguments Triton does not specialize on their value (precompile's dedupe key, below)
+            self._nospec = frozenset(i for i, p in enumerate(getattr(fn, "params", ()))
+                                     if getattr(p, "do_not_specialize", False))
 
     def __getattr__(self, name):  # arg_names, params, ... of the wrapped kernel
         return getattr(self.__dict__["fn"], name)
@@ -94,7 +97,7 @@ class FastKernel:
     def __getitem__(self, grid) -> Callable[..., Any]:
         pre = _PRECOMPILE
         if pre is not None and self.supported and threading.get_ident() == pre.owner:
-            return lambda *args, **kwargs: pre.submit(self.fn, grid, args, kwargs)
+            return lambda *args, **kwargs: pre.submit(self, grid, args, kwargs)
         if not self.enabled or callable(grid):
             return self.fn[grid]
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
@@ -166,16 +169,21 @@ class _Precompiler:
         self.futures: list = []
         self.seen: set = set()
 
-    def submit(self, fn: Any, grid, args: tuple, kwargs: dict) -> None:
+    def submit(self, k: FastKernel, grid, args: tuple, kwargs: dict) -> None:
         spec = spec_key(args)
-        try:
-            key = (id(fn), spec, tuple(kwargs.items()))
-            if spec is not None and key in self.seen:
-                return
-            self.seen.add(key)
-        except TypeError:
-            pass
-        self.futures.append(self.pool.submit(self._job, fn, grid, args, kwargs))
+        if spec is not None:
+            # launches that differ only in a do_not_specialize int share Triton's kernel: queued once
+            # (two threads compiling one kernel at the same time would both compile it)
+            spec = tuple(v[2:] if i in k._nospec and type(a) is int else v
+                         for i, (a, v) in enumerate(zip(args, spec)))
+            try:
+                key = (id(k), spec, tuple(kwargs.items()))
+                if key in self.seen:
+                    return
+                self.seen.add(key)
+            except TypeError:
+                pass
+        self.futures.append(self.pool.submit(self._job, k.fn, grid, args, kwargs))
 
     @staticmethod
     def _job(fn: Any, grid, args: tuple, kwargs: dict) -> None:
