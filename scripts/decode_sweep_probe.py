@@ -126,7 +126,8 @@ def main():
             res[f"in order {k}"] = timed(lambda: fd.flash_decode(q, kc, vc, bt_seq, sl, sc, num_splits=sp, config=cfg))
         print(f"\n== {shape}  default splits {base_sp}  ({nbytes / 1e6:.0f} MB K+V)", flush=True)
         for k, v in sorted(res.items(), key=lambda kv: kv[1]):
-            print(f"  {k:<58}{v:>8.1f} us  {nbytes / v / 1e3:>6.0f} GB/s  cudnn/this {res['cudnn'] / v:5.3f}", flush=True)
+            print(f"  {k:<58}{v:>8.1f} us  {nbytes / v / 1e3:>6.0f} GB/s  cudnn/this {res['cudnn'] / v:5.3f}",
+                  flush=True)
         default_key = f"n64 w4 s2 sp{base_sp}"
         summary.append((shape, res["cudnn"], res.get(default_key), min((v, k) for k, v in res.items()
                                                                         if k != "cudnn" and not k.startswith("in order")

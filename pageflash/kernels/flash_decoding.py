@@ -7,7 +7,7 @@ default (STRIDED) the tiles split, split + num_splits, ...; otherwise one contig
 tile's block ids are loaded one iteration ahead (BT_AHEAD), so that Triton's pipeliner double-buffers
 the K/V copies. With ``num_splits == 1`` it writes the output directly; otherwise it writes an fp32
 partial output (normalised within its keys) and its log-sum-exp (base 2), and kernel 2, grid
-``(Hq, B)``, rescales and sums the partials -- or, given a counters buffer, the last program of each
+``(Hq, B, D / 32)``, rescales and sums the partials -- or, given a counters buffer, the last program of each
 (sequence, KV head) to finish does that itself (an acq_rel atomic counter per (sequence, KV head)).
 
 CUDA-graph safe: ``num_splits`` is a static function of (batch, Hkv, block-table width, SM count),
@@ -313,11 +313,12 @@ _decode_combine_kernel = fast_launch(_decode_combine_kernel)  # host launches vi
 
 @functools.lru_cache(maxsize=64)
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """BLOCK_N, num_warps, num_stages of the split kernel (static: CUDA-graph friendly), and its two
-    layout switches, and the combine's (COMBINE_*: see ``combine_partials``): BT_AHEAD=1 loads a tile's block ids one iteration ahead (the K/V copies then get
-    num_stages - 1 buffers and never wait on the block table), STRIDED gives split s the tiles s,
-    s + num_splits, ... (the first tile's address needs no seq_len; with pages in order, the programs
-    sweep memory together). H100 sweeps in docs/KERNELS.md. Cached: callers copy before changing it."""
+    """BLOCK_N, num_warps, num_stages of the split kernel (static: CUDA-graph friendly), its two layout
+    switches, and the combine's settings (COMBINE_*: see ``combine_partials``). BT_AHEAD=1 loads a
+    tile's block ids one iteration ahead (the K/V copies then get num_stages - 1 buffers and never wait
+    on the block table), STRIDED gives split s the tiles s, s + num_splits, ... (the first tile's
+    address needs no seq_len; with pages in order, the programs sweep memory together). H100 sweeps in
+    docs/KERNELS.md. Cached: callers copy before changing it."""
     # the combine: 32 columns per program over 2 warps, every split's partial loaded without waiting
     # for seq_len (H100: -0.3 to -0.5 us at batch 1 against one program per head; docs/KERNELS.md)
     comb = dict(COMBINE_BLOCK_DC=32, COMBINE_EAGER=True, COMBINE_num_warps=2)

@@ -19,6 +19,12 @@ calls with one key always get the same compiled kernel from Triton too:
 Runtime arguments must come positionally (keyword arguments are frozen into the key, so a keyword that
 is not a constexpr or a launch option disables the fast path for that wrapper). Any other argument type,
 a callable grid, Triton's interpreter (CPU), or ``PAGEFLASH_FAST_LAUNCH=0`` take Triton's own path.
+
+``precompile()``: inside it, launches of wrapped kernels from the calling thread compile (Triton's
+``warmup``, then the C launcher's build) on a thread pool instead of running. The engine runs its decode
+graphs' steps and a first prefill under it before capturing the graphs, so that the ~20 compiles of a
+cold start overlap (their ptxas and gcc runs are subprocesses) instead of running one after another at
+each first launch (cold start 14.4-17.5 s -> 8.2-10.8 s, docs/BENCHMARKS.md run 21).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 __all__ = ["fast_launch", "FastKernel", "spec_key", "set_fast_launch", "precompile", "precompiling"]
+
+logger = logging.getLogger(__name__)
+
 
 def _tensor_key(a: torch.Tensor):
     return (a.dtype, a.data_ptr() % 16 == 0)
@@ -156,9 +165,6 @@ def set_fast_launch(enabled: bool) -> None:
         k.enabled = enabled and k.supported
 
 
-logger = logging.getLogger(__name__)
-
-
 class _Precompiler:
     """Compiles (Triton's ``warmup``: compile, no launch) and builds each launch's C launcher on a
     thread pool; see ``precompile``."""
@@ -214,7 +220,7 @@ def precompiling() -> bool:
 
 
 @contextlib.contextmanager
-def precompile(workers: int = 8) -> Iterator[None]:
+def precompile(workers: int = min(8, os.cpu_count() or 1)) -> Iterator[None]:
     """Inside: launches of wrapped kernels from this thread compile on a thread pool instead of
     running (their outputs stay unwritten); on exit, wait for those compiles. For warming Triton's
     caches with the launches a code path will make, several compiles at once (their ptxas and C
