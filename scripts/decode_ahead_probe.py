@@ -16,7 +16,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 import pageflash.kernels.flash_decoding as fd
-from pageflash.bench.kernels import DECODE_HEADS, PAGE, decode_case
+from pageflash.bench.kernels import DECODE_HEADS, PAGE, decode_case, decode_config_mismatches
 
 HQ, HKV, D = DECODE_HEADS
 CONFIGS = [  # BT_AHEAD, STRIDED, BLOCK_N, warps, stages
@@ -41,17 +41,7 @@ def setup(b, L, seed=0):
 
 
 def check():
-    bad = []
-    for c in CONFIGS:
-        cfg = cfg_of(c)
-        for b, L, sp in [(3, 1000, 1), (2, 777, 4), (1, 4097, 7), (4, 17, 3), (5, 64 * 9 + 1, 2)]:
-            q, kc, vc, bt, sl = setup(b, L, seed=L)
-            sl = torch.randint(1, L + 1, (b,), device="cuda", dtype=torch.int32)
-            ref = fd.flash_decode_ref(q, kc, vc, bt, sl, D ** -0.5).float()
-            out = fd.flash_decode(q, kc, vc, bt, sl, D ** -0.5, num_splits=sp, config=cfg).float()
-            err = (out - ref).abs().max().item()
-            if not err < 2e-2:
-                bad.append((cfg, b, L, sp, err))
+    bad = decode_config_mismatches([cfg_of(c) for c in CONFIGS])
     print("check:", "all configs match the reference" if not bad else f"MISMATCH {bad}", flush=True)
     return not bad
 

@@ -16,7 +16,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 import pageflash.kernels.flash_decoding as fd
-from pageflash.bench.kernels import DECODE_HEADS, decode_case
+from pageflash.bench.kernels import DECODE_CHECK_CASES, DECODE_HEADS, decode_case, decode_config_mismatches
 
 HQ, HKV, D = DECODE_HEADS
 SPLIT_CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3)]
@@ -45,19 +45,8 @@ def cname(comb):
 
 
 def check():
-    bad = []
-    cases = [(3, 1000, 1), (2, 777, 4), (1, 4097, 7), (4, 17, 3), (5, 64 * 9 + 1, 2), (1, 20000, 66)]
-    for c in SPLIT_CONFIGS:
-        for comb in COMBINES if c == SPLIT_CONFIGS[0] else [dict()]:
-            cfg = cfg_of(c, comb)
-            for b, L, sp in cases:
-                q, kc, vc, bt, sl = decode_case(b, L, seed=L)
-                sl = torch.randint(1, L + 1, (b,), device="cuda", dtype=torch.int32)
-                ref = fd.flash_decode_ref(q, kc, vc, bt, sl, D ** -0.5).float()
-                out = fd.flash_decode(q, kc, vc, bt, sl, D ** -0.5, num_splits=sp, config=cfg).float()
-                err = (out - ref).abs().max().item()
-                if not err < 2e-2:
-                    bad.append((cfg, b, L, sp, err))
+    cfgs = [cfg_of(c, comb) for c in SPLIT_CONFIGS for comb in (COMBINES if c == SPLIT_CONFIGS[0] else [dict()])]
+    bad = decode_config_mismatches(cfgs, DECODE_CHECK_CASES + [(1, 20000, 66)])
     print("check:", "all configs match the reference" if not bad else f"MISMATCH {bad}", flush=True)
     return not bad
 

@@ -53,11 +53,15 @@ plse = torch.empty((1, 32, 8), device="cuda")
 o = torch.empty_like(q)
 
 
-def split_bare(splits):
-    args = (q, kc, vc, o, po, plse, bt, sl, sl, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+def split_args(splits):
+    return (q, kc, vc, o, po, plse, bt, sl, sl, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), bt.stride(0),
             bt.shape[1], 0.1, splits, q, q, sl, q, q, sl) + (0,) * 6
-    return fd._decode_split_kernel[(splits, 8, 1)](*args, **split_kw(splits), num_warps=4, num_stages=2)
+
+
+def split_bare(splits):
+    return fd._decode_split_kernel[(splits, 8, 1)](*split_args(splits), **split_kw(splits), num_warps=4,
+                                                    num_stages=2)
 
 
 def split_kw(splits):
@@ -69,9 +73,7 @@ def split_direct(splits):
     """The same launch through the CompiledKernel the JIT path returned (no binder, no cache key):
     what a cached launcher could save."""
     ck = split_bare(splits)
-    args = (q, kc, vc, o, po, plse, bt, sl, sl, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-            kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), bt.stride(0),
-            bt.shape[1], 0.1, splits, q, q, sl, q, q, sl) + (0,) * 6
+    args = split_args(splits)
     kw = split_kw(splits)
     names = fd._decode_split_kernel.arg_names
     full = list(args) + [kw[n] for n in names[len(args):]]

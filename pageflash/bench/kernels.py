@@ -179,6 +179,29 @@ def decode_case(b: int, L: int, seed: int = 0):
     return q, kc, vc, bt, sl
 
 
+DECODE_CHECK_CASES = [(3, 1000, 1), (2, 777, 4), (1, 4097, 7), (4, 17, 3), (5, 64 * 9 + 1, 2)]
+
+
+def decode_config_mismatches(configs: list[dict], cases=DECODE_CHECK_CASES, tol: float = 2e-2) -> list[tuple]:
+    """flash_decode with each config (a decode_config override) against flash_decode_ref over
+    (batch, length, splits) cases, random lengths up to the case's: the (config, case, max error) pairs
+    off by tol or more. The decode probes run it before timing their configs."""
+    from pageflash.kernels.flash_decoding import flash_decode, flash_decode_ref
+
+    d = DECODE_HEADS[2]
+    bad = []
+    for cfg in configs:
+        for b, L, sp in cases:
+            q, kc, vc, bt, sl = decode_case(b, L, seed=L)
+            sl = torch.randint(1, L + 1, (b,), device="cuda", dtype=torch.int32)
+            ref = flash_decode_ref(q, kc, vc, bt, sl, d ** -0.5).float()
+            out = flash_decode(q, kc, vc, bt, sl, d ** -0.5, num_splits=sp, config=cfg).float()
+            err = (out - ref).abs().max().item()
+            if not err < tol:
+                bad.append((cfg, (b, L, sp), err))
+    return bad
+
+
 def bench_decode(sweep: bool, bw: float) -> list[dict]:
     import torch.nn.functional as F
 

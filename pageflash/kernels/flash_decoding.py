@@ -7,8 +7,9 @@ default (STRIDED) the tiles split, split + num_splits, ...; otherwise one contig
 tile's block ids are loaded one iteration ahead (BT_AHEAD), so that Triton's pipeliner double-buffers
 the K/V copies. With ``num_splits == 1`` it writes the output directly; otherwise it writes an fp32
 partial output (normalised within its keys) and its log-sum-exp (base 2), and kernel 2, grid
-``(Hq, B, D / 32)``, rescales and sums the partials -- or, given a counters buffer, the last program of each
-(sequence, KV head) to finish does that itself (an acq_rel atomic counter per (sequence, KV head)).
+``(Hq, B, D / 32)``, rescales and sums the partials -- or, given a counters buffer, the last program
+of each (sequence, KV head) to finish does that itself (an acq_rel atomic counter per (sequence, KV
+head)).
 
 CUDA-graph safe: ``num_splits`` is a static function of (batch, Hkv, block-table width, SM count),
 never of the lengths; each program's keys follow from ``seq_lens`` on the device, and a program with

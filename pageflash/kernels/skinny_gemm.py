@@ -148,7 +148,7 @@ class SkinnyDispatch:
             return None
         c = self._choice(x, w, large)
         if c is None:
-            if precompiling() and m == 1 and out_dtype is not None and out_dtype != x.dtype:
+            if m == 1 and out_dtype is not None and out_dtype != x.dtype and precompiling():
                 out = torch.empty(m, w.shape[0], dtype=out_dtype, device=x.device)
                 self._queue_gemv(x, w, out=out)  # the widening GEMV's own compile (the LM head)
             return None
