@@ -53,6 +53,8 @@ def fns(b, L):
     sc = D ** -0.5
     out = {}
     out["ours"] = lambda: fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=splits)
+    bt_seq = torch.arange(bt.numel(), device="cuda", dtype=torch.int32).view_as(bt)
+    out["order"] = lambda: fd.flash_decode(q, kc, vc, bt_seq, sl, sc, num_splits=splits)  # pages in order
     if splits > 1:
         out["fused"] = lambda: fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=splits, counters=counters)
         real = fd.combine_partials

@@ -4,6 +4,8 @@
 #   gap:    scripts/decode_gap_probe.py timings, then ncu sections of ours / cudnn / stream at two shapes
 #   stalls: warp-state metrics (ncu raw WarpStateStats / SchedulerStats) of ours and cudnn at SHAPE
 #           (default 1x32768)
+#   bytes:  DRAM bytes read, L2 hit rate and duration (ncu raw metrics, caches flushed) of ours over
+#           shuffled pages, ours over pages in order, cudnn and a plain read, at B256 L1k and B1 L32k
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 OUT=${OUT:-out}
@@ -33,6 +35,12 @@ while [[ $# -gt 0 ]]; do
         grep -E "^  [a-zA-Z_].*\(|issue_stalled.*per_warp_active|issue_active.avg.pct|warps_active.avg.per_cycle" \
           $OUT/stalls_${n}_$s.txt | awk '$NF+0 >= 0.05 || /\(/' | head -60
       done ;;
+    bytes)
+      for s in 256x1024 1x32768; do for n in ours order cudnn stream; do
+        ncu_run $n $s $OUT/bytes_${n}_$s.txt --metrics \
+          gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum
+        grep -E "^  [a-zA-Z_]|gpu__time|dram__|lts__" $OUT/bytes_${n}_$s.txt | head -30
+      done; done ;;
   esac
   shift
 done

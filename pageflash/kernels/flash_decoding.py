@@ -90,7 +90,8 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
-    BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False,
+    BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False, PF_DIST: tl.constexpr = 0,
+    PF_LINES: tl.constexpr = 1, PF_LINE_ELEMS: tl.constexpr = 64, ROTATE: tl.constexpr = 0,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -172,15 +173,30 @@ def _decode_split_kernel(
     # depend on no load of their own iteration, and Triton's pipeliner gives them num_stages - 1
     # shared-memory buffers; with the block-table load inside the iteration it gives them one, whatever
     # num_stages, and each copy waits for that load (docs/KERNELS.md). (Two tiles ahead: no pipelining.)
+    # ROTATE (unsplit only): sequence b visits its tiles starting at tile (b * ROTATE) mod n, wrapping
+    # around, so that concurrent programs over equally long, equally aligned sequences do not stream the
+    # same offsets in lockstep. The heads of one sequence keep one order (they share its pages).
+    rot = 0
+    span = 0
+    if (ROTATE > 0) and (not SPLIT):
+        span = tl.cdiv(hi_loop - lo, step) * step
+        rot = ((b * ROTATE) % tl.maximum(span // step, 1)) * step
     if BT_AHEAD:
-        ja = lo + offs_n
+        ja = lo + rot + offs_n
         blk_a = tl.load(bt_row + ja // PAGE_SIZE, mask=ja // PAGE_SIZE < bt_width, other=0)
     for start_n in range(lo, hi_loop, step):
-        j = start_n + offs_n
+        if (ROTATE > 0) and (not SPLIT):
+            off = start_n - lo + rot
+            off = tl.where(off >= span, off - span, off)
+            j = lo + off + offs_n
+            nxt = off + step
+            jn = lo + tl.where(nxt >= span, nxt - span, nxt) + offs_n
+        else:
+            j = start_n + offs_n
+            jn = j + step
         kv_ok = j < hi_loop
         if BT_AHEAD:
             blk = blk_a.to(tl.int64)
-            jn = j + step
             blk_a = tl.load(bt_row + jn // PAGE_SIZE, mask=jn // PAGE_SIZE < bt_width, other=0)
         else:
             blk = tl.load(bt_row + j // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
@@ -200,6 +216,24 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_ij
+        if PF_DIST > 0:
+            # L2 prefetch of the K/V rows of the tile PF_DIST iterations ahead (its block ids loaded
+            # here, used at the iteration's end): DRAM works on it before its copy is issued
+            jp = j + PF_DIST * step
+            pf_ok = jp < hi_loop
+            blk_p = tl.load(bt_row + jp // PAGE_SIZE, mask=pf_ok, other=0).to(tl.int64)
+            offs_l = tl.arange(0, PF_LINES) * PF_LINE_ELEMS
+            pf_on = (pf_ok[:, None] & (offs_l[None, :] < HEAD_DIM)).to(tl.int32)
+            slot_p = (jp % PAGE_SIZE)[:, None]
+            for which in tl.static_range(2):
+                if which == 0:
+                    pf_ptr = k_base + blk_p[:, None] * stride_kcb + slot_p * stride_kcs + offs_l[None, :]
+                else:
+                    pf_ptr = v_base + blk_p[:, None] * stride_vcb + slot_p * stride_vcs + offs_l[None, :]
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                    "=r,l,r", [pf_ptr, pf_on], dtype=tl.int32, is_pure=False, pack=1,
+                )
     if ROPE:
         # the new key, from registers (the owner only: everyone else adds a zero weight)
         qk_n = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * qk_scale
@@ -434,6 +468,9 @@ def flash_decode(
     cfg = dict(decode_config(d, q.dtype, q.device))
     cfg.update(config or {})
     block_d = max(16, next_pow2(d))
+    # PF_DIST: L2 prefetch (PTX, so CUDA only) of the tile that many iterations ahead, per 128-byte line
+    pf_dist = int(cfg.get("PF_DIST", 0)) if q.is_cuda else 0
+    line_elems = 128 // q.element_size()
     if num_splits > 1:
         po = torch.empty((b, hq, num_splits, d), device=q.device, dtype=torch.float32)
         plse = torch.empty((b, hq, num_splits), device=q.device, dtype=torch.float32)
@@ -454,6 +491,7 @@ def flash_decode(
         GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1, FUSED=fused, BT_AHEAD=cfg.get("BT_AHEAD", 0),
         STRIDED=bool(cfg.get("STRIDED", False)),
+        PF_DIST=pf_dist, ROTATE=int(cfg.get("ROTATE", 0)), PF_LINES=max(1, block_d // line_elems), PF_LINE_ELEMS=line_elems,
         BLOCK_S=next_pow2(num_splits) if fused else 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -1,0 +1,133 @@
+"""L2 prefetch ahead in the decode split kernel (config key PF_DIST): does issuing a tile's DRAM reads
+PF_DIST iterations before its shared-memory copy stream closer to cuDNN, over shuffled and in-order
+pages?
+
+The split kernel double-buffers its K/V copies (2 stages: the copy of tile i+1 is in flight while
+tile i is computed); deeper stages cost shared memory and so programs per SM. A `prefetch.global.L2`
+per 128-byte line of the tile PF_DIST ahead costs no shared memory. Also tried: one stage with the
+prefetch (no shared-memory double buffer, so more programs per SM) and twice the splits; and (the
+default variants since the prefetch lost) occupancy instead of stages: 2 warps, one stage, split counts
+aimed at 3-8 programs per SM.
+
+Per W-attn-decode shape: CUDA-graph replays (median) of each variant x page order, SDPA (cuDNN) over a
+contiguous copy, rounds alternated. Each variant checked against the reference first; the PTX of each
+compiled variant is searched for cp.async and prefetch, to show the pipelining survived.
+Usage: python scripts/decode_prefetch_probe.py [--shapes 1x32768 ...] [--rounds 3]
+"""
+
+import argparse
+import statistics
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+import pageflash.kernels.flash_decoding as fd
+from pageflash.bench.kernels import DECODE_CHECK_CASES, DECODE_HEADS, PAGE, decode_case, decode_config_mismatches
+
+HQ, HKV, D = DECODE_HEADS
+BASE = dict(BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True)
+VARIANTS = {  # name: (config override, programs per SM that the split count aims at)
+    "default": ({}, 4),
+    "pf1": (dict(PF_DIST=1), 4),
+    "pf2": (dict(PF_DIST=2), 4),
+    "pf3": (dict(PF_DIST=3), 4),
+    "pf2 s3": (dict(PF_DIST=2, num_stages=3), 4),
+    "pf2 s1": (dict(PF_DIST=2, num_stages=1), 4),
+    "pf2 s1 x2": (dict(PF_DIST=2, num_stages=1), 8),
+    "pf4 n32": (dict(PF_DIST=4, BLOCK_N=32), 4),
+    # occupancy instead of stages: fewer warps or no shared-memory double buffer, more programs per SM
+    "w2": (dict(num_warps=2), 4),
+    "w2 x6": (dict(num_warps=2), 6),
+    "s1": (dict(num_stages=1), 4),
+    "s1 x8": (dict(num_stages=1), 8),
+    "s1 w2 x8": (dict(num_stages=1, num_warps=2), 8),
+    "s1 n32 w2 x8": (dict(num_stages=1, num_warps=2, BLOCK_N=32), 8),
+    "n128 x3": (dict(BLOCK_N=128), 3),
+    "n32 w2 s3 x6": (dict(BLOCK_N=32, num_warps=2, num_stages=3), 6),
+    # unsplit programs start at a tile rotated by sequence (ROTATE): no lockstep over aligned sequences
+    "rot": (dict(ROTATE=7), 4),
+    "s1 rot": (dict(num_stages=1, ROTATE=7), 4),
+}
+
+
+def timed(fn):
+    fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
+
+
+def ptx_counts():
+    out = {}
+    for key, (ck, _tail) in fd._decode_split_kernel._cache.items():
+        ptx = ck.asm.get("ptx", "")
+        kw = dict(key[1])
+        name = f"PF{kw.get('PF_DIST')} n{kw.get('BLOCK_N')} s{kw.get('num_stages')} split{kw.get('SPLIT')}"
+        out[name] = (ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), ptx.count("prefetch.global.L2"),
+                     ck.metadata.shared)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=["1x32768", "8x8192", "64x2048", "1x131072", "256x1024"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if not v.startswith("pf")])
+    a = ap.parse_args()
+    cfgs = [dict(BASE, **VARIANTS[v][0]) for v in a.variants]
+    bad = decode_config_mismatches(cfgs, DECODE_CHECK_CASES + [(1, 20000, 66)])
+    print("check:", "all variants match the reference" if not bad else f"MISMATCH {bad}", flush=True)
+    if bad:
+        raise SystemExit(1)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sc = D ** -0.5
+    for shape in a.shapes:
+        b, L = map(int, shape.split("x"))
+        q, kc, vc, bt, sl = decode_case(b, L)
+        bt_seq = torch.arange(bt.numel(), device="cuda", dtype=torch.int32).view_as(bt)
+        kk = kc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
+        vv = vc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
+        q4 = q.view(b, HQ, 1, D)
+        # "sdpa's": the paged kernel over SDPA's own contiguous [B, Hkv, L, D] buffers, seen as a cache
+        # of PAGE-row blocks (block stride PAGE * D, head stride L * D) whose table lists each
+        # sequence's blocks in order: the same bytes in the same places as cuDNN reads them
+        nb = (b - 1) * HKV * L // PAGE + L // PAGE  # the last sequence's last block ends the buffer
+        kc_c = kk.as_strided((nb, PAGE, HKV, D), (PAGE * D, D, L * D, 1))
+        vc_c = vv.as_strided((nb, PAGE, HKV, D), (PAGE * D, D, L * D, 1))
+        bt_c = (torch.arange(b, device="cuda", dtype=torch.int32)[:, None] * (HKV * L // PAGE)
+                + torch.arange(L // PAGE, device="cuda", dtype=torch.int32)[None, :])
+        base_sp = fd.choose_num_splits(b, HKV, L, sms)
+        fns = {"cudnn": lambda: torch.nn.functional.scaled_dot_product_attention(q4, kk, vv, enable_gqa=True)}
+        for v in a.variants:
+            over, slots = VARIANTS[v]
+            cfg = dict(BASE, **over)
+            sp = fd.choose_num_splits(b, HKV, L, sms, slots_per_sm=slots) if base_sp > 1 else 1
+            for order, table_, kc_, vc_ in (("shuf", bt, kc, vc), ("order", bt_seq, kc, vc),
+                                            ("sdpa's", bt_c, kc_c, vc_c)):
+                fns[f"{v} sp{sp} {order}"] = (lambda cfg=cfg, sp=sp, t=table_, k_=kc_, v_=vc_:
+                                              fd.flash_decode(q, k_, v_, t, sl, sc, num_splits=sp, config=cfg))
+        same = (fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=base_sp).float()
+                - fd.flash_decode(q, kc_c, vc_c, bt_c, sl, sc, num_splits=base_sp).float()).abs().max().item()
+        print(f"{shape}: max |ours over the paged cache - ours over sdpa's buffers| = {same}", flush=True)
+        res = {k: [] for k in fns}
+        for _ in range(a.rounds):
+            for k, fn in fns.items():
+                try:
+                    res[k].append(timed(fn))
+                except Exception as e:  # e.g. out of shared memory
+                    print(shape, k, "failed:", type(e).__name__, str(e)[:120], flush=True)
+                    res[k].append(float("nan"))
+        med = {k: statistics.median(v) for k, v in res.items()}
+        nbytes = 2 * b * L * HKV * D * 2
+        print(f"\n== {shape} default splits {base_sp} ({nbytes / 1e6:.0f} MB K+V)", flush=True)
+        for k, v in med.items():
+            print(f"  {k:<28}{v:>8.1f} us {nbytes / v / 1e3:>6.0f} GB/s  cudnn/this {med['cudnn'] / v:5.3f}  "
+                  f"rounds {' '.join(f'{x:.1f}' for x in res[k])}", flush=True)
+        del q, kc, vc, bt, bt_seq, kk, vv, kc_c, vc_c, bt_c, fns
+        torch.cuda.empty_cache()
+    print("\nPTX per compiled variant: (cp.async count, prefetch count, shared bytes)")
+    for k, v in sorted(ptx_counts().items()):
+        print(f"  {k:<28}{v}")
+
+
+if __name__ == "__main__":
+    main()
