@@ -10,7 +10,9 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-lat() { (cd "$1" && $PY -m pageflash.cli bench latency --model llama-3-8b --input-len 128 --output-len 256 \
+# LAT_ARGS: other latency arguments (default W-decode1's), e.g. LAT_ARGS="--input-len 16000 --output-len 128"
+LAT_ARGS=${LAT_ARGS:---input-len 128 --output-len 256}
+lat() { (cd "$1" && $PY -m pageflash.cli bench latency --model llama-3-8b $LAT_ARGS \
           --disable-tqdm --json "$OUT/$2.json" 2>&1 | grep "^llama-3-8b" | sed "s/^/$2 /"); }
 off() { (cd "$1" && $PY -m pageflash.cli bench throughput --model smollm2-135m --disable-tqdm \
           --json "$OUT/$2.json" 2>&1 | grep "^smollm2" | sed "s/^/$2 /"); }

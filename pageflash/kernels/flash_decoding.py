@@ -4,8 +4,8 @@ Kernel 1, grid ``(num_splits, Hkv, B)``: each program takes the G = Hq/Hkv query
 of one sequence (one ``[BLOCK_H >= 16, D]`` Q tile, so the G heads share every K/V load) and a share
 of the sequence's keys, read BLOCK_N at a time through the block table with an online softmax: by
 default (STRIDED) the tiles split, split + num_splits, ...; otherwise one contiguous chunk. Each
-tile's block ids are loaded one iteration ahead (BT_AHEAD), so that Triton's pipeliner double-buffers
-the K/V copies. With ``num_splits == 1`` it writes the output directly; otherwise it writes an fp32
+tile's block ids are loaded one iteration ahead (BT_AHEAD), so that the K/V loads never wait on the
+block table (and with 2+ stages Triton's pipeliner double-buffers the copies). With ``num_splits == 1`` it writes the output directly; otherwise it writes an fp32
 partial output (normalised within its keys) and its log-sum-exp (base 2), and kernel 2, grid
 ``(Hq, B, D / 32)``, rescales and sums the partials -- or, given a counters buffer, the last program
 of each (sequence, KV head) to finish does that itself (an acq_rel atomic counter per (sequence, KV
@@ -90,8 +90,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
-    BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False, PF_DIST: tl.constexpr = 0,
-    PF_LINES: tl.constexpr = 1, PF_LINE_ELEMS: tl.constexpr = 64, ROTATE: tl.constexpr = 0,
+    BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -173,30 +172,15 @@ def _decode_split_kernel(
     # depend on no load of their own iteration, and Triton's pipeliner gives them num_stages - 1
     # shared-memory buffers; with the block-table load inside the iteration it gives them one, whatever
     # num_stages, and each copy waits for that load (docs/KERNELS.md). (Two tiles ahead: no pipelining.)
-    # ROTATE (unsplit only): sequence b visits its tiles starting at tile (b * ROTATE) mod n, wrapping
-    # around, so that concurrent programs over equally long, equally aligned sequences do not stream the
-    # same offsets in lockstep. The heads of one sequence keep one order (they share its pages).
-    rot = 0
-    span = 0
-    if (ROTATE > 0) and (not SPLIT):
-        span = tl.cdiv(hi_loop - lo, step) * step
-        rot = ((b * ROTATE) % tl.maximum(span // step, 1)) * step
     if BT_AHEAD:
-        ja = lo + rot + offs_n
+        ja = lo + offs_n
         blk_a = tl.load(bt_row + ja // PAGE_SIZE, mask=ja // PAGE_SIZE < bt_width, other=0)
     for start_n in range(lo, hi_loop, step):
-        if (ROTATE > 0) and (not SPLIT):
-            off = start_n - lo + rot
-            off = tl.where(off >= span, off - span, off)
-            j = lo + off + offs_n
-            nxt = off + step
-            jn = lo + tl.where(nxt >= span, nxt - span, nxt) + offs_n
-        else:
-            j = start_n + offs_n
-            jn = j + step
+        j = start_n + offs_n
         kv_ok = j < hi_loop
         if BT_AHEAD:
             blk = blk_a.to(tl.int64)
+            jn = j + step
             blk_a = tl.load(bt_row + jn // PAGE_SIZE, mask=jn // PAGE_SIZE < bt_width, other=0)
         else:
             blk = tl.load(bt_row + j // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
@@ -216,24 +200,6 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_ij
-        if PF_DIST > 0:
-            # L2 prefetch of the K/V rows of the tile PF_DIST iterations ahead (its block ids loaded
-            # here, used at the iteration's end): DRAM works on it before its copy is issued
-            jp = j + PF_DIST * step
-            pf_ok = jp < hi_loop
-            blk_p = tl.load(bt_row + jp // PAGE_SIZE, mask=pf_ok, other=0).to(tl.int64)
-            offs_l = tl.arange(0, PF_LINES) * PF_LINE_ELEMS
-            pf_on = (pf_ok[:, None] & (offs_l[None, :] < HEAD_DIM)).to(tl.int32)
-            slot_p = (jp % PAGE_SIZE)[:, None]
-            for which in tl.static_range(2):
-                if which == 0:
-                    pf_ptr = k_base + blk_p[:, None] * stride_kcb + slot_p * stride_kcs + offs_l[None, :]
-                else:
-                    pf_ptr = v_base + blk_p[:, None] * stride_vcb + slot_p * stride_vcs + offs_l[None, :]
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                    "=r,l,r", [pf_ptr, pf_on], dtype=tl.int32, is_pure=False, pack=1,
-                )
     if ROPE:
         # the new key, from registers (the owner only: everyone else adds a zero weight)
         qk_n = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * qk_scale
@@ -347,13 +313,14 @@ _decode_combine_kernel = fast_launch(_decode_combine_kernel)  # host launches vi
 
 
 @functools.lru_cache(maxsize=64)
-def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split: bool = False) -> dict:
     """BLOCK_N, num_warps, num_stages of the split kernel (static: CUDA-graph friendly), its two layout
-    switches, and the combine's settings (COMBINE_*: see ``combine_partials``). BT_AHEAD=1 loads a
-    tile's block ids one iteration ahead (the K/V copies then get num_stages - 1 buffers and never wait
-    on the block table), STRIDED gives split s the tiles s, s + num_splits, ... (the first tile's
-    address needs no seq_len; with pages in order, the programs sweep memory together). H100 sweeps in
-    docs/KERNELS.md. Cached: callers copy before changing it."""
+    switches, and the combine's settings (COMBINE_*: see ``combine_partials``); ``split``: for a launch
+    with num_splits > 1. BT_AHEAD=1 loads a tile's block ids one iteration ahead (the K/V copies never
+    wait on the block table; with 2+ stages Triton's pipeliner then gives them num_stages - 1 buffers),
+    STRIDED gives split s the tiles s, s + num_splits, ... (the first tile's address needs no seq_len;
+    with pages in order, the programs sweep memory together). H100 sweeps in docs/KERNELS.md. Cached:
+    callers copy before changing it."""
     # the combine: 32 columns per program over 2 warps, every split's partial loaded without waiting
     # for seq_len (H100: -0.3 to -0.5 us at batch 1 against one program per head; docs/KERNELS.md)
     comb = dict(COMBINE_BLOCK_DC=32, COMBINE_EAGER=True, COMBINE_num_warps=2)
@@ -362,8 +329,16 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> di
     d = next_pow2(head_dim)
     if dtype == torch.float32 or d > 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True, **comb)
-    # 2 stages: ~39 KB of shared memory, 4 programs per SM (choose_num_splits' slots_per_sm)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True, **comb)
+    if d <= 64:
+        # small heads (smollm2-135m: D 64): split programs take 128 keys a tile, so that a tile moves
+        # as many bytes as at D 128 (H100, 9 / 3 heads: -6 to -19% at B1-B64); unsplit grids keep 64
+        # keys and ~22 KB of shared memory, so that B256 x 3 KV heads fit one wave (128 keys: +7%)
+        return dict(BLOCK_N=128 if split else 64, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True, **comb)
+    # 1 stage: the K/V tiles are plain loads into registers, staged through ~22 KB of shared memory for
+    # the dots; programs per SM, not a copy pipeline, hide the latency. H100 (32 / 8 heads, D 128):
+    # equal to 2 stages (~39 KB) over shuffled pages, 0.5-2% faster over pages in order and over
+    # SDPA's contiguous buffers (at D 64, 1 stage is 0-7% slower)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True, **comb)
 
 
 def choose_num_splits(
@@ -465,12 +440,9 @@ def flash_decode(
     if b == 0:
         return o
     group = hq // hkv
-    cfg = dict(decode_config(d, q.dtype, q.device))
+    cfg = dict(decode_config(d, q.dtype, q.device, num_splits > 1))
     cfg.update(config or {})
     block_d = max(16, next_pow2(d))
-    # PF_DIST: L2 prefetch (PTX, so CUDA only) of the tile that many iterations ahead, per 128-byte line
-    pf_dist = int(cfg.get("PF_DIST", 0)) if q.is_cuda else 0
-    line_elems = 128 // q.element_size()
     if num_splits > 1:
         po = torch.empty((b, hq, num_splits, d), device=q.device, dtype=torch.float32)
         plse = torch.empty((b, hq, num_splits), device=q.device, dtype=torch.float32)
@@ -491,7 +463,6 @@ def flash_decode(
         GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1, FUSED=fused, BT_AHEAD=cfg.get("BT_AHEAD", 0),
         STRIDED=bool(cfg.get("STRIDED", False)),
-        PF_DIST=pf_dist, ROTATE=int(cfg.get("ROTATE", 0)), PF_LINES=max(1, block_d // line_elems), PF_LINE_ELEMS=line_elems,
         BLOCK_S=next_pow2(num_splits) if fused else 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -229,9 +229,10 @@ def test_decode_workload_shapes(b, L):
 
 
 @pytest.mark.parametrize("ahead,strided", [(0, False), (1, False), (0, True), (1, True)])
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", [1, 2, 3])
 def test_decode_layouts_gpu(ahead, strided, stages):
-    """The split kernel's switches at full size in bf16 (block ids ahead: deeper cp.async pipelines),
+    """The split kernel's switches at full size in bf16 (block ids ahead: deeper cp.async pipelines;
+    1 stage: no copy pipeline, the default at D 128),
     ragged lengths, several split counts, with and without the fused combine."""
     torch.manual_seed(ahead + 2 * strided)
     b, L, page, hq, hkv, d = 8, 8192, 16, 32, 8, 128
@@ -250,9 +251,10 @@ def test_decode_layouts_gpu(ahead, strided, stages):
     assert not counters.any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,d", [((32, 8), 128), ((9, 3), 64), ((8, 8), 80), ((16, 1), 256)])
 def test_decode_dtypes_dims(heads, d, dtype):
+    """Each config family of decode_config (D 64 split: 128-key tiles; D 65-128: 1 stage; fp32 / D 256)."""
     hq, hkv = heads
     q, k, v, kc, vc, meta = make_case([(c, 1) for c in (0, 15, 16, 4000, 255)], hq, hkv, d, 16, dtype=dtype)
     store_kv_ref(k, v, kc, vc, meta.slot_mapping)

@@ -1,18 +1,17 @@
-"""L2 prefetch ahead in the decode split kernel (config key PF_DIST): does issuing a tile's DRAM reads
-PF_DIST iterations before its shared-memory copy stream closer to cuDNN, over shuffled and in-order
-pages?
+"""Decode split-kernel variants over three layouts of the same K/V, against cuDNN SDPA in the same process.
 
-The split kernel double-buffers its K/V copies (2 stages: the copy of tile i+1 is in flight while
-tile i is computed); deeper stages cost shared memory and so programs per SM. A `prefetch.global.L2`
-per 128-byte line of the tile PF_DIST ahead costs no shared memory. Also tried: one stage with the
-prefetch (no shared-memory double buffer, so more programs per SM) and twice the splits; and (the
-default variants since the prefetch lost) occupancy instead of stages: 2 warps, one stage, split counts
-aimed at 3-8 programs per SM.
+Layouts: the paged cache with its pages shuffled over the pool (`shuf`, the bench's headline), the
+same cache with each sequence's pages in order (`order`), and SDPA's own contiguous [B, Hkv, L, D]
+buffers seen as a paged cache (`sdpa's`: blocks of PAGE rows, block stride PAGE * D, head stride
+L * D, each sequence's blocks listed in order), i.e. the very bytes cuDNN reads, where they lie.
+Variants: the default config and occupancy against stages (2 warps, one stage: no shared-memory double
+buffer, so more programs per SM; BLOCK_N 32 / 128; split counts aimed at 3-8 programs per SM).
+(An L2 prefetch of the tile 1-3 iterations ahead and a per-sequence rotated tile order were timed with
+this script at commit c91d6b3; docs/KERNELS.md.)
 
-Per W-attn-decode shape: CUDA-graph replays (median) of each variant x page order, SDPA (cuDNN) over a
-contiguous copy, rounds alternated. Each variant checked against the reference first; the PTX of each
-compiled variant is searched for cp.async and prefetch, to show the pipelining survived.
-Usage: python scripts/decode_prefetch_probe.py [--shapes 1x32768 ...] [--rounds 3]
+Per W-attn-decode shape: CUDA-graph replays (median over alternated rounds). Each variant is checked
+against the reference first, and the outputs over the paged cache and over SDPA's buffers compared.
+Usage: python scripts/decode_occupancy_probe.py [--shapes 1x32768 ...] [--rounds 3] [--variants ...]
 """
 
 import argparse
@@ -21,32 +20,33 @@ import statistics
 import torch
 from triton.testing import do_bench_cudagraph
 
+import pageflash.bench.kernels as bk
 import pageflash.kernels.flash_decoding as fd
 from pageflash.bench.kernels import DECODE_CHECK_CASES, DECODE_HEADS, PAGE, decode_case, decode_config_mismatches
 
 HQ, HKV, D = DECODE_HEADS
-BASE = dict(BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True)
-VARIANTS = {  # name: (config override, programs per SM that the split count aims at)
+VARIANTS = {  # name: (override of decode_config's choice, programs per SM that the split count aims at)
     "default": ({}, 4),
-    "pf1": (dict(PF_DIST=1), 4),
-    "pf2": (dict(PF_DIST=2), 4),
-    "pf3": (dict(PF_DIST=3), 4),
-    "pf2 s3": (dict(PF_DIST=2, num_stages=3), 4),
-    "pf2 s1": (dict(PF_DIST=2, num_stages=1), 4),
-    "pf2 s1 x2": (dict(PF_DIST=2, num_stages=1), 8),
-    "pf4 n32": (dict(PF_DIST=4, BLOCK_N=32), 4),
     # occupancy instead of stages: fewer warps or no shared-memory double buffer, more programs per SM
+    "s2": (dict(num_stages=2), 4),
+    "s1": (dict(num_stages=1), 4),
     "w2": (dict(num_warps=2), 4),
     "w2 x6": (dict(num_warps=2), 6),
-    "s1": (dict(num_stages=1), 4),
     "s1 x8": (dict(num_stages=1), 8),
     "s1 w2 x8": (dict(num_stages=1, num_warps=2), 8),
     "s1 n32 w2 x8": (dict(num_stages=1, num_warps=2, BLOCK_N=32), 8),
     "n128 x3": (dict(BLOCK_N=128), 3),
     "n32 w2 s3 x6": (dict(BLOCK_N=32, num_warps=2, num_stages=3), 6),
-    # unsplit programs start at a tile rotated by sequence (ROTATE): no lockstep over aligned sequences
-    "rot": (dict(ROTATE=7), 4),
-    "s1 rot": (dict(num_stages=1, ROTATE=7), 4),
+    # for small heads (smollm2-135m: 9 / 3 heads, D 64), where a tile holds half the bytes
+    "s2 x6": (dict(num_stages=2), 6),
+    "s2 x8": (dict(num_stages=2), 8),
+    "s3": (dict(num_stages=3), 4),
+    "s3 x6": (dict(num_stages=3), 6),
+    "n128 s2": (dict(BLOCK_N=128, num_stages=2), 4),
+    "n128 s2 x6": (dict(BLOCK_N=128, num_stages=2), 6),
+    "n128 s1 x6": (dict(BLOCK_N=128, num_stages=1), 6),
+    "n128 s3": (dict(BLOCK_N=128, num_stages=3), 4),
+    "w2 s2 x8": (dict(num_warps=2, num_stages=2), 8),
 }
 
 
@@ -56,14 +56,13 @@ def timed(fn):
     return do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
 
 
-def ptx_counts():
+def compiled_variants():
+    """(cp.async count in the PTX, shared memory bytes) per compiled split-kernel variant."""
     out = {}
     for key, (ck, _tail) in fd._decode_split_kernel._cache.items():
-        ptx = ck.asm.get("ptx", "")
         kw = dict(key[1])
-        name = f"PF{kw.get('PF_DIST')} n{kw.get('BLOCK_N')} s{kw.get('num_stages')} split{kw.get('SPLIT')}"
-        out[name] = (ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), ptx.count("prefetch.global.L2"),
-                     ck.metadata.shared)
+        name = f"n{kw.get('BLOCK_N')} w{kw.get('num_warps')} s{kw.get('num_stages')} split{kw.get('SPLIT')}"
+        out[name] = (ck.asm.get("ptx", "").count("cp.async.cg"), ck.metadata.shared)
     return out
 
 
@@ -71,9 +70,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["1x32768", "8x8192", "64x2048", "1x131072", "256x1024"])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if not v.startswith("pf")])
+    ap.add_argument("--heads", nargs=3, type=int, metavar=("HQ", "HKV", "D"),
+                    help="other heads than W-attn-decode's (e.g. 9 3 64: smollm2-135m)")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     a = ap.parse_args()
-    cfgs = [dict(BASE, **VARIANTS[v][0]) for v in a.variants]
+    global HQ, HKV, D
+    if a.heads:
+        HQ, HKV, D = a.heads
+        bk.DECODE_HEADS = tuple(a.heads)  # decode_case and the reference check read it
+    cfgs = [VARIANTS[v][0] for v in a.variants]  # overrides of flash_decode's config for each launch
     bad = decode_config_mismatches(cfgs, DECODE_CHECK_CASES + [(1, 20000, 66)])
     print("check:", "all variants match the reference" if not bad else f"MISMATCH {bad}", flush=True)
     if bad:
@@ -99,7 +104,7 @@ def main():
         fns = {"cudnn": lambda: torch.nn.functional.scaled_dot_product_attention(q4, kk, vv, enable_gqa=True)}
         for v in a.variants:
             over, slots = VARIANTS[v]
-            cfg = dict(BASE, **over)
+            cfg = over
             sp = fd.choose_num_splits(b, HKV, L, sms, slots_per_sm=slots) if base_sp > 1 else 1
             for order, table_, kc_, vc_ in (("shuf", bt, kc, vc), ("order", bt_seq, kc, vc),
                                             ("sdpa's", bt_c, kc_c, vc_c)):
@@ -124,8 +129,8 @@ def main():
                   f"rounds {' '.join(f'{x:.1f}' for x in res[k])}", flush=True)
         del q, kc, vc, bt, bt_seq, kk, vv, kc_c, vc_c, bt_c, fns
         torch.cuda.empty_cache()
-    print("\nPTX per compiled variant: (cp.async count, prefetch count, shared bytes)")
-    for k, v in sorted(ptx_counts().items()):
+    print("\ncompiled variants: (cp.async in the PTX, shared bytes)")
+    for k, v in sorted(compiled_variants().items()):
         print(f"  {k:<28}{v}")
 
 
