@@ -22,7 +22,7 @@ from triton.testing import do_bench_cudagraph
 
 import pageflash.bench.kernels as bk
 import pageflash.kernels.flash_decoding as fd
-from pageflash.bench.kernels import DECODE_CHECK_CASES, DECODE_HEADS, PAGE, decode_case, decode_config_mismatches
+from pageflash.bench.kernels import DECODE_CHECK_CASES, DECODE_HEADS, decode_case, decode_config_mismatches
 
 HQ, HKV, D = DECODE_HEADS
 VARIANTS = {  # name: (override of decode_config's choice, programs per SM that the split count aims at)
@@ -92,14 +92,7 @@ def main():
         kk = kc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
         vv = vc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
         q4 = q.view(b, HQ, 1, D)
-        # "sdpa's": the paged kernel over SDPA's own contiguous [B, Hkv, L, D] buffers, seen as a cache
-        # of PAGE-row blocks (block stride PAGE * D, head stride L * D) whose table lists each
-        # sequence's blocks in order: the same bytes in the same places as cuDNN reads them
-        nb = (b - 1) * HKV * L // PAGE + L // PAGE  # the last sequence's last block ends the buffer
-        kc_c = kk.as_strided((nb, PAGE, HKV, D), (PAGE * D, D, L * D, 1))
-        vc_c = vv.as_strided((nb, PAGE, HKV, D), (PAGE * D, D, L * D, 1))
-        bt_c = (torch.arange(b, device="cuda", dtype=torch.int32)[:, None] * (HKV * L // PAGE)
-                + torch.arange(L // PAGE, device="cuda", dtype=torch.int32)[None, :])
+        kc_c, vc_c, bt_c = bk.contiguous_as_cache(kk, vv)  # "sdpa's": the bytes cuDNN reads, in place
         base_sp = fd.choose_num_splits(b, HKV, L, sms)
         fns = {"cudnn": lambda: torch.nn.functional.scaled_dot_product_attention(q4, kk, vv, enable_gqa=True)}
         for v in a.variants:

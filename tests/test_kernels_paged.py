@@ -305,6 +305,29 @@ def test_flash_decode_fused_combine_many_splits():
     assert not counters.any()
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_flash_decode_over_contiguous_buffers(splits):
+    """bench.kernels.contiguous_as_cache: contiguous [B, Hkv, L, D] K/V seen as a paged cache (no copy);
+    the kernel over it equals SDPA (GQA) over the contiguous tensors."""
+    from pageflash.bench.kernels import contiguous_as_cache
+
+    torch.manual_seed(splits)
+    b, hq, hkv, L, d, page = 3, 4, 2, 48, 16, 16
+    kk, vv = torch.randn(b, hkv, L, d), torch.randn(b, hkv, L, d)
+    q = torch.randn(b, hq, d)
+    kc, vc, bt = contiguous_as_cache(kk, vv, page)
+    assert kc.data_ptr() == kk.data_ptr() and bt.shape == (b, L // page)
+    sl = torch.full((b,), L, dtype=torch.int32)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.view(b, hq, 1, d), kk.repeat_interleave(hq // hkv, 1), vv.repeat_interleave(hq // hkv, 1),
+        scale=d**-0.5).view(b, hq, d)
+    assert rel_err(flash_decode_ref(q, kc, vc, bt, sl, d**-0.5), ref) < TOL[torch.float32]
+    out = flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="multiple"):
+        contiguous_as_cache(kk[:, :, :40].contiguous(), vv[:, :, :40].contiguous(), page)
+
+
 def test_choose_num_splits():
     assert choose_num_splits(256, 8, 1024, 132) == 1  # batch fills the GPU
     assert choose_num_splits(64, 8, 2048, 132) == 1

@@ -8,7 +8,9 @@
   size 16 (pages shuffled), (B, L) in {(1,32768), (8,8192), (64,2048), (1,131072), (256,1024)}; K+V
   bytes / time vs a measured device-to-device copy bandwidth and vs SDPA on contiguous KV. Timed as
   CUDA-graph replays (both sides), which also checks that the decode path is graph-safe. Also timed
-  over the same cache with each sequence's pages in order (what a fresh pool hands a long prompt).
+  over the same cache with each sequence's pages in order (what a fresh pool hands a long prompt), and
+  over SDPA's own contiguous buffers seen as a paged cache (``contiguous_as_cache``: the same bytes in
+  the same places as SDPA reads them, so kernel against kernel).
 - backward: the prefill shapes, TFLOP/s with FLOPs = 2.5 x forward, vs SDPA's backward.
 
 Timing: ``triton.testing.do_bench`` (median); random inputs. ``--sweep`` also times a few tile
@@ -179,6 +181,23 @@ def decode_case(b: int, L: int, seed: int = 0):
     return q, kc, vc, bt, sl
 
 
+def contiguous_as_cache(kk: torch.Tensor, vv: torch.Tensor, page: int = PAGE):
+    """Contiguous [B, Hkv, L, D] K/V (what SDPA reads; L a multiple of page) seen as a paged cache
+    without copying: blocks of `page` rows (block stride page * D, slot stride D, head stride L * D),
+    each sequence's blocks listed in order. Returns (k_cache, v_cache, block_tables): the paged kernel
+    then reads the very bytes SDPA reads, where they lie."""
+    b, hkv, L, d = kk.shape
+    if L % page or not (kk.is_contiguous() and vv.is_contiguous()) or kk.shape != vv.shape:
+        raise ValueError(f"contiguous_as_cache: needs contiguous [B, Hkv, L, D] K/V with L a multiple of {page}, "
+                         f"got {tuple(kk.shape)} and {tuple(vv.shape)}")
+    per_seq = hkv * L // page  # block ids per sequence's stretch of the buffer
+    nb = (b - 1) * per_seq + L // page  # the last sequence's last block ends at the buffer's end
+    shape, stride = (nb, page, hkv, d), (page * d, d, L * d, 1)
+    bt = (torch.arange(b, device=kk.device, dtype=torch.int32)[:, None] * per_seq
+          + torch.arange(L // page, device=kk.device, dtype=torch.int32)[None, :])
+    return kk.as_strided(shape, stride), vv.as_strided(shape, stride), bt
+
+
 DECODE_CHECK_CASES = [(3, 1000, 1), (2, 777, 4), (1, 4097, 7), (4, 17, 3), (5, 64 * 9 + 1, 2)]
 
 
@@ -252,6 +271,11 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
         vv = vc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
         del kc, vc
         q4 = q.view(b, hq, 1, d)
+        # our kernel over SDPA's own buffers (kernel against kernel on the same bytes in the same places)
+        kc_c, vc_c, bt_c = contiguous_as_cache(kk, vv)
+        torch.cuda.synchronize()
+        row["ours_sdpa_layout_us"] = 1e3 * _bench(
+            lambda: flash_decode(q, kc_c, vc_c, bt_c, sl, d**-0.5, num_splits=splits), graph=True)
 
         def sdpa():
             return F.scaled_dot_product_attention(q4, kk, vv, enable_gqa=True)
@@ -272,7 +296,8 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
             row[f"sdpa_{be}_us"] = _try(run)
         rows.append(row)
         print(f"decode B{b} L{L}: splits {splits}, ours {row['ours_us']:.1f} us {row['ours_GBs']:.0f} GB/s "
-              f"({row['ours_pct_copy']:.0f}% of copy), pages in order {row['ours_inorder_us']:.1f} us, eager "
+              f"({row['ours_pct_copy']:.0f}% of copy), pages in order {row['ours_inorder_us']:.1f} us, over sdpa's "
+              f"buffers {row['ours_sdpa_layout_us']:.1f} us, eager "
               f"{row['ours_eager_us']:.1f} us (sdpa {row['sdpa_eager_us'] or float('nan'):.1f}), fused combine {row.get('ours_fused_us', float('nan')):.1f} us, sdpa {row['sdpa_us'] or float('nan'):.1f} us; "
               + ", ".join(f"{k_} {v_:.1f}" for k_, v_ in row.items() if k_.startswith("sdpa_") and k_.endswith("_us")
                           and k_ != "sdpa_us" and v_),
@@ -280,7 +305,7 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
         if sweep:
             best = sorted(((v_, k_) for k_, v_ in row["sweep"].items() if v_), reverse=True)[:6]
             print("   sweep best: " + ", ".join(f"{k_}: {v_:.0f} GB/s" for v_, k_ in best), flush=True)
-        del kk, vv, q
+        del kk, vv, kc_c, vc_c, q
         torch.cuda.empty_cache()
     return rows
 
@@ -354,12 +379,15 @@ def print_tables(result: dict) -> None:
     if result.get("decode"):
         print(f"\nW-attn-decode (bf16, Hq 32 / Hkv 8, D 128, page 16; copy {result['copy_GBs']:.0f} GB/s)")
         print(f"{'B,L':<12}{'splits':>7}{'ours us':>9}{'GB/s':>7}{'%copy':>7}{'sdpa us':>9}{'sdpa/ours':>10}"
-              f"{'in-order us':>12}{'sdpa/in-order':>14}")
+              f"{'in-order us':>12}{'sdpa/in-order':>14}{'on sdpa KV us':>14}{'sdpa/that':>10}")
         for r in result["decode"]:
-            su, io = r.get("sdpa_us"), r.get("ours_inorder_us")
+            su, io, sl_ = r.get("sdpa_us"), r.get("ours_inorder_us"), r.get("ours_sdpa_layout_us")
             print(f"{','.join(map(str, r['shape'])):<12}{r['splits']:>7}{r['ours_us']:>9.1f}{r['ours_GBs']:>7.0f}"
                   f"{r['ours_pct_copy']:>6.0f}%{_fmt(su, 1):>9}{_fmt(su / r['ours_us'] if su else None, 2):>10}"
-                  f"{_fmt(io, 1):>12}{_fmt(su / io if su and io else None, 2):>14}")
+                  f"{_fmt(io, 1):>12}{_fmt(su / io if su and io else None, 2):>14}"
+                  f"{_fmt(sl_, 1):>14}{_fmt(su / sl_ if su and sl_ else None, 2):>10}")
+        print("(ours: pages shuffled over the pool; in-order: each sequence's pages ascending; on sdpa KV: our "
+              "kernel over SDPA's own contiguous buffers seen as a paged cache)")
         print("eager launches (do_bench, L2 flushed between calls), us:")
         for r in result["decode"]:
             print(f"  B{r['shape'][0]} L{r['shape'][1]}: ours {_fmt(r.get('ours_eager_us'), 1)}, "
