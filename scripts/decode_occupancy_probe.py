@@ -37,7 +37,9 @@ VARIANTS = {  # name: (override of decode_config's choice, programs per SM that 
     "s1 n32 w2 x8": (dict(num_stages=1, num_warps=2, BLOCK_N=32), 8),
     "n128 x3": (dict(BLOCK_N=128), 3),
     "n32 w2 s3 x6": (dict(BLOCK_N=32, num_warps=2, num_stages=3), 6),
-    # for small heads (smollm2-135m: 9 / 3 heads, D 64), where a tile holds half the bytes
+    # for small heads (smollm2-135m: 9 / 3 heads, D 64), where a tile holds half the bytes ("n64": the
+    # D 64 config before 128-key split tiles; "s2": the D 128 config before one stage)
+    "n64": (dict(BLOCK_N=64), 4),
     "s2 x6": (dict(num_stages=2), 6),
     "s2 x8": (dict(num_stages=2), 8),
     "s3": (dict(num_stages=3), 4),
