@@ -40,6 +40,12 @@ VARIANTS = {  # name: (override of decode_config's choice, programs per SM that 
     # for small heads (smollm2-135m: 9 / 3 heads, D 64), where a tile holds half the bytes ("n64": the
     # D 64 config before 128-key split tiles; "s2": the D 128 config before one stage)
     "n64": (dict(BLOCK_N=64), 4),
+    # a register cap (ptxas .maxnreg), so that more than 4 programs fit an SM
+    "s1 r64": (dict(num_stages=1, maxnreg=64), 4),
+    "s1 r96": (dict(num_stages=1, maxnreg=96), 4),
+    "s1 r96 x6": (dict(num_stages=1, maxnreg=96), 6),
+    "s2 r64": (dict(num_stages=2, maxnreg=64), 4),
+    "s2 r96": (dict(num_stages=2, maxnreg=96), 4),
     "s2 x6": (dict(num_stages=2), 6),
     "s2 x8": (dict(num_stages=2), 8),
     "s3": (dict(num_stages=3), 4),
@@ -59,12 +65,13 @@ def timed(fn):
 
 
 def compiled_variants():
-    """(cp.async count in the PTX, shared memory bytes) per compiled split-kernel variant."""
+    """(cp.async count in the PTX, shared memory bytes, registers, spills) per compiled split-kernel variant."""
     out = {}
     for key, (ck, _tail) in fd._decode_split_kernel._cache.items():
         kw = dict(key[1])
-        name = f"n{kw.get('BLOCK_N')} w{kw.get('num_warps')} s{kw.get('num_stages')} split{kw.get('SPLIT')}"
-        out[name] = (ck.asm.get("ptx", "").count("cp.async.cg"), ck.metadata.shared)
+        name = (f"n{kw.get('BLOCK_N')} w{kw.get('num_warps')} s{kw.get('num_stages')} r{kw.get('maxnreg')} "
+                f"split{kw.get('SPLIT')}")
+        out[name] = (ck.asm.get("ptx", "").count("cp.async.cg"), ck.metadata.shared, ck.n_regs, ck.n_spills)
     return out
 
 
@@ -124,7 +131,7 @@ def main():
                   f"rounds {' '.join(f'{x:.1f}' for x in res[k])}", flush=True)
         del q, kc, vc, bt, bt_seq, kk, vv, kc_c, vc_c, bt_c, fns
         torch.cuda.empty_cache()
-    print("\ncompiled variants: (cp.async in the PTX, shared bytes)")
+    print("\ncompiled variants: (cp.async in the PTX, shared bytes, registers, spills)")
     for k, v in sorted(compiled_variants().items()):
         print(f"  {k:<28}{v}")
 
