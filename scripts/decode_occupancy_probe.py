@@ -7,7 +7,7 @@ L * D, each sequence's blocks listed in order), i.e. the very bytes cuDNN reads,
 Variants: the default config and occupancy against stages (2 warps, one stage: no shared-memory double
 buffer, so more programs per SM; BLOCK_N 32 / 128; split counts aimed at 3-8 programs per SM).
 (An L2 prefetch of the tile 1-3 iterations ahead and a per-sequence rotated tile order were timed with
-this script at commit c91d6b3; docs/KERNELS.md.)
+this script at commit c91d6b3, register caps (ptxas maxnreg 64 / 96) at 68f278e; docs/KERNELS.md.)
 
 Per W-attn-decode shape: CUDA-graph replays (median over alternated rounds). Each variant is checked
 against the reference first, and the outputs over the paged cache and over SDPA's buffers compared.
@@ -40,12 +40,6 @@ VARIANTS = {  # name: (override of decode_config's choice, programs per SM that 
     # for small heads (smollm2-135m: 9 / 3 heads, D 64), where a tile holds half the bytes ("n64": the
     # D 64 config before 128-key split tiles; "s2": the D 128 config before one stage)
     "n64": (dict(BLOCK_N=64), 4),
-    # a register cap (ptxas .maxnreg), so that more than 4 programs fit an SM
-    "s1 r64": (dict(num_stages=1, maxnreg=64), 4),
-    "s1 r96": (dict(num_stages=1, maxnreg=96), 4),
-    "s1 r96 x6": (dict(num_stages=1, maxnreg=96), 6),
-    "s2 r64": (dict(num_stages=2, maxnreg=64), 4),
-    "s2 r96": (dict(num_stages=2, maxnreg=96), 4),
     "s2 x6": (dict(num_stages=2), 6),
     "s2 x8": (dict(num_stages=2), 8),
     "s3": (dict(num_stages=3), 4),
@@ -69,8 +63,7 @@ def compiled_variants():
     out = {}
     for key, (ck, _tail) in fd._decode_split_kernel._cache.items():
         kw = dict(key[1])
-        name = (f"n{kw.get('BLOCK_N')} w{kw.get('num_warps')} s{kw.get('num_stages')} r{kw.get('maxnreg')} "
-                f"split{kw.get('SPLIT')}")
+        name = f"n{kw.get('BLOCK_N')} w{kw.get('num_warps')} s{kw.get('num_stages')} split{kw.get('SPLIT')}"
         out[name] = (ck.asm.get("ptx", "").count("cp.async.cg"), ck.metadata.shared, ck.n_regs, ck.n_spills)
     return out
 

@@ -466,7 +466,6 @@ def flash_decode(
         BLOCK_S=next_pow2(num_splits) if fused else 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),  # a register cap (probes)
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
         enable_fp_fusion=rope is None,
     )
