@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
 import pageflash.kernels.flash_decoding as fd
-from pageflash.bench.kernels import DECODE_HEADS, decode_case
+from pageflash.bench.kernels import DECODE_HEADS, decode_case, pages_in_order
 
 HQ, HKV, D = DECODE_HEADS
 
@@ -53,7 +53,7 @@ def fns(b, L):
     sc = D ** -0.5
     out = {}
     out["ours"] = lambda: fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=splits)
-    bt_seq = torch.arange(bt.numel(), device="cuda", dtype=torch.int32).view_as(bt)
+    bt_seq = pages_in_order(bt)
     out["order"] = lambda: fd.flash_decode(q, kc, vc, bt_seq, sl, sc, num_splits=splits)  # pages in order
     if splits > 1:
         out["fused"] = lambda: fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=splits, counters=counters)

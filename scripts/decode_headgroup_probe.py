@@ -166,7 +166,7 @@ def main():
         raise SystemExit(0 if check("cuda" if torch.cuda.is_available() else "cpu", torch.float32) else 1)
     from triton.testing import do_bench_cudagraph
 
-    from pageflash.bench.kernels import DECODE_HEADS, decode_case
+    from pageflash.bench.kernels import DECODE_HEADS, decode_case, pages_in_order
 
     if not check("cuda", torch.bfloat16):
         raise SystemExit(1)
@@ -180,7 +180,7 @@ def main():
     for shape in a.shapes:
         b, L = map(int, shape.split("x"))
         q, kc, vc, bt, sl = decode_case(b, L)
-        bt_seq = torch.arange(bt.numel(), device="cuda", dtype=torch.int32).view_as(bt)
+        bt_seq = pages_in_order(bt)
         torch.cuda.synchronize()
         res = {}
 

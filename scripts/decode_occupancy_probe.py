@@ -22,7 +22,8 @@ from triton.testing import do_bench_cudagraph
 
 import pageflash.bench.kernels as bk
 import pageflash.kernels.flash_decoding as fd
-from pageflash.bench.kernels import DECODE_CHECK_CASES, DECODE_HEADS, decode_case, decode_config_mismatches
+from pageflash.bench.kernels import (DECODE_CHECK_CASES, DECODE_HEADS, decode_case, decode_config_mismatches,
+                                     pages_in_order)
 
 HQ, HKV, D = DECODE_HEADS
 VARIANTS = {  # name: (override of decode_config's choice, programs per SM that the split count aims at)
@@ -90,7 +91,7 @@ def main():
     for shape in a.shapes:
         b, L = map(int, shape.split("x"))
         q, kc, vc, bt, sl = decode_case(b, L)
-        bt_seq = torch.arange(bt.numel(), device="cuda", dtype=torch.int32).view_as(bt)
+        bt_seq = pages_in_order(bt)
         kk = kc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
         vv = vc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
         q4 = q.view(b, HQ, 1, D)

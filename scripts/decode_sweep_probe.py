@@ -16,7 +16,8 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 import pageflash.kernels.flash_decoding as fd
-from pageflash.bench.kernels import DECODE_CHECK_CASES, DECODE_HEADS, decode_case, decode_config_mismatches
+from pageflash.bench.kernels import (DECODE_CHECK_CASES, DECODE_HEADS, decode_case, decode_config_mismatches,
+                                     pages_in_order)
 
 HQ, HKV, D = DECODE_HEADS
 SPLIT_CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3)]
@@ -70,7 +71,7 @@ def main():
     for shape in a.shapes:
         b, L = map(int, shape.split("x"))
         q, kc, vc, bt, sl = decode_case(b, L)
-        bt_seq = torch.arange(bt.numel(), device="cuda", dtype=torch.int32).view_as(bt)
+        bt_seq = pages_in_order(bt)
         nbytes = 2 * b * L * HKV * D * 2
         base_sp = fd.choose_num_splits(b, HKV, L, sms)
         if base_sp > 1:

@@ -181,6 +181,12 @@ def decode_case(b: int, L: int, seed: int = 0):
     return q, kc, vc, bt, sl
 
 
+def pages_in_order(bt: torch.Tensor) -> torch.Tensor:
+    """A block table of bt's shape whose sequences hold the pool's blocks in ascending order (sequence 0
+    blocks 0..W-1, then the next): the layout a fresh pool hands long prompts."""
+    return torch.arange(bt.numel(), device=bt.device, dtype=torch.int32).view_as(bt)
+
+
 def contiguous_as_cache(kk: torch.Tensor, vv: torch.Tensor, page: int = PAGE):
     """Contiguous [B, Hkv, L, D] K/V (what SDPA reads; L a multiple of page) seen as a paged cache
     without copying: blocks of `page` rows (block stride page * D, slot stride D, head stride L * D),
@@ -244,7 +250,7 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
         row["ours_GBs"] = gbs(ms)
         row["ours_pct_copy"] = 100 * gbs(ms) / bw
         # the same kernel with each sequence's pages in order (physical blocks ascending)
-        bt_seq = torch.arange(b * nb, device="cuda", dtype=torch.int32).view(b, nb)
+        bt_seq = pages_in_order(bt)
         torch.cuda.synchronize()
         row["ours_inorder_us"] = 1e3 * _bench(
             lambda: flash_decode(q, kc, vc, bt_seq, sl, d**-0.5, num_splits=splits), graph=True)

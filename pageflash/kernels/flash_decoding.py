@@ -5,11 +5,11 @@ of one sequence (one ``[BLOCK_H >= 16, D]`` Q tile, so the G heads share every K
 of the sequence's keys, read BLOCK_N at a time through the block table with an online softmax: by
 default (STRIDED) the tiles split, split + num_splits, ...; otherwise one contiguous chunk. Each
 tile's block ids are loaded one iteration ahead (BT_AHEAD), so that the K/V loads never wait on the
-block table (and with 2+ stages Triton's pipeliner double-buffers the copies). With ``num_splits == 1`` it writes the output directly; otherwise it writes an fp32
-partial output (normalised within its keys) and its log-sum-exp (base 2), and kernel 2, grid
-``(Hq, B, D / 32)``, rescales and sums the partials -- or, given a counters buffer, the last program
-of each (sequence, KV head) to finish does that itself (an acq_rel atomic counter per (sequence, KV
-head)).
+block table (and with 2+ stages Triton's pipeliner double-buffers the copies). With ``num_splits == 1``
+it writes the output directly; otherwise it writes an fp32 partial output (normalised within its keys)
+and its log-sum-exp (base 2), and kernel 2, grid ``(Hq, B, D / 32)``, rescales and sums the partials --
+or, given a counters buffer, the last program of each (sequence, KV head) to finish does that itself
+(an acq_rel atomic counter per (sequence, KV head)).
 
 CUDA-graph safe: ``num_splits`` is a static function of (batch, Hkv, block-table width, SM count),
 never of the lengths; each program's keys follow from ``seq_lens`` on the device, and a program with
@@ -331,7 +331,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
         return dict(BLOCK_N=32, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True, **comb)
     if d <= 64:
         # small heads (smollm2-135m: D 64): split programs take 128 keys a tile, so that a tile moves
-        # as many bytes as at D 128 (H100, 9 / 3 heads: -6 to -19% at B1-B64); unsplit grids keep 64
+        # as many bytes as at D 128 (H100, 9 / 3 heads: -10 to -15% at B1-B64); unsplit grids keep 64
         # keys and ~22 KB of shared memory, so that B256 x 3 KV heads fit one wave (128 keys: +7%)
         return dict(BLOCK_N=128 if split else 64, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True, **comb)
     # 1 stage: the K/V tiles are plain loads into registers, staged through ~22 KB of shared memory for
