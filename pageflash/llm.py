@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Optional, Sequence, Union
 
-from pageflash.engine.engine import EngineConfig, LLMEngine, PromptType
+from pageflash.engine.engine import EngineConfig, LLMEngine, PromptType, is_array
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import RequestOutput
 from pageflash.sampling_params import SamplingParams
@@ -68,10 +69,15 @@ class LLM:
         Every prompt is validated before any is queued, so a bad one raises (naming its index)
         without leaving half a batch behind.
         """
+        if is_array(prompts):
+            prompts = prompts.tolist()  # numpy / torch token ids: one prompt (1-D) or a batch (2-D)
         if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+            isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])
         ):
             prompts = [prompts]  # one prompt
+        elif isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise TypeError("prompts must be a str, a prompt dict, a list of token ids, or a list of these; got "
+                            f"{type(prompts).__name__}")  # fmt: skip
         prompts = list(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * len(prompts)
@@ -114,6 +120,7 @@ class LLM:
             for m in conv:
                 if not isinstance(m, dict) or "role" not in m or "content" not in m:
                     raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+            conv = [{**m, "content": _message_text(m["content"])} for m in conv]
             text = tok.apply_chat_template(
                 conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
             )
@@ -148,3 +155,25 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+
+def _is_token_id(x: Any) -> bool:
+    return not isinstance(x, bool) and (isinstance(x, int) or (hasattr(x, "__index__") and not is_array(x)))
+
+
+def _message_text(content: Any) -> str:
+    """A chat message's content as the template's text: a str, None (an assistant turn with no text),
+    or OpenAI-style parts ``[{"type": "text", "text": ...}]``."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        out = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"message content parts must be {{'type': 'text', 'text': str}}, got {part!r}")
+            out.append(part["text"])
+        return "".join(out)
+    raise TypeError(f"message content must be a str, a list of text parts or None, got {type(content).__name__}")

@@ -71,7 +71,36 @@ def test_stop_strings_and_stop_tokens(llm):
                       use_tqdm=False)[0].outputs[0]
     assert st.finish_reason == "stop" and st.stop_reason == stop_id and st.token_ids[-1] == stop_id
     assert len(st.token_ids) <= 3
-    assert tok is not None
+    # as vLLM: the stop token's text is left out of the output unless include_stop_str_in_output
+    assert st.text == tok.decode(st.token_ids[:-1])
+    st_inc = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id],
+                                                        include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert st_inc.text == tok.decode(st_inc.token_ids) and st_inc.token_ids == st.token_ids
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    """vLLM's rule: a stop string is looked for only once more than min_tokens tokens are out."""
+    base = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    first = base.text.index(" 5")  # the first number generated
+    assert first < 2
+    sp = SamplingParams(temperature=0, max_tokens=12, stop=[","], min_tokens=4, ignore_eos=True)
+    out = llm.generate("1, 2, 3, 4,", sp, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) > 4
+    assert out.token_ids == base.token_ids[: len(out.token_ids)]
+    early = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=12, stop=[","]),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(early.token_ids) < len(out.token_ids)
+
+
+def test_eos_text_left_out_unless_asked(llm):
+    msgs = [{"role": "user", "content": "Say hi."}]
+    sp = SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False)
+    c = llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0]
+    eos = llm.get_tokenizer().eos_token
+    assert c.finish_reason == "stop" and c.stop_reason is None and not c.text.endswith(eos)
+    sp_inc = SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False, include_stop_str_in_output=True)
+    assert llm.chat(msgs, sp_inc, use_tqdm=False)[0].outputs[0].text == c.text + eos
 
 
 def test_eos_min_tokens_and_length(llm):
@@ -171,6 +200,62 @@ def test_bad_prompts_raise_and_others_keep_going(llm):
     assert sorted(done) == sorted(good)
     assert all(len(o.outputs[0].token_ids) == 6 or o.outputs[0].finish_reason == "stop" for o in done.values())
     assert free_all(llm)
+
+
+def test_prompt_types(llm):
+    """Token ids as numpy arrays / torch tensors / numpy ints are taken; a wrong type names itself."""
+    np = pytest.importorskip("numpy")
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    ref = llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0].outputs[0].token_ids
+    for p in (np.array(ids), torch.tensor(ids), [np.int64(i) for i in ids], {"prompt_token_ids": np.array(ids)}):
+        assert llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids == ref
+    assert [o.outputs[0].token_ids for o in llm.generate(np.array([ids, ids]), sp, use_tqdm=False)] == [ref, ref]
+    for bad, what in ((None, "NoneType"), (5, "int"), (b"hi", "bytes")):
+        with pytest.raises(TypeError, match=what):
+            llm.generate(bad, sp, use_tqdm=False)
+    with pytest.raises(TypeError, match="list of ints"):
+        llm.generate({"prompt_token_ids": [1.0, 2.0]}, sp, use_tqdm=False)
+    with pytest.raises(TypeError, match="list of ints"):
+        llm.generate({"prompt_token_ids": [True, 2]}, sp, use_tqdm=False)
+    assert free_all(llm)
+
+
+def test_chat_content_parts_and_none(llm):
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "Yes?"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]},
+             {"role": "assistant", "content": None}, {"role": "user", "content": "Yes?"}]
+    a, b = (llm.chat(m, sp, use_tqdm=False)[0] for m in (plain, parts))
+    assert a.prompt_token_ids == b.prompt_token_ids and a.outputs[0].token_ids == b.outputs[0].token_ids
+    with pytest.raises(ValueError, match="image_url"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], sp, use_tqdm=False)
+    with pytest.raises(TypeError, match="content"):
+        llm.chat([{"role": "user", "content": 5}], sp, use_tqdm=False)
+
+
+def test_seed_wraps_for_n_copies(llm):
+    # child j of a seeded request draws from seed + j: at the top of the range that wraps, not crashes
+    out = llm.generate("Hi", SamplingParams(temperature=1.0, max_tokens=3, n=2, seed=2**64 - 1), use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [3, 3]
+    assert free_all(llm)
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible():
+    """LLM(seed=...) seeds the generators that unseeded random requests draw from (as vLLM's workers
+    do): the same script run twice gives the same tokens."""
+    sp = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    prompts = ["Once upon a time", "My favourite food is"]
+
+    def run(seed):
+        torch.rand(3)  # whatever the caller did with torch's RNG before: the engine starts from its seed
+        llm = LLM(max_model_len=64, num_kv_blocks=16, seed=seed)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+    with pytest.raises(ValueError, match="seed"):
+        LLM(max_model_len=64, num_kv_blocks=16, seed=2**64)
 
 
 def test_generate_validates_whole_batch_first(llm):

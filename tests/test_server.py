@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import socket
 import threading
@@ -242,6 +243,66 @@ def test_chat_logprobs(srv: Srv) -> None:
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
 
 
+def test_logprob_bytes_and_offsets(srv: Srv) -> None:
+    """`bytes` is what the token stands for, also for a token holding part of a character (alone it
+    decodes to U+FFFD), so joining them rebuilds the text; completions' text offsets stay in the text."""
+    tok = copy.deepcopy(srv.aeng.tokenizer)  # a copy: the engine thread uses its own meanwhile
+    text = "😀 café 東京 <|im_end|>"
+    ids = tok.encode(text, add_special_tokens=False)
+    tb = server_app.TokenBytes(tok)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # the case that matters is in there
+    assert b"".join(bytes(tb(i, tok.decode([i]))) for i in ids).decode() == text
+
+    class Lp:
+        def __init__(self, t: str) -> None:
+            self.decoded_token, self.logprob, self.rank = t, -1.0, 1
+
+    serving = server_app.OpenAIServing.__new__(server_app.OpenAIServing)
+    ch = server_app._Choice(index=0, prompt_idx=0)
+    pieces = [tok.decode([i]) for i in ids]
+    out = serving.completion_logprobs(ch, ids, [{i: Lp(p)} for i, p in zip(ids, pieces)], len(text))
+    assert out.text_offset == sorted(out.text_offset) and out.text_offset[0] == 0
+    assert all(o <= len(text) for o in out.text_offset) and ch.text_offset == len(text)
+
+
+def test_nullable_fields_take_defaults(srv: Srv) -> None:
+    r = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 0, "n": None,
+                                          "add_generation_prompt": None})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert [c["message"]["content"] for c in r.json()["choices"]] == [srv.refs["chat"].outputs[0].text]
+    r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "n": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
+def test_model_retrieve(srv: Srv) -> None:
+    m = srv.client.models.retrieve(MODEL)
+    assert m.id == MODEL and m.model_extra["max_model_len"] == MAX_MODEL_LEN
+    with pytest.raises(openai.NotFoundError):
+        srv.client.models.retrieve("gpt-4")
+
+
+def test_prompts_encoded_off_the_engine_thread(srv: Srv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt encoding and chat templates run on the server's tokenizer worker (its own copy of the
+    tokenizer), never on the engine thread, whose time every stream shares: a client sending a huge
+    prompt must not freeze the others."""
+    serving = srv.aeng  # the engine-thread entry point the server used to tokenize through
+    calls: list[Any] = []
+
+    async def engine_call(fn: Any) -> Any:
+        calls.append(fn)
+        raise AssertionError("tokenized on the engine thread")
+
+    monkeypatch.setattr(serving, "call", engine_call)
+    r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert r.choices[0].text == srv.refs["completion"].text
+    r = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == srv.refs["chat"].outputs[0].text
+    r = srv.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, temperature=0, echo=True)
+    assert r.choices[0].text
+    assert not calls
+    assert_error(srv.post("/v1/completions", {"prompt": "hi " * 300}), 400, param="prompt")
+
+
 def test_chat_text_parts_equal_plain_content(srv: Srv) -> None:
     parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]}]
     r = srv.client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
@@ -276,8 +337,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, ("stream",)),
     ({"prompt": "hi", "logit_bias": {"5": 10}}, None, ("logit_bias",)),
     ({"prompt": "hi", "suffix": "x"}, None, ("suffix",)),
-    ({"prompt": "hi", "max_tokens": 400}, None, ("400", str(MAX_MODEL_LEN))),
-    ({"prompt": "hi " * 300, "max_tokens": 1}, None, (str(MAX_MODEL_LEN),)),
+    ({"prompt": "hi", "max_tokens": 400}, "max_tokens", ("400", str(MAX_MODEL_LEN))),
+    ({"prompt": "hi " * 300, "max_tokens": 1}, "prompt", (str(MAX_MODEL_LEN),)),
+    ({"prompt": ["hi", "hi " * 300], "max_tokens": 1}, "prompt[1]", (str(MAX_MODEL_LEN),)),
+    ({"prompt": [[1, 2], [-1]]}, "prompt[1]", ("outside the vocabulary",)),
 ]
 
 
@@ -294,7 +357,8 @@ BAD_CHATS = [
     ({"messages": [{"content": "hi"}]}, "messages[0].role", ()),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", ()),
     ({"messages": [{"role": "user"}]}, "messages[0]", ("needs content",)),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None, ()),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0]",
+     ("'image_url' is not supported",)),
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens", ()),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", ()),
     ({"messages": CHAT, "temperature": -1}, "temperature", ()),
@@ -303,7 +367,11 @@ BAD_CHATS = [
     ({"messages": CHAT, "top_logprobs": 2}, None, ("logprobs",)),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None, ("tools",)),
     ({"messages": CHAT, "response_format": {"type": "json_object"}}, None, ("response_format",)),
-    ({"messages": CHAT, "max_tokens": 1000}, None, ("1000", str(MAX_MODEL_LEN))),
+    ({"messages": CHAT, "max_tokens": 1000}, "max_tokens", ("1000", str(MAX_MODEL_LEN))),
+    ({"messages": [{"role": "user", "content": "hi " * 300}]}, "messages", ("chat prompt", str(MAX_MODEL_LEN))),
+    ({"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}, None, ("functions",)),
+    ({"messages": CHAT, "function_call": "auto"}, None, ("function_call",)),
+    ({"messages": CHAT, "tools": [], "tool_choice": "required"}, None, ("tool_choice",)),
 ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
@@ -79,6 +80,8 @@ class EngineConfig:
         positive("num_kv_blocks", allow_none=True)
         positive("max_num_batched_tokens", allow_none=True)
         positive("max_model_len", allow_none=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -197,6 +200,9 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._ids = itertools.count()
+        # Random rows without a per-request seed draw from torch's default generators: seed them from
+        # config.seed (as vLLM's workers do), so that running the same script again gives the same tokens.
+        torch.manual_seed(config.seed)
 
     @property
     def async_scheduling(self) -> bool:
@@ -225,13 +231,24 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (dummy weights): pass prompt_token_ids")
             return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple)):
+        if isinstance(prompt, (list, tuple)) or is_array(prompt):
             return None, self._check_ids(prompt)
         raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def _check_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-            raise TypeError("prompt_token_ids must be a list of ints")
+        """Token ids as a list of Python ints: a list / tuple of ints (numpy or torch integer scalars
+        too) or a 1-D integer numpy array / torch tensor."""
+        if is_array(ids):
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+        if not all(type(t) is int for t in ids):
+            try:
+                if any(isinstance(t, bool) or type(t).__name__ in ("bool", "bool_") for t in ids):
+                    raise TypeError
+                ids = [operator.index(t) for t in ids]
+            except TypeError:
+                raise TypeError("prompt_token_ids must be a list of ints") from None
         if any(t < 0 or t >= self.vocab_size for t in ids):
             bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
             raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
@@ -430,7 +447,8 @@ class LLMEngine:
         for j in range(1, req.params.n):
             gen = None
             if req.params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(req.params.seed + j)
+                seed = req.params.seed + j  # wrapped into the range a generator takes (seed <= 2**64 - 1)
+                gen = torch.Generator(device=self.device).manual_seed(seed - 2**64 if seed >= 2**64 else seed)
             child = Request(
                 f"{req.group_id}#{j}", req.prompt, req.prompt_token_ids, req.params,
                 req.metrics.arrival_time, index=j, group_id=req.group_id, generator=gen,
@@ -478,25 +496,34 @@ class LLMEngine:
         return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
 
     def _check_stop(self, req: Request, tok: int) -> None:
+        """Finish req after its new token tok if a stop condition holds (vLLM's rules): EOS and
+        stop_token_ids end it once more than min_tokens tokens are out (the sampler masks them
+        before), and their text is left out of the output unless include_stop_str_in_output;
+        stop strings are looked for only past min_tokens as well."""
         p = req.params
         n_out = req.num_output_tokens
-        if req.detokenizer is not None:
+        past_min = n_out > p.min_tokens  # the sampler masks EOS and stop ids up to min_tokens
+        stop_tok = None
+        if past_min:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                stop_tok = "eos"
+            elif tok in p.stop_token_ids:
+                stop_tok = "id"
+        if req.detokenizer is not None and (stop_tok is None or p.include_stop_str_in_output):
             delta = req.detokenizer.add_tokens([tok])
             req.output_text = req.detokenizer.output_text
-            if p.stop and delta:
+            if p.stop and delta and past_min and stop_tok is None:
                 hit = find_stop_string(req.output_text, len(delta), p.stop, p.include_stop_str_in_output)
                 if hit is not None:
                     cut, stop = hit
                     req.output_text = req.output_text[:cut]
                     req.finish_reason, req.stop_reason = "stop", stop
                     return
-        if n_out > p.min_tokens:  # the sampler masks EOS and stop ids up to min_tokens
-            if not p.ignore_eos and tok in self.eos_token_ids:
-                req.finish_reason = "stop"
-                return
-            if tok in p.stop_token_ids:
-                req.finish_reason, req.stop_reason = "stop", tok
-                return
+        if stop_tok is not None:
+            req.finish_reason = "stop"
+            if stop_tok == "id":
+                req.stop_reason = tok
+            return
         if p.max_tokens is not None and n_out >= p.max_tokens:
             req.finish_reason = "length"
         elif len(req.token_ids) >= self.max_model_len:
@@ -527,3 +554,9 @@ class LLMEngine:
         if self.spec is not None:
             s["spec"] = self.spec.stats()
         return s
+
+
+def is_array(x: Any) -> bool:
+    """A numpy array or torch tensor of at least one dimension (duck-typed: numpy need not be importable)."""
+    return (hasattr(x, "tolist") and len(getattr(x, "shape", ())) >= 1
+            and not isinstance(x, (str, bytes, list, tuple, dict)))  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import hmac
 import json
 import logging
@@ -23,6 +24,7 @@ import os
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
@@ -240,6 +242,54 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]
             s.close()
 
 
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable stand-in character -> the byte it stands for (bytes that are
+    printable Latin-1 stand for themselves; the other 68 map to U+0100 upwards, in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out = {chr(b): b for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in out.values():
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+class TokenBytes:
+    """The UTF-8 bytes a token stands for (the logprobs' `bytes` field), also for tokens that hold
+    part of a character and decode alone to U+FFFD: byte-level BPE pieces (GPT-2 / Llama 3 / SmolLM2)
+    map back through the byte table, SentencePiece byte-fallback pieces (<0xE2>) are their byte, and
+    anything else is its decoded text. Only id -> piece lookups, safe beside the engine thread."""
+
+    _SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.cache: dict[int, list[int]] = {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self.table = _gpt2_byte_decoder() if self.byte_level else {}
+
+    def __call__(self, token_id: int, text: str) -> list[int]:
+        got = self.cache.get(token_id)
+        if got is None:
+            got = self.cache[token_id] = self._bytes(token_id, text)
+        return got
+
+    def _bytes(self, token_id: int, text: str) -> list[int]:
+        try:
+            piece = self.tok.convert_ids_to_tokens(token_id) if self.tok is not None else None
+        except Exception:
+            piece = None
+        if isinstance(piece, str) and piece:
+            if self.byte_level and all(c in self.table for c in piece):
+                return [self.table[c] for c in piece]
+            m = self._SP_BYTE.fullmatch(piece)
+            if m:
+                return [int(m.group(1), 16)]
+        return list(text.encode())
+
+
 OnDelta = Callable[[_Choice, str, list[int], "list[dict[int, Any]] | None"], Any]
 
 
@@ -315,6 +365,39 @@ _DONE = "data: [DONE]\n\n"
 
 
 # --------------------------------------------------------------------------- serving
+class TokenizerWorker:
+    """Prompt encoding, chat templates and prompt decoding on one worker thread with its own copy
+    of the tokenizer (as vLLM tokenizes in its API front end, not in the engine loop): a huge prompt
+    then takes the worker's time, not the engine thread's, which streams every other request. HF's
+    fast tokenizers release the GIL while they encode. If the tokenizer cannot be copied, the work
+    runs on the engine thread as before (`engine.call`)."""
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+        self.tok: Any = None
+        if engine.tokenizer is not None:
+            try:
+                self.tok = copy.deepcopy(engine.tokenizer)
+            except Exception as e:  # pragma: no cover - depends on the tokenizer class
+                logger.warning("tokenizer copy failed (%s); prompts are encoded on the engine thread", e)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pageflash-tokenize") if self.tok else None
+
+    async def run(self, fn: Callable[[Any], Any], what: str, param: str) -> Any:
+        """fn(tokenizer) off the engine thread; its errors are the request's fault (400)."""
+        try:
+            if self.pool is None:
+                return await self.engine.call(lambda e: fn(e.tokenizer))
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, self.tok)
+        except EngineError as e:
+            raise APIError(503, f"The engine is not available: {e}") from None
+        except Exception as e:
+            raise APIError(400, f"{what}: {type(e).__name__}: {e}", param=param) from None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 class OpenAIServing:
     """The endpoints' logic; one per app, shared by all requests (holds no per-request state)."""
 
@@ -323,6 +406,8 @@ class OpenAIServing:
         self.model_names = model_names
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics(engine, model_names[0])
+        self.tokenizer = TokenizerWorker(engine)
+        self.token_bytes = TokenBytes(engine.tokenizer)
         tok = engine.tokenizer
         vocab = getattr(engine.engine, "vocab_size", None)
         self.vocab_size: int | None = vocab if isinstance(vocab, int) else (len(tok) if tok is not None else None)
@@ -361,17 +446,28 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise _value_error(e, list(kw)) from None
 
+    def check_prompt_len(self, n: int, param: str, what: str = "prompt") -> None:
+        """The engine's own length rule, checked here so that an over-long prompt never reaches it."""
+        limit = self.engine.max_model_len
+        if isinstance(limit, int) and n >= limit:
+            raise APIError(400, f"{what} has {n} tokens, but max_model_len is {limit}: at most {limit - 1} "
+                                "prompt tokens leave room for one generated token", param=param)  # fmt: skip
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if not ids:
             raise APIError(400, f"{param} must not be empty", param=param)
+        self.check_prompt_len(len(ids), param)
         vocab = self.vocab_size
         bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
         if bad is not None:
             raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
-    async def add_all(self, base_id: str, prompts: list[Any], params: Any) -> list[RequestStream]:
-        """Add one engine request per prompt; on any refusal abort those already added."""
+    async def add_all(self, base_id: str, prompts: list[Any], params: Any, param: str = "prompt",
+                      ) -> list[RequestStream]:  # fmt: skip
+        """Add one engine request per prompt; on any refusal abort those already added. param: the
+        request field the prompts came from ("prompt" or "messages"), named by a refusal's error."""
         streams: list[RequestStream] = []
+        i = 0
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
@@ -382,18 +478,12 @@ class OpenAIServing:
             if isinstance(e, EngineError):
                 raise APIError(503, f"The engine is not available: {e}") from None
             if isinstance(e, (ValueError, TypeError)):
-                raise _value_error(e, ("prompt", "max_tokens", "messages")) from None
+                err = _value_error(e, ("max_tokens",))
+                if err.param is None:
+                    err.param = param if len(prompts) == 1 else f"{param}[{i}]"
+                raise err from None
             raise
         return streams
-
-    async def engine_call(self, fn: Callable[[Any], Any], what: str, param: str) -> Any:
-        """Run fn(engine) on the engine thread; its errors are the request's fault (400)."""
-        try:
-            return await self.engine.call(fn)
-        except EngineError as e:
-            raise APIError(503, f"The engine is not available: {e}") from None
-        except Exception as e:
-            raise APIError(400, f"{what}: {type(e).__name__}: {e}", param=param) from None
 
     # ---- logprobs
     def decoded(self, token_id: int, lp: Any) -> str:
@@ -410,18 +500,24 @@ class OpenAIServing:
         return sorted((d or {}).items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
 
     def completion_logprobs(self, ch: _Choice, ids: list[int], lps: list[dict[int, Any]] | None,
-                            ) -> P.CompletionLogprobs | None:  # fmt: skip
+                            text_len: int) -> P.CompletionLogprobs | None:  # fmt: skip
+        """text_len: characters of generated text this delta sends. A token's offset is where its text
+        starts, never past the text sent: a token holding part of a character adds none of its own."""
         if lps is None:
             return None
         out = P.CompletionLogprobs()
+        end = ch.text_offset + text_len
+        pos = ch.text_offset
         for tid, d in zip(ids, lps):
             lp = (d or {}).get(tid)
             tok = self.decoded(tid, lp)
             out.tokens.append(tok)
             out.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
             out.top_logprobs.append({self.decoded(t, v): _clamp(v.logprob) for t, v in self._ranked(d)} or None)
-            out.text_offset.append(ch.text_offset)
-            ch.text_offset += len(tok)
+            out.text_offset.append(min(pos, end))
+            if "\ufffd" not in tok:
+                pos += len(tok)
+        ch.text_offset = end
         return out
 
     def chat_logprobs(self, ids: list[int], lps: list[dict[int, Any]] | None, k: int) -> P.ChatLogprobs | None:
@@ -434,9 +530,9 @@ class OpenAIServing:
             top = []
             for t, v in [(t, v) for t, v in self._ranked(d) if v.rank is not None][:k]:
                 s = self.decoded(t, v)
-                top.append(P.ChatTopLogprob(token=s, logprob=_clamp(v.logprob), bytes=list(s.encode())))
+                top.append(P.ChatTopLogprob(token=s, logprob=_clamp(v.logprob), bytes=self.token_bytes(t, s)))
             content.append(P.ChatTokenLogprob(token=tok, logprob=_clamp(lp.logprob) if lp is not None else LOGPROB_FLOOR,
-                                              bytes=list(tok.encode()), top_logprobs=top))  # fmt: skip
+                                              bytes=self.token_bytes(tid, tok), top_logprobs=top))  # fmt: skip
         return P.ChatLogprobs(content=content)
 
     # ---- /v1/completions
@@ -451,17 +547,22 @@ class OpenAIServing:
             raise APIError(400, f"prompts x n = {len(raw) * req.n} is over the limit of {MAX_CHOICES}", param="n")
         prompts: list[Any] = []
         for i, p in enumerate(raw):
+            name = "prompt" if len(raw) == 1 else f"prompt[{i}]"
             if isinstance(p, list):
-                self.check_token_ids(p, "prompt" if len(raw) == 1 else f"prompt[{i}]")
+                self.check_token_ids(p, name)
                 prompts.append({"prompt_token_ids": p})
             elif not p:
-                raise APIError(400, "prompt must not be empty", param="prompt")
+                raise APIError(400, f"{name} must not be empty", param=name)
+            elif self.tokenizer.tok is None:
+                prompts.append(p)  # no tokenizer copy: the engine encodes it (and says if it cannot)
             else:
-                prompts.append(p)
+                ids = await self.tokenizer.run(lambda t, p=p: list(t.encode(p)), "Cannot tokenize the prompt", name)
+                self.check_prompt_len(len(ids), name)
+                prompts.append({"prompt": p, "prompt_token_ids": ids})
         echo = [p if isinstance(p, str) else "" for p in raw]
         if req.echo and any(isinstance(p, list) for p in raw):
-            texts = await self.engine_call(lambda e: [e.tokenizer.decode(p) if isinstance(p, list) else p for p in raw],
-                                           "Cannot decode the prompt", "prompt")  # fmt: skip
+            texts = await self.tokenizer.run(lambda t: [t.decode(p) if isinstance(p, list) else p for p in raw],
+                                             "Cannot decode the prompt", "prompt")  # fmt: skip
             echo = list(texts)
         kw = req.sampling_kwargs()
         kw["max_tokens"] = req.max_tokens
@@ -474,10 +575,9 @@ class OpenAIServing:
         created = int(time.time())
 
         def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any) -> P.CompletionChoice:
+            lp = self.completion_logprobs(ch, ids, lps, len(delta)) if req.logprobs is not None else None
             if req.echo and not ch.started:
                 delta = echo[ch.prompt_idx] + delta
-                ch.text_offset = len(echo[ch.prompt_idx])
-            lp = self.completion_logprobs(ch, ids, lps) if req.logprobs is not None else None
             return P.CompletionChoice(index=ch.index, text=delta, logprobs=lp,
                                       finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
 
@@ -525,15 +625,17 @@ class OpenAIServing:
             raise APIError(400, f"n = {req.n} is over the limit of {MAX_CHOICES}", param="n")
         messages = req.template_messages()
 
-        def render(e: Any) -> list[int]:
-            text = e.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                   tokenize=False)  # fmt: skip
+        def render(tok: Any) -> list[int]:
+            if tok is None:
+                raise ValueError("this model has no tokenizer (dummy weights)")
+            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
             # The template writes its own special tokens (BOS etc.): do not add them twice.
-            return list(e.tokenizer.encode(text, add_special_tokens=False))
+            return list(tok.encode(text, add_special_tokens=False))
 
-        prompt_ids = await self.engine_call(render, "Cannot apply the chat template", "messages")
+        prompt_ids = await self.tokenizer.run(render, "Cannot apply the chat template", "messages")
         if not prompt_ids:
             raise APIError(400, "messages: the chat template produced an empty prompt", param="messages")
+        self.check_prompt_len(len(prompt_ids), "messages", "the chat prompt (messages after the chat template)")
         kw = req.sampling_kwargs()
         kw["max_tokens"] = req.max_new_tokens
         k = req.top_logprobs or 0
@@ -542,7 +644,8 @@ class OpenAIServing:
         params = self.sampling_params(kw)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
-        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params), params, timer)
+        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "messages"),
+                          params, timer)  # fmt: skip
         created = int(time.time())
 
         def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any) -> P.ChatStreamChoice:
@@ -616,7 +719,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()  # idempotent; the caller that made the engine shuts it down
-        yield
+        try:
+            yield
+        finally:
+            serving.tokenizer.close()
 
     app = FastAPI(title="pageflash OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.engine = engine
@@ -672,6 +778,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     async def models() -> Response:
         cards = [P.ModelCard(id=n, root=engine.model_name, max_model_len=engine.max_model_len) for n in names]
         return Response(P.ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        serving.response_model_name(model_id)  # 404 naming the served models if unknown
+        card = P.ModelCard(id=model_id, root=engine.model_name, max_model_len=engine.max_model_len)
+        return Response(card.model_dump_json(), media_type="application/json")
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:

@@ -11,7 +11,7 @@ the error names the field. Everything else is checked by SamplingParams and the 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -35,6 +35,15 @@ Float = float  # strict float: JSON ints are accepted, strings and booleans are 
 class _Strict(BaseModel):
     # strict: no "5" -> 5; extra fields (e.g. user, logit_bias) are ignored as vLLM does.
     model_config = ConfigDict(strict=True, extra="ignore")
+    # fields whose JSON null means "the default" (OpenAI marks them nullable; clients send nulls)
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_to_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in cls.NULL_IS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (v is None and k in cls.NULL_IS_DEFAULT)}
+        return data
 
 
 class StreamOptions(_Strict):
@@ -45,6 +54,7 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields shared by both endpoints; bounds that the issue names are enforced here."""
 
+    NULL_IS_DEFAULT = ("n", "add_generation_prompt")
     model: StrictStr | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     temperature: Float | None = Field(None, ge=0.0)
@@ -180,13 +190,40 @@ class TextPart(_Strict):
     text: StrictStr
 
 
+class RefusalPart(_Strict):
+    """An assistant message's refusal (OpenAI); the template sees its text."""
+
+    type: Literal["refusal"]
+    refusal: StrictStr
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+CONTENT_PART_TYPES = ("text", "refusal")
+
+
 class ChatMessage(BaseModel):
     # Roles are checked by hand so that an unknown one gets a clear message naming the known ones.
     model_config = ConfigDict(strict=True, extra="ignore")
     role: StrictStr
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[TextPart | RefusalPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _part_types(cls, data: Any) -> Any:
+        # an unsupported part (image_url, input_audio, file) gets one clear message, not a union error
+        parts = data.get("content") if isinstance(data, dict) else None
+        if isinstance(parts, list):
+            for part in parts:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in CONTENT_PART_TYPES:
+                    raise ValueError(f"content part type {kind!r} is not supported; this server takes "
+                                     f"{' and '.join(CONTENT_PART_TYPES)} parts")  # fmt: skip
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "ChatMessage":
@@ -213,6 +250,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     # Not supported; present so that asking for them is a clear 400 rather than silently ignored.
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -221,6 +261,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tools:
             raise ValueError("tools (function calling) are not supported")
+        if self.functions:
+            raise ValueError("functions (function calling) are not supported")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise ValueError(f"{name} is not supported (no function calling); leave it out or send \"none\"")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError("response_format other than {'type': 'text'} is not supported")
         return self
