@@ -64,7 +64,8 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a str, a {"prompt_token_ids": [...]} dict, or a list of these).
+        """Generate for every prompt (a str, a {"prompt_token_ids": [...]} dict, token ids, or a list of
+        these; token ids may be a list of ints or a numpy array / torch tensor, 2-D for a batch).
 
         Every prompt is validated before any is queued, so a bad one raises (naming its index)
         without leaving half a batch behind.
