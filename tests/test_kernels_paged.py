@@ -424,3 +424,28 @@ def test_paged_split_keys(tree, splits, dtype):
                           meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask,
                           config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1), num_splits=splits)
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,d", [((4, 1), 64), ((6, 2), 32), ((3, 3), 80)])
+@pytest.mark.parametrize("lens", [[1, 15, 17, 16, 40], [33, 33], [5]])
+def test_torch_backend_cpu_decode_path(heads, d, dtype, lens):
+    """TorchBackend's CPU path (index_copy_ store, SDPA decode) against the plain references."""
+    from pageflash.layers.attention import _decode_batched_ref, store_kv_ref  # noqa: PLC0415
+
+    hq, hkv = heads
+    q, k, v, kc, vc, meta = make_case([(n - 1, 1) for n in lens], hq, hkv, d, 16, dtype, seed=len(lens) + d)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    store_kv_ref(k, v, kc_ref, vc_ref, meta.slot_mapping)
+    ref = _decode_batched_ref(q, kc_ref, vc_ref, meta, d**-0.5)
+    out = TorchBackend().forward(q, k, v, kc, vc, TorchBackend().plan(meta), d**-0.5)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    assert rel_err(out, ref) < TOL[dtype]
+    # a padding slot (-1) is skipped, as the reference does
+    meta.slot_mapping[0] = -1
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2.view(-1)[:] = 0
+    kc3 = kc2.clone()
+    TorchBackend().forward(q, k, v, kc2, vc2, TorchBackend().plan(meta), d**-0.5)
+    store_kv_ref(k, v, kc3, vc.clone(), meta.slot_mapping)
+    assert torch.equal(kc2, kc3)

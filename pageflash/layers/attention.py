@@ -168,10 +168,49 @@ class TorchBackend:
         plan: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if q.device.type == "cpu":  # the CPU's serving path: fewer, larger ops than the reference
+            _store_kv_cpu(k, v, k_cache, v_cache, plan.slot_mapping)
+            if plan.is_decode_only:
+                return _decode_sdpa(q, k_cache, v_cache, plan, scale)
+            return paged_attention_ref(q, k_cache, v_cache, plan, scale)
         store_kv_ref(k, v, k_cache, v_cache, plan.slot_mapping)
         if plan.is_decode_only:
             return _decode_batched_ref(q, k_cache, v_cache, plan, scale)
         return paged_attention_ref(q, k_cache, v_cache, plan, scale)
+
+
+def _store_kv_cpu(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """store_kv_ref as one index_copy_ per cache when every slot is real (no -1), as in decode steps
+    (checking that costs no device sync on the CPU); otherwise store_kv_ref."""
+    if k.dtype != k_cache.dtype or not bool((slot_mapping >= 0).all()):
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        return
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
+
+
+def _decode_sdpa(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Decode on the CPU: the batch's pages gathered as in _decode_batched_ref, then torch's SDPA
+    (GQA without repeating K/V; a length mask only when the lengths differ). Tested against it."""
+    b, hq, d = q.shape
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    max_len = meta.max_seq_len
+    bt = meta.block_tables[:, : (max_len + bs - 1) // bs].long()
+    kk = k_cache[bt].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, Hkv, L, D]
+    vv = v_cache[bt].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    mask = None
+    if min(meta.seq_lens_cpu) != max_len:
+        pos = torch.arange(max_len, device=q.device)
+        mask = (pos[None, :] < meta.seq_lens[:, None].to(pos.dtype)).view(b, 1, 1, max_len)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.view(b, hq, 1, d), kk.to(q.dtype), vv.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=hq != hkv
+    )
+    return o.view(b, hq, d)
 
 
 def _decode_batched_ref(
