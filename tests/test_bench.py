@@ -9,6 +9,7 @@ import math
 import warnings
 
 import pytest
+import torch
 
 from pageflash.bench import roofline
 from pageflash.bench.latency import llm_kwargs, resolve_load_format
@@ -215,3 +216,23 @@ def test_throughput_dataset_and_model_folder(tmp_path):
     assert d["num_prompts"] == 2 and d["prompt_tokens"] == 14 and d["output_tokens"] == 5
     assert d["compute_ceiling_pct"] is None  # CPU and no --gemm-tflops: no ceiling
     assert d["run_flops"] == roofline.sequence_flops(tiny_cfg(False), 5, 2) + roofline.sequence_flops(tiny_cfg(False), 9, 3)
+
+
+@pytest.mark.parametrize("churn", [False, True])
+def test_engine_block_tables(churn):
+    """The decode bench's engine layouts: each sequence holds ceil(L / 16) distinct blocks of the pool,
+    no block is shared, prompts take their blocks at once and decode interleaves the rest."""
+    from pageflash.bench.kernels import engine_block_tables
+
+    b, L = 4, 1000
+    pool = 2 * b * 63
+    bt = engine_block_tables(b, L, pool, churn, device="cpu")
+    assert bt.shape == (b, 63) and bt.dtype == torch.int32
+    ids = bt.flatten().tolist()
+    assert len(set(ids)) == len(ids) and 0 <= min(ids) and max(ids) < pool
+    if not churn:  # a fresh pool: prompt blocks in order, then the sequences' decode blocks take turns
+        g_blocks = 63 - (L - 250) // 16
+        assert bt[0, :40].tolist() == list(range(40))
+        assert bt[1, -1] - bt[0, -1] == 1 and g_blocks > 1
+    with pytest.raises(ValueError, match="too small"):
+        engine_block_tables(b, L, 3 * 63, churn, device="cpu")

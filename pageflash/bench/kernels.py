@@ -204,6 +204,47 @@ def contiguous_as_cache(kk: torch.Tensor, vv: torch.Tensor, page: int = PAGE):
     return kk.as_strided(shape, stride), vv.as_strided(shape, stride), bt
 
 
+def engine_block_tables(b: int, L: int, pool: int, churn: bool, seed: int = 0, device: str = "cuda") -> torch.Tensor:
+    """Block tables [b, ceil(L / PAGE)] as the engine's KVCacheManager hands them out in a pool of
+    `pool` blocks: b prompts of L - G tokens (G = min(L / 4, 512)) get their blocks at once, as a
+    prefill does, then grow one token per step together for G tokens, so that the blocks decode adds
+    interleave between the sequences. churn: first 3 x b requests of random prompt (100-1024) and
+    output (1-512) lengths pass through the pool, b at a time with continuous batching, so that its
+    free queue is in freeing order (a pool that has served for a while)."""
+    import random
+
+    from pageflash.engine.kv_cache import KVCacheManager
+
+    rnd = random.Random(seed)
+    kv = KVCacheManager(pool, PAGE, enable_prefix_caching=True)
+    if churn:
+        running: dict[str, list[int]] = {}  # seq id -> [tokens so far, length at which it finishes]
+        todo, n = 3 * b, 0
+        while todo or running:
+            while todo and len(running) < b:
+                p, o = rnd.randint(100, 1024), rnd.randint(1, 512)
+                if not kv.allocate(f"c{n}", 0, p):
+                    break
+                running[f"c{n}"] = [p, p + o]
+                n, todo = n + 1, todo - 1
+            for sid in list(running):
+                cur, end = running[sid]
+                if cur >= end or not kv.allocate(sid, cur, 1):
+                    kv.free(sid)
+                    del running[sid]
+                else:
+                    running[sid][0] = cur + 1
+    g = min(L // 4, 512)
+    for i in range(b):
+        if not kv.allocate(f"s{i}", 0, L - g):
+            raise ValueError(f"engine_block_tables: a pool of {pool} blocks is too small for {b} x {L} tokens")
+    for t in range(g):
+        for i in range(b):
+            if not kv.allocate(f"s{i}", L - g + t, 1):
+                raise ValueError(f"engine_block_tables: a pool of {pool} blocks is too small for {b} x {L} tokens")
+    return torch.tensor([kv.block_ids(f"s{i}") for i in range(b)], dtype=torch.int32, device=device)
+
+
 DECODE_CHECK_CASES = [(3, 1000, 1), (2, 777, 4), (1, 4097, 7), (4, 17, 3), (5, 64 * 9 + 1, 2)]
 
 
@@ -254,6 +295,17 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
         torch.cuda.synchronize()
         row["ours_inorder_us"] = 1e3 * _bench(
             lambda: flash_decode(q, kc, vc, bt_seq, sl, d**-0.5, num_splits=splits), graph=True)
+        # the block tables the engine's allocator hands out (a pool twice the batch's size, fresh and
+        # after churn): what a serving engine's decode reads, between the two layouts above
+        pool = 2 * b * nb
+        kc2 = torch.randn(pool, PAGE, hkv, d, device="cuda", dtype=kc.dtype)
+        vc2 = torch.randn_like(kc2)
+        for name, churn in (("fresh", False), ("churned", True)):
+            bt_e = engine_block_tables(b, L, pool, churn)
+            torch.cuda.synchronize()
+            row[f"ours_engine_{name}_us"] = 1e3 * _bench(
+                lambda bt_e=bt_e: flash_decode(q, kc2, vc2, bt_e, sl, d**-0.5, num_splits=splits), graph=True)
+        del kc2, vc2
         # eager launches as well (do_bench: events around each call, L2 flushed between calls), as a
         # caller outside a CUDA graph sees them; SDPA likewise below
         row["ours_eager_us"] = 1e3 * _bench(lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits))
@@ -394,6 +446,13 @@ def print_tables(result: dict) -> None:
                   f"{_fmt(sl_, 1):>14}{_fmt(su / sl_ if su and sl_ else None, 2):>10}")
         print("(ours: pages shuffled over the pool; in-order: each sequence's pages ascending; on sdpa KV: our "
               "kernel over SDPA's own contiguous buffers seen as a paged cache)")
+        print("the engine allocator's block tables (bench.kernels.engine_block_tables), us (sdpa/that):")
+        for r in result["decode"]:
+            su = r.get("sdpa_us")
+            print(f"  B{r['shape'][0]} L{r['shape'][1]}: "
+                  + ", ".join(f"{k} {_fmt(r.get(f'ours_engine_{k}_us'), 1)} "
+                              f"({_fmt(su / r[f'ours_engine_{k}_us'] if su and r.get(f'ours_engine_{k}_us') else None, 3)})"
+                              for k in ("fresh", "churned")))
         print("eager launches (do_bench, L2 flushed between calls), us:")
         for r in result["decode"]:
             print(f"  B{r['shape'][0]} L{r['shape'][1]}: ours {_fmt(r.get('ours_eager_us'), 1)}, "
