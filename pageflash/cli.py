@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional
 
@@ -126,6 +127,32 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if (a.prompt is None) == (a.input is None):
         print("error: give a prompt or --input FILE (one of them)", file=sys.stderr)
         return 2
+    rows = []
+    if a.input is not None:  # read (and --output checked) before the model loads
+        with open(a.input) as f:
+            for ln, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    print(f"error: {a.input}:{ln}: not JSON ({e})", file=sys.stderr)
+                    return 2
+        for i, r in enumerate(rows):
+            if not isinstance(r, (str, dict)):
+                print(f"error: {a.input}: row {i + 1} must be a JSON object or string, got {type(r).__name__}",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            if isinstance(r, dict) and "messages" in r and not (
+                isinstance(r["messages"], list) and all(isinstance(m, dict) for m in r["messages"])
+            ):
+                print(f"error: {a.input}: row {i + 1}: 'messages' must be a list of {{'role', 'content'}} objects",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+        out_dir = os.path.dirname(os.path.abspath(a.output)) if a.output else None
+        if out_dir and not os.path.isdir(out_dir):
+            print(f"error: --output: folder {out_dir!r} does not exist", file=sys.stderr)
+            return 2
     llm = LLM(**engine_kwargs(a))
     params = sampling_params(a)
     if a.input is None:
@@ -133,16 +160,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
         prompt = _chat_prompt(eng, [{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
         _stream(eng, prompt, params)
         return 0
-    rows = []
-    with open(a.input) as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                print(f"error: {a.input}:{ln}: not JSON ({e})", file=sys.stderr)
-                return 2
     prompts, plist = [], []
     for i, r in enumerate(rows):
         if isinstance(r, str):
@@ -239,7 +256,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = p.parse_args(argv)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat}[a.cmd](a)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -113,9 +113,14 @@ class LLM:
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("this model has no tokenizer, so no chat template")
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError(f"messages must be a list of message dicts (or a list of such lists), got "
+                            f"{type(messages).__name__}")  # fmt: skip
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in convs:
+            if not isinstance(conv, (list, tuple)):
+                raise TypeError(f"a conversation must be a list of message dicts, got {type(conv).__name__}")
             if not conv:
                 raise ValueError("messages is empty: a conversation needs at least one message")
             for m in conv:

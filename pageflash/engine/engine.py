@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
@@ -82,12 +83,18 @@ class EngineConfig:
         positive("max_model_len", allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
-        if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not (0.0 < float(gmu) <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(self.device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 

@@ -108,10 +108,16 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.cfg
-        self.kv_cache = torch.zeros(
-            c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
-            dtype=self.dtype, device=self.device,
-        )
+        shape = (c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        try:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is one) or too large to address
+            nbytes = num_blocks * self.block_size * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
+            nbytes *= torch.empty((), dtype=self.dtype).element_size()
+            raise ValueError(
+                f"the KV cache of {num_blocks} blocks of {self.block_size} tokens ({nbytes / 2**30:.1f} GiB) does not "
+                f"fit on {self.device}: lower num_kv_blocks (or gpu_memory_utilization), block_size or max_model_len"
+            ) from e
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(c.num_hidden_layers)]
 
     def capture_decode_graphs(self, max_batch: int) -> None:

@@ -97,8 +97,11 @@ def load_config(src: ModelSource) -> ModelConfig:
     if src.kind == "hf":
         try:
             with open(os.path.join(src.path, "config.json")) as f:
-                return ModelConfig.from_hf_dict(json.load(f))
-        except (json.JSONDecodeError, KeyError) as e:
+                d = json.load(f)
+            if not isinstance(d, dict):
+                raise ValueError(f"model folder {src.path!r}: config.json must hold a JSON object, got {type(d).__name__}")
+            return ModelConfig.from_hf_dict(d)
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
             raise ValueError(f"model folder {src.path!r}: config.json is invalid ({e})") from e
     return _gguf_config(_gguf_reader(src.path))
 
@@ -223,7 +226,13 @@ def iter_hf_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     if not bins:
         raise ValueError(f"model folder {folder!r} has no *.safetensors or pytorch_model*.bin weights")
     for fn in bins:
-        yield from torch.load(fn, map_location="cpu", weights_only=True).items()
+        try:
+            state = torch.load(fn, map_location="cpu", weights_only=True)
+        except Exception as e:  # a truncated or foreign file: pickle, zip or torch errors
+            raise ValueError(f"weights file {fn!r} is corrupt or unreadable: {type(e).__name__}: {e}") from e
+        if not isinstance(state, dict):
+            raise ValueError(f"weights file {fn!r} does not hold a state dict (got {type(state).__name__})")
+        yield from state.items()
 
 
 def iter_weights(src: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

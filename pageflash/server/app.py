@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -817,21 +818,31 @@ def make_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`pageflash serve ...`: load the model, start the engine thread, run uvicorn until stopped."""
+def main(argv: list[str] | None = None) -> int:
+    """`pageflash serve ...`: load the model, start the engine thread, run uvicorn until stopped.
+    A bad flag or model is one `error:` line and exit status 2, before anything loads where it can be."""
     import uvicorn
 
     from pageflash.cli import engine_kwargs
 
     if argv and argv[0] == "serve":
         argv = argv[1:]
-    args = make_arg_parser().parse_args(argv)
+    parser = make_arg_parser()
+    args = parser.parse_args(argv)
     if args.model_tag is not None:
         args.model = args.model_tag
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_body_bytes < 1:
+        parser.error(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pageflash import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    try:
+        llm = LLM(**engine_kwargs(args))
+    except (ValueError, TypeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     engine = AsyncLLMEngine(llm.llm_engine)
     api_key = args.api_key or os.environ.get("PAGEFLASH_API_KEY") or None
     names = args.served_model_name or [args.model]
@@ -842,6 +853,7 @@ def main(argv: list[str] | None = None) -> None:
                     timeout_graceful_shutdown=5)  # open streams must not hold a shutdown forever
     finally:
         engine.shutdown()
+    return 0
 
 
 if __name__ == "__main__":

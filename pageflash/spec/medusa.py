@@ -104,8 +104,11 @@ def load_heads(path: str, device: torch.device | str = "cpu", dtype: torch.dtype
 
     if not os.path.isfile(path):
         raise ValueError(f"medusa_path {path!r} does not exist (train heads with `pageflash train-medusa`)")
-    with safe_open(path, "pt") as f:
-        meta = f.metadata() or {}
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # not a safetensors file
+        raise ValueError(f"medusa_path {path!r} is not a safetensors file of Medusa heads: {e}") from e
     raw = meta.get("medusa_config")
     if raw is None and os.path.isfile(path + ".json"):
         with open(path + ".json") as f:

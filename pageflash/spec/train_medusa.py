@@ -207,9 +207,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--data-cache", metavar="JSON", help="generated answers: read if it exists, else written")
     p.add_argument("--json", metavar="PATH", help="write the summary here")
     a = p.parse_args(argv)
+    # checked before the model loads and the answers are generated (minutes at the defaults)
+    for flag, v, lo in (("--num-heads", a.num_heads, 1), ("--num-layers", a.num_layers, 1),
+                        ("--num-prompts", a.num_prompts, 1), ("--max-tokens", a.max_tokens, 1),
+                        ("--text-tokens", a.text_tokens, 1), ("--epochs", a.epochs, 1),
+                        ("--batch-size", a.batch_size, 1), ("--max-model-len", a.max_model_len, 2)):
+        if v < lo:
+            p.error(f"{flag} must be at least {lo}, got {v}")
+    if not (a.lr > 0 and math.isfinite(a.lr)):
+        p.error(f"--lr must be a positive number, got {a.lr}")
+    if not (a.temperature >= 0 and math.isfinite(a.temperature)):
+        p.error(f"--temperature must be >= 0, got {a.temperature}")
+    for flag, path in (("--output", a.output), ("--json", a.json)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            p.error(f"{flag}: folder {folder!r} does not exist")
     try:
         return _run(a)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
