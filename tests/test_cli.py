@@ -85,3 +85,12 @@ def test_medusa_path_not_safetensors(tmp_path):
     f.write_text("not safetensors")
     with pytest.raises(ValueError, match="not a safetensors file"):
         load_heads(str(f))
+
+
+def test_speculative_config_errors_name_the_draft():
+    from pageflash.spec.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="the draft model: unknown model 'nosuch'"):
+        SpeculativeConfig.parse({"method": "draft_model", "model": "nosuch", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match=r"the tree \[8, 8, 8\] gives 584"):
+        SpeculativeConfig.parse({"method": "early_exit", "num_layers": 2, "tree": [8, 8, 8]})

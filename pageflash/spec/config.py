@@ -75,6 +75,7 @@ class SpeculativeConfig:
             if not t or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in t):
                 raise err(f"tree must be a non-empty list of positive integers, got {list(t)!r}")
             object.__setattr__(self, "tree", t)
+        derived = self.num_speculative_tokens is None and self.tree is not None
         if self.num_speculative_tokens is None:
             if self.tree is not None:
                 n = self.tree[0] * 5 if self.method == "ngram" else ExpansionConfig(self.tree).num_nodes
@@ -85,6 +86,9 @@ class SpeculativeConfig:
                 raise err(f"num_speculative_tokens is required for method {self.method!r} without a tree")
         pos_int("num_speculative_tokens", allow_none=False)
         if self.num_speculative_tokens > 64:
+            if derived:
+                raise err(f"the tree {list(self.tree)} gives {self.num_speculative_tokens} speculative tokens; "
+                          "at most 64 (a smaller tree, or set num_speculative_tokens)")
             raise err(f"num_speculative_tokens must be at most 64, got {self.num_speculative_tokens}")
         pos_int("prompt_lookup_max", allow_none=False)
         pos_int("prompt_lookup_min", allow_none=False)
@@ -99,6 +103,13 @@ class SpeculativeConfig:
             raise err(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "draft_model" and not self.model:
             raise err("method 'draft_model' needs 'model' (the draft model's name, folder or .gguf file)")
+        if self.method == "draft_model":  # found now, not after the target has loaded (no load here)
+            from pageflash.model.loader import resolve_model
+
+            try:
+                resolve_model(self.model, self.draft_load_format)
+            except ValueError as e:
+                raise err(f"the draft model: {e}") from None
         if self.method == "medusa" and not self.medusa_path:
             raise err("method 'medusa' needs 'medusa_path' (heads written by `pageflash train-medusa`)")
         if self.method == "early_exit" and self.num_layers is None:
