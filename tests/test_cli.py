@@ -51,6 +51,10 @@ def test_engine_argument_errors(tmp_path, capsys):
                      (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization")):
         with pytest.raises((TypeError, ValueError), match=name):
             EngineConfig(**kw)
+    assert EngineConfig(dtype=torch.float16).dtype == "float16"  # torch dtypes are taken, as vLLM does
+    for bad in (["x"], torch.int8):
+        with pytest.raises(ValueError, match="dtype"):
+            EngineConfig(dtype=bad)
 
 
 def test_corrupt_bin_weights(tmp_path):

@@ -86,7 +86,9 @@ class EngineConfig:
         gmu = self.gpu_memory_utilization
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not (0.0 < float(gmu) <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
+        if isinstance(self.dtype, torch.dtype) and self.dtype in _DTYPES.values():  # torch.float16 etc., as vLLM
+            object.__setattr__(self, "dtype", next(k for k, v in _DTYPES.items() if v == self.dtype))
+        if not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in _DTYPES):
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(self.device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
