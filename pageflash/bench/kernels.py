@@ -235,12 +235,10 @@ def engine_block_tables(b: int, L: int, pool: int, churn: bool, seed: int = 0, d
                 else:
                     running[sid][0] = cur + 1
     g = min(L // 4, 512)
-    for i in range(b):
-        if not kv.allocate(f"s{i}", 0, L - g):
-            raise ValueError(f"engine_block_tables: a pool of {pool} blocks is too small for {b} x {L} tokens")
-    for t in range(g):
+    steps = [(0, L - g)] + [(L - g + t, 1) for t in range(g)]  # the prefill, then one token per step
+    for start, n in steps:
         for i in range(b):
-            if not kv.allocate(f"s{i}", L - g + t, 1):
+            if not kv.allocate(f"s{i}", start, n):
                 raise ValueError(f"engine_block_tables: a pool of {pool} blocks is too small for {b} x {L} tokens")
     return torch.tensor([kv.block_ids(f"s{i}") for i in range(b)], dtype=torch.int32, device=device)
 

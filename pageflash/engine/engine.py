@@ -252,8 +252,8 @@ class LLMEngine:
         if not isinstance(ids, (list, tuple)):
             raise TypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
         if not all(type(t) is int for t in ids):
-            try:
-                if any(isinstance(t, bool) or type(t).__name__ in ("bool", "bool_") for t in ids):
+            try:  # numpy / torch integer scalars have __index__ (numpy's bool does not; Python's is refused)
+                if any(isinstance(t, bool) for t in ids):
                     raise TypeError
                 ids = [operator.index(t) for t in ids]
             except TypeError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -112,8 +113,7 @@ class ModelRunner:
         try:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is one) or too large to address
-            nbytes = num_blocks * self.block_size * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
-            nbytes *= torch.empty((), dtype=self.dtype).element_size()
+            nbytes = math.prod(shape) * self.dtype.itemsize
             raise ValueError(
                 f"the KV cache of {num_blocks} blocks of {self.block_size} tokens ({nbytes / 2**30:.1f} GiB) does not "
                 f"fit on {self.device}: lower num_kv_blocks (or gpu_memory_utilization), block_size or max_model_len"

@@ -150,12 +150,35 @@ def paged_attention_ref(
     return out
 
 
+@dataclass
+class _CpuDecodePlan:
+    """What every layer of one CPU decode step shares: the block ids to gather (int64, [B, blocks of
+    the longest sequence]), that length, and the length mask (None when all sequences are that long)."""
+
+    meta: AttentionMetadata
+    index: torch.Tensor
+    max_len: int
+    mask: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> "_CpuDecodePlan":
+        index, max_len = _decode_index(meta)
+        mask = None
+        if min(meta.seq_lens_cpu) != max_len:
+            pos = torch.arange(max_len, device=index.device)
+            mask = (pos[None, :] < meta.seq_lens[:, None].to(pos.dtype)).view(-1, 1, 1, max_len)
+        return cls(meta, index, max_len, mask)
+
+
 class TorchBackend:
     """Pure-PyTorch backend: runs on CPU and CUDA, and is the reference for the Triton kernels."""
 
     name = "torch"
 
-    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+    def plan(self, meta: AttentionMetadata) -> Any:
+        """meta itself, or for a CPU decode step the gather index and mask its layers share."""
+        if meta.slot_mapping.device.type == "cpu" and meta.is_decode_only:
+            return _CpuDecodePlan.of(meta)
         return meta
 
     def forward(
@@ -165,18 +188,21 @@ class TorchBackend:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        plan: AttentionMetadata,
+        plan: Any,
         scale: float,
     ) -> torch.Tensor:
+        """plan: from `plan(meta)`, or the metadata itself."""
+        meta = plan.meta if isinstance(plan, _CpuDecodePlan) else plan
         if q.device.type == "cpu":  # the CPU's serving path: fewer, larger ops than the reference
-            _store_kv_cpu(k, v, k_cache, v_cache, plan.slot_mapping)
-            if plan.is_decode_only:
-                return _decode_sdpa(q, k_cache, v_cache, plan, scale)
-            return paged_attention_ref(q, k_cache, v_cache, plan, scale)
-        store_kv_ref(k, v, k_cache, v_cache, plan.slot_mapping)
-        if plan.is_decode_only:
-            return _decode_batched_ref(q, k_cache, v_cache, plan, scale)
-        return paged_attention_ref(q, k_cache, v_cache, plan, scale)
+            _store_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping)
+            if meta.is_decode_only:
+                p = plan if isinstance(plan, _CpuDecodePlan) else _CpuDecodePlan.of(meta)
+                return _decode_sdpa(q, k_cache, v_cache, p, scale)
+            return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return _decode_batched_ref(q, k_cache, v_cache, meta, scale)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
 
 
 def _store_kv_cpu(
@@ -192,23 +218,28 @@ def _store_kv_cpu(
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
 
 
+def _decode_index(meta: AttentionMetadata) -> tuple[torch.Tensor, int]:
+    """The block ids that hold the batch's keys (int64 [B, ceil(L / block_size)]) and L, the longest length."""
+    max_len = meta.max_seq_len
+    return meta.block_tables[:, : (max_len + meta.block_size - 1) // meta.block_size].long(), max_len
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Each sequence's first max_len slots of one cache, contiguous: [B, max_len, Hkv, D]."""
+    return cache[index].flatten(1, 2)[:, :max_len]
+
+
 def _decode_sdpa(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _CpuDecodePlan, scale: float
 ) -> torch.Tensor:
     """Decode on the CPU: the batch's pages gathered as in _decode_batched_ref, then torch's SDPA
-    (GQA without repeating K/V; a length mask only when the lengths differ). Tested against it."""
+    (GQA without repeating K/V; the plan's length mask). Tested against _decode_batched_ref."""
     b, hq, d = q.shape
-    hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    max_len = meta.max_seq_len
-    bt = meta.block_tables[:, : (max_len + bs - 1) // bs].long()
-    kk = k_cache[bt].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, Hkv, L, D]
-    vv = v_cache[bt].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    mask = None
-    if min(meta.seq_lens_cpu) != max_len:
-        pos = torch.arange(max_len, device=q.device)
-        mask = (pos[None, :] < meta.seq_lens[:, None].to(pos.dtype)).view(b, 1, 1, max_len)
+    kk = _gather(k_cache, plan.index, plan.max_len).transpose(1, 2)  # [B, Hkv, L, D]
+    vv = _gather(v_cache, plan.index, plan.max_len).transpose(1, 2)
     o = torch.nn.functional.scaled_dot_product_attention(
-        q.view(b, hq, 1, d), kk.to(q.dtype), vv.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=hq != hkv
+        q.view(b, hq, 1, d), kk.to(q.dtype), vv.to(q.dtype), attn_mask=plan.mask, scale=scale,
+        enable_gqa=hq != k_cache.shape[2],
     )
     return o.view(b, hq, d)
 
@@ -221,13 +252,11 @@ def _decode_batched_ref(
     Same function as paged_attention_ref, batched so that CPU decode is not a Python loop per sequence.
     """
     b, hq, d = q.shape
-    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    hkv = k_cache.shape[2]
     group = hq // hkv
-    max_len = meta.max_seq_len
-    nblocks = (max_len + bs - 1) // bs
-    bt = meta.block_tables[:, :nblocks].long()
-    kk = k_cache[bt].flatten(1, 2)[:, :max_len].float()  # [B, L, Hkv, D]
-    vv = v_cache[bt].flatten(1, 2)[:, :max_len].float()
+    index, max_len = _decode_index(meta)
+    kk = _gather(k_cache, index, max_len).float()  # [B, L, Hkv, D]
+    vv = _gather(v_cache, index, max_len).float()
     qh = q.float().view(b, hkv, group, d)
     scores = torch.einsum("bhgd,blhd->bhgl", qh, kk) * scale
     pos = torch.arange(max_len, device=q.device)

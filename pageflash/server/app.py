@@ -447,17 +447,23 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise _value_error(e, list(kw)) from None
 
-    def check_prompt_len(self, n: int, param: str, what: str = "prompt") -> None:
-        """The engine's own length rule, checked here so that an over-long prompt never reaches it."""
-        limit = self.engine.max_model_len
-        if isinstance(limit, int) and n >= limit:
-            raise APIError(400, f"{what} has {n} tokens, but max_model_len is {limit}: at most {limit - 1} "
-                                "prompt tokens leave room for one generated token", param=param)  # fmt: skip
+    def validate(self, ids: list[int], params: Any, param: str, what: str | None = None) -> None:
+        """The engine's own length rules (`LLMEngine.validate_request`, which only reads limits), checked
+        here so that an over-long prompt never reaches the engine thread. param: the field to blame
+        unless the error is max_tokens'; what: a prefix for the message."""
+        try:
+            self.engine.engine.validate_request(ids, params)
+        except ValueError as e:
+            err = _value_error(e, ("max_tokens",))
+            if err.param is None:
+                err.param = param
+                if what:
+                    err.message = f"{what}: {err.message}"
+            raise err from None
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if not ids:
             raise APIError(400, f"{param} must not be empty", param=param)
-        self.check_prompt_len(len(ids), param)
         vocab = self.vocab_size
         bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
         if bad is not None:
@@ -546,11 +552,17 @@ class OpenAIServing:
             raise APIError(400, str(e), param="prompt") from None
         if len(raw) * req.n > MAX_CHOICES:
             raise APIError(400, f"prompts x n = {len(raw) * req.n} is over the limit of {MAX_CHOICES}", param="n")
+        kw = req.sampling_kwargs()
+        kw["max_tokens"] = req.max_tokens
+        if req.logprobs is not None:
+            kw["logprobs"] = req.logprobs
+        params = self.sampling_params(kw)
         prompts: list[Any] = []
         for i, p in enumerate(raw):
             name = "prompt" if len(raw) == 1 else f"prompt[{i}]"
             if isinstance(p, list):
                 self.check_token_ids(p, name)
+                self.validate(p, params, name)
                 prompts.append({"prompt_token_ids": p})
             elif not p:
                 raise APIError(400, f"{name} must not be empty", param=name)
@@ -558,18 +570,13 @@ class OpenAIServing:
                 prompts.append(p)  # no tokenizer copy: the engine encodes it (and says if it cannot)
             else:
                 ids = await self.tokenizer.run(lambda t, p=p: list(t.encode(p)), "Cannot tokenize the prompt", name)
-                self.check_prompt_len(len(ids), name)
+                self.validate(ids, params, name)
                 prompts.append({"prompt": p, "prompt_token_ids": ids})
         echo = [p if isinstance(p, str) else "" for p in raw]
         if req.echo and any(isinstance(p, list) for p in raw):
             texts = await self.tokenizer.run(lambda t: [t.decode(p) if isinstance(p, list) else p for p in raw],
                                              "Cannot decode the prompt", "prompt")  # fmt: skip
             echo = list(texts)
-        kw = req.sampling_kwargs()
-        kw["max_tokens"] = req.max_tokens
-        if req.logprobs is not None:
-            kw["logprobs"] = req.logprobs
-        params = self.sampling_params(kw)
         rid = f"cmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
         gen = _Generation(await self.add_all(rid, prompts, params), params, timer)
@@ -636,13 +643,13 @@ class OpenAIServing:
         prompt_ids = await self.tokenizer.run(render, "Cannot apply the chat template", "messages")
         if not prompt_ids:
             raise APIError(400, "messages: the chat template produced an empty prompt", param="messages")
-        self.check_prompt_len(len(prompt_ids), "messages", "the chat prompt (messages after the chat template)")
         kw = req.sampling_kwargs()
         kw["max_tokens"] = req.max_new_tokens
         k = req.top_logprobs or 0
         if req.logprobs:
             kw["logprobs"] = k
         params = self.sampling_params(kw)
+        self.validate(prompt_ids, params, "messages", "the chat prompt (messages after the chat template)")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
         gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "messages"),
