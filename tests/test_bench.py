@@ -221,7 +221,7 @@ def test_throughput_dataset_and_model_folder(tmp_path):
 @pytest.mark.parametrize("churn", [False, True])
 def test_engine_block_tables(churn):
     """The decode bench's engine layouts: each sequence holds ceil(L / 16) distinct blocks of the pool,
-    no block is shared, prompts take their blocks at once and decode interleaves the rest."""
+    no block is shared, prompts take their blocks at once and decode adds the rest step by step."""
     from pageflash.bench.kernels import engine_block_tables
 
     b, L = 4, 1000
@@ -230,9 +230,15 @@ def test_engine_block_tables(churn):
     assert bt.shape == (b, 63) and bt.dtype == torch.int32
     ids = bt.flatten().tolist()
     assert len(set(ids)) == len(ids) and 0 <= min(ids) and max(ids) < pool
-    if not churn:  # a fresh pool: prompt blocks in order, then the sequences' decode blocks take turns
-        g_blocks = 63 - (L - 250) // 16
-        assert bt[0, :40].tolist() == list(range(40))
-        assert bt[1, -1] - bt[0, -1] == 1 and g_blocks > 1
+    if not churn:
+        # a fresh pool: each prompt's 47 blocks in order, the 48th (the end of its 4-block run) kept
+        # free for its growth; decode then takes whole runs of 4 consecutive blocks per sequence
+        assert bt[0, :48].tolist() == list(range(48)) and bt[1, 0] == 48
+        for row in bt.tolist():
+            for i in range(48, 60, 4):
+                assert row[i:i + 4] == list(range(row[i], row[i] + 4))
+        # without the allocator's locality (the plain LRU queue), decode blocks take turns
+        lru = engine_block_tables(b, L, pool, churn, device="cpu", locality_tokens=0)
+        assert lru[0, :40].tolist() == list(range(40)) and lru[1, -1] - lru[0, -1] == 1
     with pytest.raises(ValueError, match="too small"):
         engine_block_tables(b, L, 3 * 63, churn, device="cpu")

@@ -92,6 +92,55 @@ def test_fork_copy_on_write():
     check_invariants(kv)
 
 
+def _grow_alternately(kv: KVCacheManager, steps: int) -> None:
+    """Sequences a and b get one-block prompts, then one new block each, in turn, `steps` times."""
+    bs = kv.block_size
+    for sid in "ab":
+        assert kv.allocate(sid, 0, bs)
+    for i in range(1, steps + 1):
+        for sid in "ab":
+            assert kv.allocate(sid, i * bs, bs)
+    check_invariants(kv)
+
+
+def test_locality_keeps_a_sequences_runs_together():
+    # run = 64 tokens / 16 per block = 4: each sequence's 4-block runs are consecutive ids
+    kv = KVCacheManager(64, 16)
+    _grow_alternately(kv, 7)
+    assert kv.block_ids("a") == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert kv.block_ids("b") == [4, 5, 6, 7, 12, 13, 14, 15]
+    # the plain LRU queue interleaves them
+    lru = KVCacheManager(64, 16, locality_tokens=0)
+    _grow_alternately(lru, 3)
+    assert lru.block_ids("a") == [0, 2, 4, 6] and lru.block_ids("b") == [1, 3, 5, 7]
+
+
+def test_locality_reserves_nothing():
+    # 4 blocks, run 4: a's slack (blocks 1-3) goes to the queue's tail, but b can still take all of it
+    kv = KVCacheManager(4, 16)
+    assert kv.allocate("a", 0, 16) and kv.block_ids("a") == [0]
+    assert kv.allocate("b", 0, 48)
+    assert sorted(kv.block_ids("b")) == [1, 2, 3]
+    assert not kv.allocate("a", 16, 1)
+    check_invariants(kv)
+
+
+def test_locality_does_not_evict_cached_blocks_out_of_lru_order():
+    kv = KVCacheManager(8, 4, locality_tokens=16)  # run 4
+    toks = list(range(8))
+    assert kv.allocate("c", 0, 8) and kv.block_ids("c") == [0, 1]  # slack 2, 3 to the queue's tail
+    kv.cache_full_blocks("c", toks, 8)
+    kv.free("c")  # 1, 0 to the tail, both keep their hashes
+    hits = kv.find_cached_prefix(toks[:4] + [9] * 5)
+    assert hits == [0]
+    # d's table ends at block 0; block 1 after it is free but cached, so d starts a new run of free
+    # uncached blocks instead, one that ends its 4-block run on a multiple of 4 (5, 6, 7)
+    assert kv.allocate("d", 4, 5, hits)
+    assert kv.block_ids("d") == [0, 5, 6]
+    assert kv.find_cached_prefix(toks + [0]) == [0, 1]  # block 1's prefix is still cached
+    check_invariants(kv)
+
+
 ops = st.lists(
     st.tuples(st.sampled_from(["new", "append", "fork", "free", "preempt"]), st.integers(0, 7), st.integers(1, 9)),
     max_size=60,
@@ -99,9 +148,9 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops, st.integers(1, 4), st.integers(4, 24), st.booleans())
-def test_random_operation_sequences_keep_invariants(seq, block_size, num_blocks, caching):
-    kv = KVCacheManager(num_blocks, block_size, caching)
+@given(ops, st.integers(1, 4), st.integers(4, 24), st.booleans(), st.sampled_from([0, 4, 8, 64]))
+def test_random_operation_sequences_keep_invariants(seq, block_size, num_blocks, caching, locality):
+    kv = KVCacheManager(num_blocks, block_size, caching, locality_tokens=locality)
     tokens: dict[str, list[int]] = {}
     computed: dict[str, int] = {}
     counter = 0

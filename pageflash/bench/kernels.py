@@ -204,19 +204,21 @@ def contiguous_as_cache(kk: torch.Tensor, vv: torch.Tensor, page: int = PAGE):
     return kk.as_strided(shape, stride), vv.as_strided(shape, stride), bt
 
 
-def engine_block_tables(b: int, L: int, pool: int, churn: bool, seed: int = 0, device: str = "cuda") -> torch.Tensor:
+def engine_block_tables(b: int, L: int, pool: int, churn: bool, seed: int = 0, device: str = "cuda",
+                        locality_tokens: int = 64) -> torch.Tensor:
     """Block tables [b, ceil(L / PAGE)] as the engine's KVCacheManager hands them out in a pool of
     `pool` blocks: b prompts of L - G tokens (G = min(L / 4, 512)) get their blocks at once, as a
     prefill does, then grow one token per step together for G tokens, so that the blocks decode adds
     interleave between the sequences. churn: first 3 x b requests of random prompt (100-1024) and
     output (1-512) lengths pass through the pool, b at a time with continuous batching, so that its
-    free queue is in freeing order (a pool that has served for a while)."""
+    free queue is in freeing order (a pool that has served for a while). locality_tokens: the
+    KVCacheManager's (0: the plain LRU queue)."""
     import random
 
     from pageflash.engine.kv_cache import KVCacheManager
 
     rnd = random.Random(seed)
-    kv = KVCacheManager(pool, PAGE, enable_prefix_caching=True)
+    kv = KVCacheManager(pool, PAGE, enable_prefix_caching=True, locality_tokens=locality_tokens)
     if churn:
         running: dict[str, list[int]] = {}  # seq id -> [tokens so far, length at which it finishes]
         todo, n = 3 * b, 0

@@ -10,6 +10,7 @@ partial last block is copied on write (the copy is recorded here and performed b
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -29,11 +30,14 @@ class Block:
 class BlockPool:
     """All physical blocks, their reference counts, the LRU free queue and the hash -> block map."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, run: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        if run < 1:
+            raise ValueError(f"run must be >= 1, got {run}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.run = run  # locality: see allocate
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks, least recently freed first. Cached-but-free blocks stay here (evictable).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -43,13 +47,35 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free_queue)
 
-    def allocate(self, n: int) -> list[int]:
-        """n fresh blocks (ref_cnt 1). Evicts the least recently freed, dropping their hashes."""
+    def allocate(self, n: int, after: Optional[int] = None, held: int = 0) -> list[int]:
+        """n fresh blocks (ref_cnt 1). Evicts the least recently freed, dropping their hashes.
+
+        With run > 1 (locality for the decode kernel, whose tiles read `run` consecutive blocks of a
+        table at once): each block after the first prefers the id after the previous one (`after`: the
+        table's current last block), if that block is free and holds no cached prefix, so that a
+        sequence's blocks lie side by side; failing that, a block near the queue's head followed by
+        enough free blocks to end the table's current run (`_run_start`), before the head itself; and
+        the free blocks after the last one taken, up to the end
+        of the table's current run of `run` (`held`: the table's length before this call), move to the
+        queue's tail, where other sequences take them last, so that this one can grow into them.
+        Nothing is reserved: they stay free and allocatable. Cached free blocks are neither taken nor
+        moved out of their LRU order. run == 1: the plain LRU queue (H100 decode over the resulting
+        layouts: docs/KERNELS.md, run 24)."""
         if n > len(self.free_queue):
             raise RuntimeError(f"out of KV blocks: need {n}, have {len(self.free_queue)}")
         out = []
+        nxt = after + 1 if after is not None and self.run > 1 else -1
         for _ in range(n):
-            bid, _ = self.free_queue.popitem(last=False)
+            if self._free_uncached(nxt):
+                bid = nxt
+                del self.free_queue[bid]
+            elif self.run > 1 and (c := self._run_start(self.run - (held + len(out)) % self.run)) is not None:
+                bid = c
+                del self.free_queue[bid]
+            else:
+                bid, _ = self.free_queue.popitem(last=False)
+            if self.run > 1:
+                nxt = bid + 1
             b = self.blocks[bid]
             assert b.ref_cnt == 0, f"block {bid} in free queue with ref_cnt {b.ref_cnt}"
             if b.block_hash is not None:
@@ -58,7 +84,35 @@ class BlockPool:
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(bid)
+        if self.run > 1 and out:
+            nxt = out[-1] + 1
+            for _ in range((-(held + n)) % self.run):
+                if nxt >= self.num_blocks or nxt not in self.free_queue or self.blocks[nxt].block_hash is not None:
+                    break  # a cached block keeps its LRU place: this sequence would not grow into it
+                self.free_queue.move_to_end(nxt)
+                nxt += 1
         return out
+
+    def _free_uncached(self, bid: int) -> bool:
+        return 0 <= bid < self.num_blocks and bid in self.free_queue and self.blocks[bid].block_hash is None
+
+    def _run_start(self, length: int, scan: int = 16) -> Optional[int]:
+        """Among the first `scan` blocks of the free queue, the first uncached one followed by length - 1
+        free uncached blocks (a run to grow into), preferring one whose run ends on a multiple of
+        `run` (so that it does not straddle two 2 MB pages of the cache); None if there is none."""
+        fq, blocks, other = self.free_queue, self.blocks, None
+        for bid in itertools.islice(fq, scan):
+            end = bid + length
+            if end > self.num_blocks or (other is not None and end % self.run):
+                continue
+            for i in range(bid, end):
+                if i not in fq or blocks[i].block_hash is not None:
+                    break
+            else:
+                if end % self.run == 0:
+                    return bid
+                other = bid
+        return other
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take one more reference to each block (prefix hit or fork); revives cached free blocks."""
@@ -117,11 +171,14 @@ class KVCacheManager:
     referenced by exactly ref_cnt sequence tables; a block in the hash map holds the tokens hashed.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 locality_tokens: int = 64) -> None:
+        """locality_tokens: keep runs of this many tokens of a sequence in consecutive blocks where the
+        pool allows (BlockPool.allocate's `run`; the decode kernel's 64-key tiles); 0 turns it off."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, run=max(1, locality_tokens // block_size))
         self.seqs: dict[str, SeqBlocks] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, for the runner
         self.prefix_queries = 0  # prompt tokens of admitted requests (counted by the scheduler)
@@ -217,7 +274,8 @@ class KVCacheManager:
                 sb.block_ids[idx] = new
                 need -= 1
         if need > 0:
-            sb.block_ids.extend(self.pool.allocate(need))
+            held = len(sb.block_ids)
+            sb.block_ids.extend(self.pool.allocate(need, sb.block_ids[-1] if held else None, held))
         return True
 
     def free(self, seq_id: str) -> None:
