@@ -61,6 +61,8 @@ def main() -> None:
             "shuf": torch.randperm(pool, device="cuda")[: b * nb].to(torch.int32).view(b, nb),
             "fresh": engine_block_tables(b, L, pool, churn=False),
             "churned": engine_block_tables(b, L, pool, churn=True),
+            "fresh-lru": engine_block_tables(b, L, pool, churn=False, locality_tokens=0),
+            "churn-lru": engine_block_tables(b, L, pool, churn=True, locality_tokens=0),
         }
         tables["order"] = pages_in_order(tables["shuf"])
         kk = kc[tables["churned"].long()].flatten(1, 2).transpose(1, 2).contiguous()
@@ -85,10 +87,11 @@ def main() -> None:
         summary.append((shape, med))
         del kc, vc, kk, vv, fns, tables
         torch.cuda.empty_cache()
-    print("\nshape         cudnn    shuf   fresh churned   order   (us; cudnn/churned)")
+    cols = ["shuf", "fresh", "churned", "fresh-lru", "churn-lru", "order"]
+    print("\nshape         cudnn  " + " ".join(f"{c:>9}" for c in cols) + "   (us; then cudnn/this)")
     for shape, m in summary:
-        print(f"{shape:<12}{m['cudnn']:>7.1f}{m['shuf']:>8.1f}{m['fresh']:>8.1f}{m['churned']:>8.1f}{m['order']:>8.1f}"
-              f"   {m['cudnn'] / m['churned']:.3f}")
+        print(f"{shape:<12}{m['cudnn']:>7.1f}  " + " ".join(f"{m[c]:>9.1f}" for c in cols)
+              + "   " + " ".join(f"{m['cudnn'] / m[c]:.3f}" for c in cols))
 
 
 if __name__ == "__main__":
