@@ -9,6 +9,7 @@ Each placement is a fresh allocation of both sides, so both are subject to the s
 
 Prints per placement the times and cuDNN/ours, then the median and range of each ratio.
 Usage: python scripts/decode_placement_probe.py [--shapes 64x2048 256x1024] [--placements 8]
+       [--locality 64 256 1024]   (the allocator's run, in tokens, compared)
 """
 
 import argparse
@@ -33,6 +34,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["64x2048", "256x1024"])
     ap.add_argument("--placements", type=int, default=8)
+    ap.add_argument("--locality", type=int, nargs="*", default=[64],
+                    help="KVCacheManager locality_tokens values to compare (engine layouts named @value)")
     a = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sc = D ** -0.5
@@ -41,9 +44,12 @@ def main() -> None:
         b, L = map(int, shape.split("x"))
         nb = L // PAGE
         pool = 2 * b * nb
-        tables = {"fresh": engine_block_tables(b, L, pool, churn=False),
-                  "churned": engine_block_tables(b, L, pool, churn=True)}
-        tables["order"] = pages_in_order(tables["fresh"])
+        tables = {}
+        for loc in a.locality:
+            sfx = "" if len(a.locality) == 1 else f"@{loc}"
+            tables["fresh" + sfx] = engine_block_tables(b, L, pool, churn=False, locality_tokens=loc)
+            tables["churned" + sfx] = engine_block_tables(b, L, pool, churn=True, locality_tokens=loc)
+        tables["order"] = pages_in_order(next(iter(tables.values())))
         sp = fd.choose_num_splits(b, HKV, L, sms)
         ratios = {k: [] for k in tables}
         for i in range(a.placements):
@@ -54,8 +60,9 @@ def main() -> None:
             vc = torch.randn_like(kc)
             q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
             sl = torch.full((b,), L, device="cuda", dtype=torch.int32)
-            kk = kc[tables["fresh"].long()].flatten(1, 2).transpose(1, 2).contiguous()
-            vv = vc[tables["fresh"].long()].flatten(1, 2).transpose(1, 2).contiguous()
+            first = next(iter(tables.values()))
+            kk = kc[first.long()].flatten(1, 2).transpose(1, 2).contiguous()
+            vv = vc[first.long()].flatten(1, 2).transpose(1, 2).contiguous()
             q4 = q.view(b, HQ, 1, D)
             t = {"cudnn": timed(lambda: torch.nn.functional.scaled_dot_product_attention(q4, kk, vv, enable_gqa=True))}
             for name, bt in tables.items():
@@ -72,7 +79,7 @@ def main() -> None:
     print("\ncuDNN / ours over placements: median [min, max], count of placements >= 1.000")
     for shape, ratios in final:
         for name, r in ratios.items():
-            print(f"  {shape:<10}{name:<9}{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}]  "
+            print(f"  {shape:<10}{name:<14}{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}]  "
                   f"{sum(x >= 1.0 for x in r)}/{len(r)}")
 
 
