@@ -55,9 +55,8 @@ class BlockPool:
         table's current last block), if that block is free and holds no cached prefix, so that a
         sequence's blocks lie side by side; failing that, a block near the queue's head followed by
         enough free blocks to end the table's current run (`_run_start`), before the head itself; and
-        the free blocks after the last one taken, up to the end
-        of the table's current run of `run` (`held`: the table's length before this call), move to the
-        queue's tail, where other sequences take them last, so that this one can grow into them.
+        the free blocks after the last one taken, up to the end of the table's current run of `run`
+        (`held`: the table's length before this call), move to the queue's tail, where other sequences take them last, so that this one can grow into them.
         Nothing is reserved: they stay free and allocatable. Cached free blocks are neither taken nor
         moved out of their LRU order. run == 1: the plain LRU queue (H100 decode over the resulting
         layouts: docs/KERNELS.md, run 24)."""
@@ -87,7 +86,7 @@ class BlockPool:
         if self.run > 1 and out:
             nxt = out[-1] + 1
             for _ in range((-(held + n)) % self.run):
-                if nxt >= self.num_blocks or nxt not in self.free_queue or self.blocks[nxt].block_hash is not None:
+                if not self._free_uncached(nxt):
                     break  # a cached block keeps its LRU place: this sequence would not grow into it
                 self.free_queue.move_to_end(nxt)
                 nxt += 1
@@ -100,7 +99,7 @@ class BlockPool:
         """Among the first `scan` blocks of the free queue, the first uncached one followed by length - 1
         free uncached blocks (a run to grow into), preferring one whose run ends on a multiple of
         `run` (so that it does not straddle two 2 MB pages of the cache); None if there is none."""
-        fq, blocks, other = self.free_queue, self.blocks, None
+        fq, blocks, other = self.free_queue, self.blocks, None  # _free_uncached inlined: a scheduler hot path
         for bid in itertools.islice(fq, scan):
             end = bid + length
             if end > self.num_blocks or (other is not None and end % self.run):
