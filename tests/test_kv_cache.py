@@ -79,7 +79,7 @@ def test_lru_eviction_drops_hash():
 def test_fork_copy_on_write():
     kv = KVCacheManager(8, 4)
     kv.allocate("p", 0, 6)  # block 0 full, block 1 partial (2 tokens)
-    kv.fork("p", "c")
+    kv.fork("p", "c", 6)
     assert kv.block_ids("c") == kv.block_ids("p")
     assert kv.pool.blocks[kv.block_ids("p")[1]].ref_cnt == 2
     assert kv.allocate("c", 6, 1)  # writes into the shared partial block: copy it
@@ -89,6 +89,20 @@ def test_fork_copy_on_write():
     assert kv.block_ids("c")[0] == kv.block_ids("p")[0]  # full block still shared
     assert kv.allocate("p", 6, 1)  # parent now owns block 1 alone: no copy
     assert kv.take_pending_copies() == []
+    check_invariants(kv)
+
+
+def test_fork_shares_only_computed_blocks():
+    """Slots claimed past the computed tokens (early-exit draft slots) stay the parent's alone."""
+    kv = KVCacheManager(8, 4, locality_tokens=0)
+    kv.allocate("p", 0, 6)  # 6 computed tokens: blocks 0 (full) and 1 (partial)
+    kv.allocate("p", 6, 4)  # 4 draft slots: block 2 too
+    assert len(kv.block_ids("p")) == 3
+    kv.fork("p", "c", 6)
+    assert kv.block_ids("c") == kv.block_ids("p")[:2]
+    assert [kv.pool.blocks[b].ref_cnt for b in kv.block_ids("p")] == [2, 2, 1]
+    assert kv.allocate("c", 6, 3)  # the child's own slots: a copy of block 1 and a fresh block
+    assert set(kv.block_ids("c")[1:]).isdisjoint(kv.block_ids("p"))
     check_invariants(kv)
 
 
@@ -177,7 +191,7 @@ def test_random_operation_sequences_keep_invariants(seq, block_size, num_blocks,
             elif op == "fork":
                 child = f"s{counter}"
                 counter += 1
-                kv.fork(sid, child)
+                kv.fork(sid, child, computed[sid])
                 tokens[child], computed[child] = list(tokens[sid]), computed[sid]
             elif op in ("free", "preempt"):
                 kv.free(sid)

@@ -187,6 +187,55 @@ def test_parallel_sampling_with_speculation(env):
     assert _no_leaks(llm)
 
 
+def _steps_to_finish(llm: LLM, max_steps: int = 400) -> list:
+    """Step the engine until nothing is left (a bounded loop: a hang fails the test instead)."""
+    eng, done = llm.llm_engine, []
+    for _ in range(max_steps):
+        done += [o for o in eng.step() if o.finished]
+        if not eng.has_unfinished_requests():
+            return done
+    raise AssertionError(f"not finished after {max_steps} steps: {eng.groups}")
+
+
+@pytest.mark.parametrize("block_size,chunk", [(4, 4), (1, 2), (1, 1)])
+@pytest.mark.parametrize("name", ["ngram", "draft_model", "early_exit"])
+def test_parallel_sampling_when_a_prompt_chunk_stops_one_short(env, name, block_size, chunk):
+    """n > 1 with chunked prefill stopping one token before the prompt's end: that request looks like
+    decode (only its last token lacks KV) but has not forked its siblings yet, so it must not be
+    drafted for (the verify step would skip the fork). Each sibling equals plain greedy; with early
+    exit the drafts' slots are never shared with a sibling."""
+    prompt = [5, 6, 7] * 3  # 9 tokens: chunks of 4 or 2 stop at 8; chunks of 1 at every token
+    want = _run(env["plain"], prompts=[prompt])[0].outputs[0].token_ids
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, name),
+              **dict(ENGINE, block_size=block_size, max_num_batched_tokens=chunk))
+    llm.llm_engine.add_request("a", {"prompt_token_ids": prompt},
+                               SamplingParams(n=2, temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    (out,) = _steps_to_finish(llm)
+    assert [c.token_ids for c in out.outputs] == [want, want]
+    assert _no_leaks(llm)
+    if chunk > 1:  # a budget of 1 token leaves no room to verify drafts (early exit still drafts)
+        assert llm.llm_engine.get_stats()["spec"][SPECS[name]["method"]]["num_steps"] > 0
+
+
+@pytest.mark.parametrize("name", ["draft_model", "draft_model-tree", "early_exit-tree"])
+def test_seeded_sampling_with_drafts_is_reproducible(env, name):
+    """A seeded request's drafts are drawn from its own generator, not torch's global one: the same
+    seeds give the same tokens whatever the global RNG state, its siblings (n > 1) too. (The engine
+    starts each run in the same state: a prefix-cache hit changes the schedule, and the token
+    budget's trimming of drafts with it, which changes what a seeded request's draws select.)"""
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, name), **ENGINE)
+    params = [SamplingParams(temperature=1.0, seed=11, max_tokens=NEW, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.7, top_k=20, seed=3, max_tokens=NEW, ignore_eos=True)]
+    runs = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        llm.reset_prefix_cache()
+        runs.append([[c.token_ids for c in o.outputs] for o in _run(llm, params, PROMPTS[4:6])])
+    assert runs[0] == runs[1]
+    assert llm.llm_engine.get_stats()["spec"][SPECS[name]["method"]]["num_steps"] > 0
+    assert _no_leaks(llm)
+
+
 def test_abort_mid_speculation_frees_everything(env):
     llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, "draft_model-tree"), **ENGINE)
     eng = llm.llm_engine

@@ -66,7 +66,7 @@ def exact_joint(folder: str, temperature: float, top_k: int) -> torch.Tensor:
 
 
 def sample_counts(llm: LLM, params: dict) -> torch.Tensor:
-    torch.manual_seed(0)  # the draft model's own draws use the global RNG
+    torch.manual_seed(0)  # seeded requests draw from their own generators; this fixes the rest
     sps = [SamplingParams(max_tokens=NEW, ignore_eos=True, seed=i, **params) for i in range(N)]
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, sps, use_tqdm=False)
     counts = torch.zeros([V] * NEW, dtype=torch.float64)

@@ -272,6 +272,8 @@ class LLMEngine:
                 f"prompt has {n} tokens, but max_model_len is {self.max_model_len}: at most "
                 f"{self.max_model_len - 1} prompt tokens leave room for one generated token"
             )
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({self.vocab_size})")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
@@ -466,7 +468,7 @@ class LLMEngine:
             child.forked = True
             child.metrics.first_scheduled_time = req.metrics.first_scheduled_time
             self._attach_detokenizer(child)
-            self.kv.fork(req.request_id, child.request_id)
+            self.kv.fork(req.request_id, child.request_id, req.num_computed_tokens)
             self.scheduler.add_running(child, after=prev)
             self.groups[req.group_id].append(child)
             family.append(child)

@@ -283,11 +283,16 @@ class KVCacheManager:
         if sb is not None:
             self.pool.free(list(reversed(sb.block_ids)))
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """child shares every block of parent (parallel sampling); writes into a shared block copy it."""
+    def fork(self, parent_id: str, child_id: str, num_computed: int) -> None:
+        """child shares the blocks of parent that cover its first num_computed tokens (parallel
+        sampling); writes into a shared block copy it. Blocks past them (slots the parent claimed for
+        tokens not computed yet, e.g. early-exit draft slots) stay the parent's alone: sharing them
+        would let both write the same slots, since copy-on-write only checks the block being
+        written from num_computed on."""
         sb = self.seqs[parent_id]
-        self.pool.touch(sb.block_ids)
-        self.seqs[child_id] = SeqBlocks(list(sb.block_ids), list(sb.hashes))
+        keep = sb.block_ids[: self.blocks_needed(num_computed)]
+        self.pool.touch(keep)
+        self.seqs[child_id] = SeqBlocks(keep, sb.hashes[: num_computed // self.block_size])
 
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         """Keep only the blocks covering num_tokens (speculative rollback of rejected slots)."""

@@ -5,7 +5,7 @@ num_computed_tokens (KV already in the cache); a step gives each scheduled reque
 difference. That one rule covers prefill, chunked prefill, prefix-cache hits, decode, recompute after
 preemption and speculative draft tokens alike.
 
-Policy per step, under a token budget (max_num_batched_tokens) and max_num_seqs:
+Policy per step, under a token budget (max_num_batched_tokens) and at most max_num_seqs requests:
 1. Running requests first, in arrival order, so decodes never starve behind prefills. When the pool
    cannot hold a request's new tokens, the most recently admitted running request is preempted: its
    blocks are freed and it goes back to the head of the queue to be recomputed later.
@@ -126,7 +126,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
+        # Forked siblings of an n > 1 request may leave more running requests than max_num_seqs:
+        # those past it wait (in order) for earlier ones to finish; a step never exceeds it.
+        while i < len(self.running) and budget > 0 and len(out.seqs) < self.max_num_seqs:
             req = self.running[i]
             if req.num_pending and self._ends_by_length(req):
                 i += 1  # its token in flight is its last: nothing more to compute

@@ -284,8 +284,11 @@ class SpecDecoder:
         return plan is None
 
     def _decode_ready(self) -> list[Request]:
-        """Running requests in decode state: only their last token lacks KV (it may be in flight)."""
-        return [r for r in self.engine.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        """Running requests in decode state: only their last token lacks KV (it may be in flight).
+        Not an n > 1 request before its fork: its last prompt token is still prefill, which forks
+        the siblings when it samples (LLMEngine._fork_if_needed); a verify step would skip that."""
+        sched = self.engine.scheduler  # only the first max_num_seqs running can be scheduled
+        return [r for r in sched.running[: sched.max_num_seqs] if r.num_computed_tokens == r.num_tokens - 1 and r.forked]
 
     def _plan(self) -> Optional[dict[str, tuple[int, int]]]:
         """request id -> (draft nodes k, depth cap) for the decode-ready requests that get drafts
@@ -387,7 +390,7 @@ class SpecDecoder:
         preqs = []
         for r, k, _ in asked:
             st = _state(r)
-            preqs.append(ProposalRequest(r.request_id, st.tokens(r.token_ids), k, st.hidden, r.params))
+            preqs.append(ProposalRequest(r.request_id, st.tokens(r.token_ids), k, st.hidden, r.params, r.generator))
         t0 = time.perf_counter()
         trees = self.proposer.propose(preqs)
         if self.ctrl is not None:

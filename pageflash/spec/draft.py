@@ -278,6 +278,7 @@ class ModelDraftProposer:
             trees = build_trees(
                 lambda idx, paths, lv=level, s=sample: self._next_probs(lv, idx, paths, s),
                 len(batch), config, sample=sample, generator=self.generator,
+                generators=[r.generator for r in batch],
             )
             for (i, base, _), t in zip(group, trees):
                 t = truncate_tree(t, requests[i].num_speculative_tokens)

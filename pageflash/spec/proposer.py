@@ -40,6 +40,8 @@ class ProposalRequest:
                             read them (Medusa heads: [H]; early exit: [num_layers, H]); None else.
     params:                 the request's SamplingParams, for proposers that sample their drafts at
                             the request's temperature / top-k / top-p (None: draft greedily).
+    generator:              the request's own generator (a seeded request), which such draws use
+                            so that its output is reproducible; None: the proposer's (or torch's).
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class ProposalRequest:
     num_speculative_tokens: int
     hidden_states: Optional[torch.Tensor] = None
     params: Optional["SamplingParams"] = None
+    generator: Optional[torch.Generator] = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -103,6 +106,7 @@ class ExpansionProposer:
             config,
             sample=self.sample,
             generator=self.generator,
+            generators=[r.generator for r in batch],
         )
         for i, t in zip(active, trees):
             t = truncate_tree(t, requests[i].num_speculative_tokens)

@@ -285,6 +285,7 @@ def build_trees(
     *,
     sample: bool = False,
     generator: Optional[torch.Generator] = None,
+    generators: Optional[Sequence[Optional[torch.Generator]]] = None,
 ) -> list[DraftTree]:
     """Expansion-based construction for a batch of requests, one ``next_probs`` call per level.
 
@@ -293,7 +294,8 @@ def build_trees(
     *without replacement*; node j then records the conditional distribution it was drawn from
     (q with the earlier siblings removed, renormalized), which keeps stochastic verification lossless
     and avoids duplicate siblings. Nodes with fewer than branching[d] tokens of nonzero probability
-    get fewer children. Level order is topological.
+    get fewer children. Level order is topological. generators[r]: request r's own generator
+    (seeded requests), used for its draws instead of ``generator``.
     """
     toks: list[list[int]] = [[] for _ in range(num_requests)]
     pars: list[list[int]] = [[] for _ in range(num_requests)]
@@ -312,7 +314,8 @@ def build_trees(
             raise ValueError(f"next_probs returned {q.shape[0]} rows for {len(frontier)} paths")
         b = min(config.branching[d], q.shape[1])
         if sample:
-            chosen, cond = _sample_without_replacement(q, b, generator)  # [m, b], [m, b, V]
+            gens = [generators[r] for r in reqs] if generators is not None else None
+            chosen, cond = _sample_without_replacement(q, b, generator, gens)  # [m, b], [m, b, V]
             valid = torch.gather(cond, 2, chosen[:, :, None]).squeeze(2) > 0
             level_conds.append(cond.flatten(0, 1))
         else:
@@ -355,9 +358,10 @@ def build_tree(
 
 
 def _sample_without_replacement(
-    q: torch.Tensor, b: int, generator: Optional[torch.Generator]
+    q: torch.Tensor, b: int, generator: Optional[torch.Generator],
+    gens: Optional[Sequence[Optional[torch.Generator]]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw b tokens per row of q ([m, V]) without replacement.
+    """Draw b tokens per row of q ([m, V]) without replacement (row i from gens[i] where set).
 
     Returns (tokens int64 [m, b], cond float [m, b, V]) with cond[:, c] the normalized distribution
     draw c came from. Rows that run out of support draw a zero-probability token (caller drops it).
@@ -366,19 +370,26 @@ def _sample_without_replacement(
     toks, conds = [], []
     for _ in range(b):
         conds.append(cur)
-        t = sample_from_weights(cur, generator)
+        t = sample_from_weights(cur, generator, gens)
         toks.append(t)
         cur = cur.scatter(1, t[:, None], 0.0)
         cur = cur / cur.sum(-1, keepdim=True).clamp_min(1e-30)
     return torch.stack(toks, 1), torch.stack(conds, 1)
 
 
-def sample_from_weights(w: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """One index per row of nonnegative weights w ([m, V]), proportional to w: int64 [m].
+def sample_from_weights(w: torch.Tensor, generator: Optional[torch.Generator] = None,
+                        gens: Optional[Sequence[Optional[torch.Generator]]] = None) -> torch.Tensor:
+    """One index per row of nonnegative weights w ([m, V]), proportional to w: int64 [m]. Row i
+    draws from gens[i] where that is set, the others from ``generator``.
 
     Exponential-race sampling (argmax of w / E, E ~ Exp(1)) needs no normalization and no host sync.
     """
-    e = torch.empty_like(w, dtype=torch.float32).exponential_(1.0, generator=generator)
+    e = torch.empty_like(w, dtype=torch.float32)
+    own = [(i, g) for i, g in enumerate(gens or ()) if g is not None]
+    if len(own) < w.shape[0]:
+        e.exponential_(1.0, generator=generator)
+    for i, g in own:
+        e[i].exponential_(1.0, generator=g)
     return torch.argmax(w.float() / e, dim=-1)
 
 
