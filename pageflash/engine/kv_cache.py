@@ -4,8 +4,8 @@ Blocks hold `block_size` tokens. A sequence's block table grows on demand. Full 
 chained over their whole prefix (hash(parent_hash, tokens)), so equal prefixes map to the same block
 and can be shared between requests with reference counts. A block whose count drops to zero goes to
 the tail of the free queue but keeps its hash until it is handed out again (LRU eviction), so a later
-request can still hit it. A sequence forked for parallel sampling shares all blocks; the shared
-partial last block is copied on write (the copy is recorded here and performed by the model runner).
+request can still hit it. A sequence forked for parallel sampling shares the blocks of its computed
+tokens; the shared partial last block is copied on write (the copy is recorded here and performed by the model runner).
 """
 
 from __future__ import annotations
