@@ -26,6 +26,9 @@ class CompletionOutput:
     logprobs: Optional[list[dict[int, Logprob]]] = None
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
     stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it
+    # With logprobs: where each token's text starts in text, as the detokenizer built it (a token
+    # holding part of a character starts where that character will; past a stop string's cut: the cut)
+    text_offsets: Optional[list[int]] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

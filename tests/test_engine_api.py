@@ -158,6 +158,27 @@ def _next_logprobs(llm, ids):
         v[t] = lp.logprob
     return v
 
+def test_text_offsets_follow_the_detokenized_text(llm):
+    """CompletionOutput.text_offsets (with logprobs): where each token's text starts in the output
+    text; past a stop string's cut, the cut."""
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    out = llm.generate("The capital of France is", sp, use_tqdm=False)[0].outputs[0]
+    ids = out.token_ids
+    assert len(out.text_offsets) == len(ids)
+    want = [len(tok.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids))]
+    assert out.text_offsets == want
+    cut = len(out.text) // 2
+    stop = out.text[cut : cut + 2]
+    cut = out.text.find(stop)
+    stopped = llm.generate("The capital of France is", SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert stopped.text == out.text[:cut]
+    n = len(stopped.token_ids)
+    assert stopped.text_offsets == [min(o, cut) for o in want[:n]]
+    assert llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text_offsets is None
+
+
 
 @pytest.mark.parametrize(
     "kwargs, match",

@@ -235,6 +235,21 @@ def test_penalties_match_reference():
     assert torch.equal(out.token_ids, got.argmax(-1))
 
 
+def test_extreme_repetition_penalty_keeps_probabilities_defined():
+    """A repetition penalty near 0 sends the repeated tokens' positive logits past float32's range:
+    they stay the likeliest (finite), and sampling picks among them instead of NaN's token 0."""
+    vocab = 12
+    logits = torch.full((2, vocab), -1.0)
+    logits[:, 5], logits[:, 7] = 2.0, 1.0
+    params = [SamplingParams(temperature=t, repetition_penalty=1e-38, seed=3) for t in (1.0, 1e-5)]
+    batch = build(params, vocab, prompts=[[5, 7], [5, 7]], gens=[gen(1), gen(2)])
+    probs = compute_probs(logits, batch)
+    assert torch.isfinite(probs).all()
+    assert probs[:, [5, 7]].sum(-1).min() > 0.99
+    for _ in range(5):
+        assert set(Sampler()(logits, batch).token_ids.tolist()) <= {5, 7}
+
+
 def test_penalties_only_build_what_is_used():
     b = build([SamplingParams(), SamplingParams(temperature=0)], 10, outputs=[[1], [2]])
     assert b.output_counts is None and b.repetition_mask is None and not b.needs_logits_processing

@@ -243,9 +243,9 @@ def test_chat_logprobs(srv: Srv) -> None:
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
 
 
-def test_logprob_bytes_and_offsets(srv: Srv) -> None:
+def test_logprob_bytes(srv: Srv) -> None:
     """`bytes` is what the token stands for, also for a token holding part of a character (alone it
-    decodes to U+FFFD), so joining them rebuilds the text; completions' text offsets stay in the text."""
+    decodes to U+FFFD), so joining them rebuilds the text."""
     tok = copy.deepcopy(srv.aeng.tokenizer)  # a copy: the engine thread uses its own meanwhile
     text = "😀 café 東京 <|im_end|>"
     ids = tok.encode(text, add_special_tokens=False)
@@ -253,16 +253,42 @@ def test_logprob_bytes_and_offsets(srv: Srv) -> None:
     assert any(tok.decode([i]) == "\ufffd" for i in ids)  # the case that matters is in there
     assert b"".join(bytes(tb(i, tok.decode([i]))) for i in ids).decode() == text
 
-    class Lp:
-        def __init__(self, t: str) -> None:
-            self.decoded_token, self.logprob, self.rank = t, -1.0, 1
 
-    serving = server_app.OpenAIServing.__new__(server_app.OpenAIServing)
-    ch = server_app._Choice(index=0, prompt_idx=0)
-    pieces = [tok.decode([i]) for i in ids]
-    out = serving.completion_logprobs(ch, ids, [{i: Lp(p)} for i, p in zip(ids, pieces)], len(text))
-    assert out.text_offset == sorted(out.text_offset) and out.text_offset[0] == 0
-    assert all(o <= len(text) for o in out.text_offset) and ch.text_offset == len(text)
+def _offsets(tokens: list[str], cap: int) -> list[int]:
+    out, pos = [], 0
+    for t in tokens:
+        out.append(min(pos, cap))
+        pos += len(t)
+    return out
+
+
+def test_completion_text_offsets_with_stop_strings(srv: Srv) -> None:
+    """Text held back for a possible stop string (stream or not) does not shift the offsets; a stop
+    string that cuts the text caps the offsets of the tokens after the cut at its length."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1)
+    base = srv.client.completions.create(**kw).choices[0]
+    assert base.logprobs.text_offset == _offsets(base.logprobs.tokens, len(base.text))
+    assert "".join(base.logprobs.tokens) == base.text  # ASCII here: token lengths add up to the text
+    k = len(base.logprobs.tokens[0]) + 1  # a stop string starting inside the second token
+    cut = base.text[k : k + 3]
+    assert base.text.find(cut) == k
+    upto = next(i for i, o in enumerate(_offsets(base.logprobs.tokens, 10**9)) if o + len(base.logprobs.tokens[i]) >= k + 3)
+    for stop, text, tokens in ((["zzzzzz"], base.text, base.logprobs.tokens),
+                               ([cut], base.text[:k], base.logprobs.tokens[: upto + 1])):
+        for stream in (False, True):
+            if stream:
+                got_text, got_tokens, got_offsets = "", [], []
+                for c in srv.client.completions.create(stop=stop, stream=True, **kw):
+                    for ch in c.choices:
+                        got_text += ch.text
+                        if ch.logprobs is not None:
+                            got_tokens += ch.logprobs.tokens
+                            got_offsets += ch.logprobs.text_offset
+            else:
+                ch = srv.client.completions.create(stop=stop, **kw).choices[0]
+                got_text, got_tokens, got_offsets = ch.text, ch.logprobs.tokens, ch.logprobs.text_offset
+            assert (got_text, got_tokens) == (text, tokens), (stop, stream)
+            assert got_offsets == _offsets(tokens, len(text)), (stop, stream)
 
 
 def test_nullable_fields_take_defaults(srv: Srv) -> None:
@@ -341,6 +367,13 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi " * 300, "max_tokens": 1}, "prompt", (str(MAX_MODEL_LEN),)),
     ({"prompt": ["hi", "hi " * 300], "max_tokens": 1}, "prompt[1]", (str(MAX_MODEL_LEN),)),
     ({"prompt": [[1, 2], [-1]]}, "prompt[1]", ("outside the vocabulary",)),
+    # vLLM extras that would change the result: refused by name, never silently ignored
+    ({"prompt": "hi", "guided_choice": ["a", "b"]}, "guided_choice", ("not supported",)),
+    ({"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json", ("not supported",)),
+    ({"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids", ("not supported",)),
+    ({"prompt": "hi", "bad_words": ["x"]}, "bad_words", ("not supported",)),
+    ({"prompt": "hi", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens", ("not supported",)),
+    ({"prompt": "hi", "prompt_logprobs": 0}, "prompt_logprobs", ("not supported",)),
 ]
 
 
@@ -372,12 +405,25 @@ BAD_CHATS = [
     ({"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}, None, ("functions",)),
     ({"messages": CHAT, "function_call": "auto"}, None, ("function_call",)),
     ({"messages": CHAT, "tools": [], "tool_choice": "required"}, None, ("tool_choice",)),
+    ({"messages": CHAT, "continue_final_message": True}, "continue_final_message", ("not supported",)),
+    ({"messages": CHAT, "echo": True}, "echo", ("not supported",)),
+    ({"messages": CHAT, "chat_template": "{{ 'x' }}"}, "chat_template", ("not supported",)),
+    ({"messages": CHAT, "structured_outputs": {"choice": ["a"]}}, "structured_outputs", ("not supported",)),
 ]
 
 
 @pytest.mark.parametrize("body,param,contains", BAD_CHATS, ids=lambda x: str(x)[:40])
 def test_bad_chat_requests_get_400(srv: Srv, body: Any, param: str | None, contains: tuple) -> None:
     assert_error(srv.post("/v1/chat/completions", body), 400, param=param, contains=contains)
+
+
+def test_unimplemented_extras_left_at_their_defaults_are_fine(srv: Srv) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "guided_json": None, "use_beam_search": False,
+            "truncate_prompt_tokens": None, "prompt_logprobs": None}
+    assert srv.post("/v1/completions", body).status_code == 200
+    body = {"messages": CHAT, "max_tokens": 2, "echo": False, "continue_final_message": False,
+            "chat_template_kwargs": {}}
+    assert srv.post("/v1/chat/completions", body).status_code == 200
 
 
 def test_unknown_model_404_and_unknown_route(srv: Srv) -> None:
@@ -438,8 +484,28 @@ def test_api_key_and_body_limit() -> None:
                     yield b" " * 1000
 
             assert_error(http.post("/v1/completions", content=chunks(), headers=auth), 413)
+
+            # CORS (vLLM's defaults): a browser's preflight needs no key; answers name the origin
+            pre = http.options("/v1/chat/completions", headers={
+                "Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type"})
+            assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+            assert "POST" in pre.headers["access-control-allow-methods"]
+            r = http.get("/v1/models", headers={**auth, "Origin": "http://ui.example"})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
     finally:
         aeng.shutdown()
+
+
+def test_cors_flags() -> None:
+    from pageflash.server.app import make_arg_parser
+
+    p = make_arg_parser()
+    a = p.parse_args(["--allowed-origins", '["http://a.example"]', "--allow-credentials"])
+    assert a.allowed_origins == ["http://a.example"] and a.allow_credentials and a.allowed_methods == ["*"]
+    for bad in ("http://a.example", '"*"', "[1]"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--allowed-origins", bad])
 
 
 # --------------------------------------------------------------------------- disconnects

@@ -487,6 +487,7 @@ class LLMEngine:
                 entry.setdefault(ids[j], Logprob(lps[j], j, self._decode_one(ids[j])))
             req.logprobs.append(entry)
             req.cumulative_logprob += lps[0]
+            req.text_offsets.append(len(req.output_text))
         self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
         self._check_stop(req, tok)
         if req.finish_reason is not None:
@@ -547,6 +548,7 @@ class LLMEngine:
                 index=r.index, text=r.output_text, token_ids=list(r.output_token_ids),
                 cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
                 logprobs=list(r.logprobs) if r.logprobs is not None else None,
+                text_offsets=[min(o, len(r.output_text)) for o in r.text_offsets] if r.text_offsets is not None else None,
                 finish_reason=r.finish_reason, stop_reason=r.stop_reason,
             )
             for r in reqs

@@ -425,6 +425,9 @@ def _check_shapes(logits: torch.Tensor, batch: SamplingBatch) -> None:
         raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
 
 
+_PENALIZED_MAX = 1e30  # / a temperature >= SAMPLING_EPS stays below float32's 3.4e38
+
+
 def apply_penalties_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Penalties, then the min_tokens mask. logits [B, V] any float -> new float32 [B, V]."""
     # float32 copy: processing happens in place on it, never on the model's buffer.
@@ -433,6 +436,9 @@ def apply_penalties_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -
         pen = batch.repetition_penalty[:, None]
         # HF/CTRL: divide positive logits, multiply negative ones, so > 1 always discourages.
         scaled = torch.where(x > 0, x / pen, x * pen)
+        # A penalty near 0 overflows positive logits to +inf, and softmax over several +inf is NaN
+        # (every sample would then be token 0): cap them where the smallest temperature keeps them finite.
+        scaled.clamp_(max=_PENALIZED_MAX)
         x = torch.where(batch.repetition_mask, scaled, x)
     if batch.output_counts is not None:
         counts = batch.output_counts

@@ -57,6 +57,7 @@ class Request:
         self.pending_row = -1
         self.spec_state: Any = None  # proposer's per-request state
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
+        self.text_offsets: Optional[list[int]] = [] if params.logprobs is not None else None
         self.cumulative_logprob: float = 0.0
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None

@@ -26,12 +26,13 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import pydantic
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -192,7 +193,9 @@ class _Choice:
     prompt_idx: int
     text_len: int = 0  # characters of the cumulative text already sent
     num_tokens: int = 0  # token ids already sent (their logprobs too)
-    text_offset: int = 0  # completions logprobs: character offset of the next token
+    # completions logprobs: (token id, its logprobs, its text offset) whose text starts in what is held
+    # back, sent later
+    lp_pending: list[tuple[int, Any, int]] = field(default_factory=list)
     started: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -291,7 +294,8 @@ class TokenBytes:
         return list(text.encode())
 
 
-OnDelta = Callable[[_Choice, str, list[int], "list[dict[int, Any]] | None"], Any]
+# (choice, new text, new token ids, their logprobs, their text offsets)
+OnDelta = Callable[[_Choice, str, list[int], "list[dict[int, Any]] | None", "list[int] | None"], Any]
 
 
 class _Generation:
@@ -347,7 +351,8 @@ class _Generation:
                     delta = comp.text[ch.text_len : sendable]
                     new_ids = list(comp.token_ids[ch.num_tokens :])
                     new_lps = list(comp.logprobs[ch.num_tokens :]) if comp.logprobs is not None else None
-                    item = on_delta(ch, delta, new_ids, new_lps)
+                    offs = comp.text_offsets[ch.num_tokens :] if comp.text_offsets is not None else None
+                    item = on_delta(ch, delta, new_ids, new_lps, offs)
                     ch.text_len, ch.num_tokens, ch.started = max(sendable, ch.text_len), len(comp.token_ids), True
                     if item is not None:
                         yield item
@@ -507,24 +512,28 @@ class OpenAIServing:
         return sorted((d or {}).items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
 
     def completion_logprobs(self, ch: _Choice, ids: list[int], lps: list[dict[int, Any]] | None,
-                            text_len: int) -> P.CompletionLogprobs | None:  # fmt: skip
-        """text_len: characters of generated text this delta sends. A token's offset is where its text
-        starts, never past the text sent: a token holding part of a character adds none of its own."""
+                            offsets: list[int] | None, sent: int, final: bool) -> P.CompletionLogprobs | None:  # fmt: skip
+        """The delta's tokens for the logprobs; offsets: where each one's text starts (the engine's
+        CompletionOutput.text_offsets). sent: characters of generated text sent once this delta is
+        (text held back for a possible stop string is not). A token whose text starts in the held-back
+        text waits for a later delta: a stop string may still cut the text before it, and its offset
+        is then the cut. At the end (final) every token goes."""
         if lps is None:
             return None
         out = P.CompletionLogprobs()
-        end = ch.text_offset + text_len
-        pos = ch.text_offset
-        for tid, d in zip(ids, lps):
+        pending = ch.lp_pending
+        pending.extend(zip(ids, lps, offsets if offsets is not None else [sent] * len(ids)))
+        done = 0
+        for tid, d, off in pending:
+            if not final and off >= sent:
+                break
             lp = (d or {}).get(tid)
-            tok = self.decoded(tid, lp)
-            out.tokens.append(tok)
+            out.tokens.append(self.decoded(tid, lp))
             out.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
             out.top_logprobs.append({self.decoded(t, v): _clamp(v.logprob) for t, v in self._ranked(d)} or None)
-            out.text_offset.append(min(pos, end))
-            if "\ufffd" not in tok:
-                pos += len(tok)
-        ch.text_offset = end
+            out.text_offset.append(min(off, sent))
+            done += 1
+        del pending[:done]
         return out
 
     def chat_logprobs(self, ids: list[int], lps: list[dict[int, Any]] | None, k: int) -> P.ChatLogprobs | None:
@@ -582,8 +591,10 @@ class OpenAIServing:
         gen = _Generation(await self.add_all(rid, prompts, params), params, timer)
         created = int(time.time())
 
-        def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any) -> P.CompletionChoice:
-            lp = self.completion_logprobs(ch, ids, lps, len(delta)) if req.logprobs is not None else None
+        def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any, offs: Any) -> P.CompletionChoice:
+            lp = None
+            if req.logprobs is not None:
+                lp = self.completion_logprobs(ch, ids, lps, offs, ch.text_len + len(delta), ch.finish_reason is not None)
             if req.echo and not ch.started:
                 delta = echo[ch.prompt_idx] + delta
             return P.CompletionChoice(index=ch.index, text=delta, logprobs=lp,
@@ -656,7 +667,7 @@ class OpenAIServing:
                           params, timer)  # fmt: skip
         created = int(time.time())
 
-        def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any) -> P.ChatStreamChoice:
+        def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any, _offs: Any) -> P.ChatStreamChoice:
             lp = self.chat_logprobs(ids, lps, k) if req.logprobs else None
             return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(content=delta), logprobs=lp,
                                       finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
@@ -712,11 +723,15 @@ async def _run_request(request: Request, work: Awaitable[Any]) -> Any:
 
 # --------------------------------------------------------------------------- the app
 def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:  # fmt: skip
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins: Sequence[str] = ("*",),
+              allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
+              allow_credentials: bool = False) -> FastAPI:  # fmt: skip
     """The FastAPI app serving `engine` under the given model name(s) (the first is the default).
 
     `api_key`: if set, /v1/* require `Authorization: Bearer <api_key>` (401 otherwise); /health and
-    /metrics stay open. `max_body_bytes`: larger request bodies get 413.
+    /metrics stay open. `max_body_bytes`: larger request bodies get 413. CORS (browser front-ends
+    calling the API directly): the `allowed_*` lists and `allow_credentials`, vLLM's defaults (any
+    origin, no credentials).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
@@ -733,6 +748,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
             serving.tokenizer.close()
 
     app = FastAPI(title="pageflash OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+                       allow_headers=list(allowed_headers), allow_credentials=allow_credentials)  # fmt: skip
     app.state.engine = engine
     app.state.serving = serving
 
@@ -821,8 +838,22 @@ def make_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default: %(default)s)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        p.add_argument(f"--allowed-{flag}", type=_json_str_list, default=["*"], metavar="JSON",
+                       help=f"CORS: {what} allowed, as a JSON list (default: [\"*\"])")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: no)")
     add_engine_args(p)
     return p
+
+
+def _json_str_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -853,7 +884,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = AsyncLLMEngine(llm.llm_engine)
     api_key = args.api_key or os.environ.get("PAGEFLASH_API_KEY") or None
     names = args.served_model_name or [args.model]
-    app = build_app(engine, names, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    app = build_app(engine, names, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                    allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                    allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     logger.info("serving %s as %s on http://%s:%d/v1", args.model, ", ".join(names), args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,

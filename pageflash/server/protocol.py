@@ -20,6 +20,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -76,6 +77,29 @@ class _SamplingFields(_Strict):
     user: StrictStr | None = None
     # Accepted so that setting them is a clear 400, not silently ignored.
     logit_bias: dict[str, Any] | None = None
+    # vLLM's extra parameters that change the result and that pageflash does not implement: asking
+    # for one (anything but null / false) is a 400 naming it, not a silently different result.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = None
+    return_tokens_as_token_ids: Any = None
+
+    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs",
+                     "logits_processors", "use_beam_search", "return_tokens_as_token_ids")
+    @classmethod
+    def _not_implemented(cls, v: Any) -> Any:
+        if v is None or v is False:
+            return v
+        raise ValueError("not supported by this server (leave it out)")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_SamplingFields":
@@ -254,6 +278,19 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    # vLLM's chat extras that change the result (see _SamplingFields._not_implemented)
+    echo: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+
+    @field_validator("echo", "continue_final_message", "chat_template", "chat_template_kwargs", "documents")
+    @classmethod
+    def _chat_not_implemented(cls, v: Any) -> Any:
+        if v is None or v is False or v == {}:
+            return v
+        raise ValueError("not supported by this server (leave it out)")
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
