@@ -55,6 +55,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: Optional[RequestMetrics] = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then per token a dict holding
+    # its own logprob and the top ones (vLLM's format); filled as the prompt's chunks are computed
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
     def __repr__(self) -> str:
         return (

@@ -64,6 +64,8 @@ class SamplingParams:
     ignore_eos: keep generating after EOS (benchmarks).
     logprobs: number of top logprobs per generated token; 0 = only the sampled token's;
         None = no logprobs.
+    prompt_logprobs: the same for each prompt token after the first (RequestOutput.prompt_logprobs;
+        the prompt is then computed whole, without prefix-cache hits); None = none.
     skip_special_tokens: drop special tokens from the output text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
@@ -83,6 +85,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -112,6 +115,9 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, allow_none=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
 
         # ---- floats -----------------------------------------------------------------------
         self.temperature = _check_float("temperature", self.temperature)

@@ -128,3 +128,41 @@ def test_random_models_match_hf(tmp_path, name):
                            SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs2] == [o.outputs[0].token_ids for o in outs[:4]]
+
+
+def test_prompt_logprobs_match_hf(tmp_path):
+    """SamplingParams.prompt_logprobs equal HF's log-softmax over the prompt, with chunked prefill,
+    a prefix already in the cache (not used: the prompt is computed whole), n > 1, preemption and
+    requests without them in the same batch; the first prompt token has None."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 2, 23, 41)]
+    for pool in (96, 24):  # 24 blocks of 4: preemption
+        llm = LLM(folder, block_size=4, max_num_batched_tokens=16, max_model_len=64, num_kv_blocks=pool)
+        plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)  # cache the prefixes
+        asks = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=k, n=n)
+                for k, n in ((3, 1), (0, 1), (2, 2), (1, 1))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts] * 2, asks + [plain] * 4, use_tqdm=False)
+        if pool == 24:
+            assert llm.llm_engine.scheduler.num_preemptions > 0
+        for p, sp, o in zip(prompts, asks, outs):
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1)
+            plp = o.prompt_logprobs
+            assert len(plp) == len(p) and plp[0] is None
+            for t in range(1, len(p)):
+                d = plp[t]
+                own = ref[t - 1, p[t]].item()
+                assert d[p[t]].logprob == pytest.approx(own, abs=1e-4)
+                assert d[p[t]].rank == int((ref[t - 1] > own).sum()) + 1
+                top = ref[t - 1].topk(sp.prompt_logprobs).indices.tolist()
+                assert set(top) <= set(d) and len(d) <= sp.prompt_logprobs + 1
+                assert [d[i].rank for i in top] == list(range(1, sp.prompt_logprobs + 1))
+            assert all(c.token_ids == outs[4 + prompts.index(p)].outputs[0].token_ids for c in o.outputs)
+        assert all(o.prompt_logprobs is None for o in outs[4:])
+        kv = llm.llm_engine.kv
+        assert kv.num_free_blocks == kv.pool.num_blocks

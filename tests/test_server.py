@@ -16,6 +16,7 @@ import json
 import socket
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import httpx
@@ -348,7 +349,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [-1, 2]}, "prompt", ("outside the vocabulary",)),
     ({"prompt": "hi", "max_tokens": "5"}, "max_tokens", ("valid integer",)),
     ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens", ()),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ("greater than or equal to 1",)),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ("at least 1, or 0 with echo",)),
     ({"prompt": "hi", "max_tokens": -3}, "max_tokens", ()),
     ({"prompt": "hi", "temperature": -0.5}, "temperature", ()),
     ({"prompt": "hi", "temperature": "hot"}, "temperature", ()),
@@ -417,6 +418,47 @@ def test_bad_chat_requests_get_400(srv: Srv, body: Any, param: str | None, conta
     assert_error(srv.post("/v1/chat/completions", body), 400, param=param, contains=contains)
 
 
+def _collect_completion(srv: Srv, stream: bool, **kw: Any) -> tuple[str, Any, Any]:
+    """(text, logprobs as one object, usage) of a one-choice completion, streamed or not."""
+    if not stream:
+        r = srv.client.completions.create(model=MODEL, **kw)
+        return r.choices[0].text, r.choices[0].logprobs, r.usage
+    text, usage = "", None
+    lp = SimpleNamespace(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for c in srv.client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True}, **kw):
+        usage = c.usage or usage
+        for ch in c.choices:
+            text += ch.text
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(lp, name).extend(getattr(ch.logprobs, name) if ch.logprobs is not None else [])
+    return text, lp, usage
+
+
+def test_echo_with_logprobs_scores_the_prompt(srv: Srv) -> None:
+    """lm-eval's loglikelihood request: echo + logprobs, max_tokens 0 (the prompt alone) or 1. The
+    prompt's tokens come first (the first without a logprob), scored as the model scores them: a
+    prompt ending in the greedy continuation's first token gives it the logprob that generation did."""
+    tok = srv.aeng.tokenizer
+    ids = tok.encode(PROMPT)
+    gen = srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=0)
+    g_lp = gen.choices[0].logprobs.token_logprobs[0]
+    g_tok = tok.encode(PROMPT + gen.choices[0].text)[len(ids):]
+    assert len(g_tok) == 1
+    for max_tokens in (0, 1):
+        for stream in (False, True):
+            text, lp, usage = _collect_completion(srv, stream, prompt=ids + g_tok, echo=True, logprobs=2,
+                                                  max_tokens=max_tokens, temperature=0)
+            n = len(ids) + 1
+            assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n + max_tokens
+            assert text.startswith(PROMPT + gen.choices[0].text) and "".join(lp.tokens) == text
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+            assert lp.token_logprobs[n - 1] == pytest.approx(g_lp, abs=1e-3)
+            assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+            assert usage.prompt_tokens == n and usage.completion_tokens == max_tokens
+    assert_error(srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}), 400, param="max_tokens")
+
+
 def test_unimplemented_extras_left_at_their_defaults_are_fine(srv: Srv) -> None:
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "guided_json": None, "use_beam_search": False,
             "truncate_prompt_tokens": None, "prompt_logprobs": None}
@@ -458,7 +500,6 @@ def test_bad_input_leaves_engine_clean(srv: Srv) -> None:
 
 def test_api_key_and_body_limit() -> None:
     # A second app over a stub engine: auth and size checks come before any generation.
-    from types import SimpleNamespace
 
     stub = SimpleNamespace(tokenizer=None, model_name="stub", max_model_len=64, get_stats=lambda: {},
                            has_unfinished_requests=lambda: False)

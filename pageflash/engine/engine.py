@@ -272,8 +272,10 @@ class LLMEngine:
                 f"prompt has {n} tokens, but max_model_len is {self.max_model_len}: at most "
                 f"{self.max_model_len - 1} prompt tokens leave room for one generated token"
             )
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name}={k} exceeds the vocabulary size ({self.vocab_size})")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
@@ -372,6 +374,8 @@ class LLMEngine:
         if prev is not None:
             extra["prev_tokens"] = prev.tokens
         result = self.runner.execute(sched, [self.kv.block_ids(s.request.request_id) for s in sched.seqs], **extra)
+        if result.prompt_rows is not None:
+            touched += self._prompt_logprobs(sched, result)
         launched = self._launch(sched, result.logits, result.rows, result.greedy)
         self._inflight = None
         if prev is not None:  # the device runs the step just launched meanwhile
@@ -434,6 +438,33 @@ class LLMEngine:
         may_overlap = not any(r.params.reads_outputs(r.num_output_tokens) for r in sample_reqs)
         return _Inflight(sample_reqs, out, may_overlap)
 
+    def _prompt_logprobs(self, sched: SchedulerOutput, result: Any) -> list[str]:
+        """Append the prompt logprobs this step's rows scored (raw logits' log-softmax, as for
+        generated tokens): per prompt token its own logprob and rank, and the top prompt_logprobs."""
+        seqs = [(s.request, first, cnt) for s, (first, cnt) in zip(sched.seqs, result.prompt_rows) if cnt]
+        if not seqs:
+            return []
+        idx = torch.tensor([first + j for _, first, cnt in seqs for j in range(cnt)], device=result.logits.device)
+        lp = torch.log_softmax(result.logits[idx].float(), dim=-1)
+        targets = torch.tensor([t for r, _, cnt in seqs for t in
+                                r.prompt_token_ids[len(r.prompt_logprobs): len(r.prompt_logprobs) + cnt]],
+                               device=lp.device)  # fmt: skip
+        own = lp.gather(1, targets[:, None])
+        ranks = ((lp > own).sum(-1) + 1).tolist()
+        k = max(r.params.prompt_logprobs for r, _, _ in seqs)
+        top = torch.topk(lp, k, dim=-1) if k else None
+        own_l, tgt_l = own[:, 0].tolist(), targets.tolist()
+        top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
+        row = 0
+        for r, _, cnt in seqs:
+            for _ in range(cnt):
+                entry = {tgt_l[row]: Logprob(own_l[row], ranks[row], self._decode_one(tgt_l[row]))}
+                for j in range(r.params.prompt_logprobs):
+                    entry.setdefault(top_i[row][j], Logprob(top_v[row][j], j + 1, self._decode_one(top_i[row][j])))
+                r.prompt_logprobs.append(entry)
+                row += 1
+        return [r.group_id for r, _, _ in seqs]
+
     def _resolve(self, inf: _Inflight) -> list[str]:
         """Read a launched step's sampled tokens and apply them: append, stops, finish."""
         token_ids, lp = inf.fetch()
@@ -466,6 +497,7 @@ class LLMEngine:
             )
             child.num_computed_tokens = req.num_computed_tokens
             child.forked = True
+            child.prompt_logprobs = None  # the group's are the parent's
             child.metrics.first_scheduled_time = req.metrics.first_scheduled_time
             self._attach_detokenizer(child)
             self.kv.fork(req.request_id, child.request_id, req.num_computed_tokens)
@@ -557,7 +589,8 @@ class LLMEngine:
         finished = head.forked and all(r.is_finished for r in reqs)
         if finished:
             del self.groups[group_id]
-        return RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished, head.metrics)
+        plp = list(head.prompt_logprobs) if head.prompt_logprobs is not None else None
+        return RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished, head.metrics, plp)
 
     # -- introspection ----------------------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:

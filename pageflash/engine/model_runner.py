@@ -37,6 +37,9 @@ class StepResult:
     rows: list[tuple[int, int]]
     hidden: Optional[torch.Tensor] = None  # [R, H] final hidden states at those rows (Medusa heads)
     greedy: Optional[torch.Tensor] = None  # int64 [R]: each logits row's argmax, computed in the decode graph
+    # SamplingParams.prompt_logprobs: per scheduled seq (first row, count) of the rows after `rows`'
+    # whose logits score its next prompt tokens (count 0: none); None when no seq asked
+    prompt_rows: Optional[list[tuple[int, int]]] = None
 
 
 class ModelRunner:
@@ -252,10 +255,11 @@ class ModelRunner:
         fixes: list[tuple[int, int]] = []
         ids, pos, slots, qlens, seq_lens, logit_idx, rows = self.prepare(
             sched, block_tables, fixes if prev_tokens is not None else None)
+        prompt_rows = self._prompt_logprob_rows(sched, logit_idx)
         if positions_override is not None:
             pos = positions_override
         sg = self.step_graphs
-        if sg is not None and kv_caches is None and not fixes:
+        if sg is not None and kv_caches is None and not fixes and prompt_rows is None:
             res = sg.run(ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers)
             if res is not None:
                 return res
@@ -269,7 +273,26 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, kv_caches or self.kv_caches, self.backend, plan, num_layers)
         idx = to_device(torch.tensor(logit_idx, dtype=torch.int64), dev)
         h = hidden[idx]
-        return StepResult(self.model.compute_logits(h), rows, h)
+        return StepResult(self.model.compute_logits(h), rows, h, prompt_rows=prompt_rows)
+
+    @staticmethod
+    def _prompt_logprob_rows(sched: SchedulerOutput, logit_idx: list[int]) -> Optional[list[tuple[int, int]]]:
+        """Append to logit_idx the input rows whose logits score prompt tokens that still lack their
+        prompt logprobs (the row at position q scores token q + 1; the last prompt position's row is
+        the sampling row), after every sampling row; returns their (first, count) per seq."""
+        if not any(getattr(s.request, "needs_prompt_logprobs", False) for s in sched.seqs):
+            return None  # (drafters' Feeds have no such attribute)
+        out: list[tuple[int, int]] = []
+        off = 0
+        for s in sched.seqs:
+            r, c, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            want = getattr(r, "needs_prompt_logprobs", False)
+            lo = max(c, len(r.prompt_logprobs) - 1) if want else 0
+            hi = min(c + n, r.num_prompt_tokens - 1) if want else 0
+            out.append((len(logit_idx), max(0, hi - lo)))
+            logit_idx.extend(range(off + lo - c, off + hi - c))
+            off += n
+        return out
 
 
 

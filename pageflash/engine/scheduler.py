@@ -166,7 +166,7 @@ class Scheduler:
             slots = 1 if req.forked else req.params.n
             if self.running and len(self.running) + slots > self.max_num_seqs:
                 break
-            hits = self.kv.find_cached_prefix(req.token_ids)
+            hits = [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.token_ids)
             computed = len(hits) * self.kv.block_size
             n = min(req.num_tokens - computed, budget)
             if not self.kv.allocate(req.request_id, computed, n, hits):

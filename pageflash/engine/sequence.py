@@ -58,6 +58,8 @@ class Request:
         self.spec_state: Any = None  # proposer's per-request state
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
         self.text_offsets: Optional[list[int]] = [] if params.logprobs is not None else None
+        self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = (
+            [None] if params.prompt_logprobs is not None else None)
         self.cumulative_logprob: float = 0.0
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None
@@ -65,6 +67,11 @@ class Request:
         self.detokenizer: Any = None
         self.output_text = ""
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are still to be computed (then no prefix-cache hits for it)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -311,6 +311,9 @@ class _Generation:
         self.holdback = max((len(x) for x in stops), default=1) - 1
         self.choices = [_Choice(index=i * n + j, prompt_idx=i) for i in range(len(streams)) for j in range(n)]
         self.prompt_tokens = [0] * len(streams)
+        self.prompt_ids: list[list[int]] = [[] for _ in streams]
+        self.prompt_logprobs: list[Any] = [None] * len(streams)  # per prompt, when asked for (echo + logprobs)
+        self.echo_only = False  # max_tokens 0 with echo: the one token generated is not returned
 
     def close(self) -> None:
         """Abort whatever is unfinished (a no-op after a normal end); safe to call more than once."""
@@ -320,7 +323,7 @@ class _Generation:
 
     def usage(self) -> P.Usage:
         prompt = sum(self.prompt_tokens)
-        completion = sum(c.num_generated for c in self.choices)
+        completion = 0 if self.echo_only else sum(c.num_generated for c in self.choices)
         return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     async def deltas(self, on_delta: OnDelta) -> AsyncIterator[Any]:
@@ -334,6 +337,9 @@ class _Generation:
         try:
             async for i, out in _merge(self.streams):
                 self.prompt_tokens[i] = len(out.prompt_token_ids or [])
+                self.prompt_ids[i] = out.prompt_token_ids or []
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs[i] = out.prompt_logprobs
                 self.timer.prompt_tokens = sum(self.prompt_tokens)
                 for comp in out.outputs:
                     ch = self.choices[i * self.n + comp.index]
@@ -536,6 +542,25 @@ class OpenAIServing:
         del pending[:done]
         return out
 
+    def prompt_logprob_part(self, ids: list[int], plp: list[Any] | None, first: str | None) -> P.CompletionLogprobs:
+        """Completions logprobs of the echoed prompt: the first token (text `first`) has none (null),
+        as in vLLM; a token's offset is the length of the prompt tokens' texts before it (a token
+        holding part of a character adds none)."""
+        out = P.CompletionLogprobs()
+        pos = 0
+        for j, tid in enumerate(ids):
+            d = plp[j] if plp is not None and j < len(plp) else None
+            lp = (d or {}).get(tid)
+            tok = first if j == 0 and first is not None else self.decoded(tid, lp)
+            out.tokens.append(tok)
+            out.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
+            out.top_logprobs.append({self.decoded(t, v): _clamp(v.logprob) for t, v in self._ranked(d)} or None
+                                    if d is not None else None)
+            out.text_offset.append(pos)
+            if "\ufffd" not in tok:
+                pos += len(tok)
+        return out
+
     def chat_logprobs(self, ids: list[int], lps: list[dict[int, Any]] | None, k: int) -> P.ChatLogprobs | None:
         if lps is None:
             return None
@@ -562,9 +587,12 @@ class OpenAIServing:
         if len(raw) * req.n > MAX_CHOICES:
             raise APIError(400, f"prompts x n = {len(raw) * req.n} is over the limit of {MAX_CHOICES}", param="n")
         kw = req.sampling_kwargs()
-        kw["max_tokens"] = req.max_tokens
+        echo_only = req.max_tokens == 0  # vLLM's echo without generation: one token is run, not returned
+        kw["max_tokens"] = 1 if echo_only else req.max_tokens
         if req.logprobs is not None:
             kw["logprobs"] = req.logprobs
+            if req.echo:
+                kw["prompt_logprobs"] = req.logprobs
         params = self.sampling_params(kw)
         prompts: list[Any] = []
         for i, p in enumerate(raw):
@@ -582,6 +610,11 @@ class OpenAIServing:
                 self.validate(ids, params, name)
                 prompts.append({"prompt": p, "prompt_token_ids": ids})
         echo = [p if isinstance(p, str) else "" for p in raw]
+        first_tokens: list[str | None] = [None] * len(raw)  # echo + logprobs: the text of each prompt's first token
+        if req.echo and req.logprobs is not None and self.tokenizer.tok is not None:
+            firsts = [pr["prompt_token_ids"][0] for pr in prompts]
+            first_tokens = list(await self.tokenizer.run(lambda t: [t.decode([i]) for i in firsts],
+                                                         "Cannot decode the prompt", "prompt"))  # fmt: skip
         if req.echo and any(isinstance(p, list) for p in raw):
             texts = await self.tokenizer.run(lambda t: [t.decode(p) if isinstance(p, list) else p for p in raw],
                                              "Cannot decode the prompt", "prompt")  # fmt: skip
@@ -589,13 +622,24 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
         gen = _Generation(await self.add_all(rid, prompts, params), params, timer)
+        gen.echo_only = echo_only
         created = int(time.time())
 
         def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any, offs: Any) -> P.CompletionChoice:
+            if echo_only:  # the prompt alone: the generated token is dropped
+                delta, ids, lps, offs = "", [], ([] if lps is not None else None), []
             lp = None
             if req.logprobs is not None:
                 lp = self.completion_logprobs(ch, ids, lps, offs, ch.text_len + len(delta), ch.finish_reason is not None)
             if req.echo and not ch.started:
+                if lp is not None:  # the prompt's tokens come first, then the generated ones after its text
+                    head = self.prompt_logprob_part(gen.prompt_ids[ch.prompt_idx], gen.prompt_logprobs[ch.prompt_idx],
+                                                    first_tokens[ch.prompt_idx])
+                    shift = len(echo[ch.prompt_idx])
+                    lp = P.CompletionLogprobs(
+                        tokens=head.tokens + lp.tokens, token_logprobs=head.token_logprobs + lp.token_logprobs,
+                        top_logprobs=head.top_logprobs + lp.top_logprobs,
+                        text_offset=head.text_offset + [o + shift for o in lp.text_offset])
                 delta = echo[ch.prompt_idx] + delta
             return P.CompletionChoice(index=ch.index, text=delta, logprobs=lp,
                                       finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip

@@ -20,6 +20,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -136,11 +137,18 @@ PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[Strict
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    echo: StrictBool | None = False  # before max_tokens, whose check reads it
+    max_tokens: StrictInt | None = Field(16, ge=0)  # 0: only with echo (the prompt's logprobs, vLLM)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: StrictBool | None = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_needs_echo(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("must be at least 1, or 0 with echo (the prompt alone, with its logprobs if asked)")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
@@ -148,8 +156,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (best_of > n is not supported)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
