@@ -84,6 +84,9 @@ class LLM:
             params = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, dict):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, got a dict: "
+                            "pass SamplingParams(**your_dict)")
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -282,6 +282,8 @@ def test_engine_seed_makes_unseeded_sampling_reproducible():
 def test_generate_validates_whole_batch_first(llm):
     with pytest.raises(ValueError, match="prompt 1"):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(TypeError, match=r"got a dict: pass SamplingParams\(\*\*your_dict\)"):
+        llm.generate("fine", {"max_tokens": 2}, use_tqdm=False)
     assert free_all(llm)
 
 
