@@ -141,7 +141,7 @@ def test_prompt_logprobs_match_hf(tmp_path):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 2, 23, 41)]
     for pool in (96, 24):  # 24 blocks of 4: preemption
-        llm = LLM(folder, block_size=4, max_num_batched_tokens=16, max_model_len=64, num_kv_blocks=pool)
+        llm = LLM(folder, block_size=4, max_num_batched_tokens=16, max_model_len=64, num_kv_blocks=pool, dtype="float32")
         plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)  # cache the prefixes
         asks = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=k, n=n)
