@@ -34,6 +34,13 @@ MAX_LOGPROBS = 20
 Float = float  # strict float: JSON ints are accepted, strings and booleans are not
 
 
+def _unless_asked(v: Any) -> Any:
+    """An unimplemented option's value, if it asks for nothing (null, false, {}); else the 400."""
+    if v is None or v is False or v == {}:
+        return v
+    raise ValueError("not supported by this server (leave it out)")
+
+
 class _Strict(BaseModel):
     # strict: no "5" -> 5; extra fields (e.g. user, logit_bias) are ignored as vLLM does.
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -98,9 +105,7 @@ class _SamplingFields(_Strict):
                      "logits_processors", "use_beam_search", "return_tokens_as_token_ids")
     @classmethod
     def _not_implemented(cls, v: Any) -> Any:
-        if v is None or v is False:
-            return v
-        raise ValueError("not supported by this server (leave it out)")
+        return _unless_asked(v)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_SamplingFields":
@@ -294,9 +299,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("echo", "continue_final_message", "chat_template", "chat_template_kwargs", "documents")
     @classmethod
     def _chat_not_implemented(cls, v: Any) -> Any:
-        if v is None or v is False or v == {}:
-            return v
-        raise ValueError("not supported by this server (leave it out)")
+        return _unless_asked(v)
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
