@@ -130,11 +130,16 @@ def test_random_models_match_hf(tmp_path, name):
     assert [o.outputs[0].token_ids for o in outs2] == [o.outputs[0].token_ids for o in outs[:4]]
 
 
-def test_prompt_logprobs_match_hf(tmp_path):
+def test_prompt_logprobs_match_hf(tmp_path, monkeypatch):
     """SamplingParams.prompt_logprobs equal HF's log-softmax over the prompt, with chunked prefill,
     a prefix already in the cache (not used: the prompt is computed whole), n > 1, preemption and
-    requests without them in the same batch; the first prompt token has None."""
+    requests without them in the same batch; the first prompt token has None. Logits in slices of
+    5 rows (the engine's PROMPT_LOGPROB_ROWS, small here so that steps cross slices)."""
     from transformers import AutoModelForCausalLM
+
+    from pageflash.engine.engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "PROMPT_LOGPROB_ROWS", 5)
 
     folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -134,6 +134,9 @@ class _Inflight:
 
 
 class LLMEngine:
+    # prompt logprobs: logits rows computed at once (x the vocabulary, float32: 64 MB at 128k)
+    PROMPT_LOGPROB_ROWS = 128
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.source: ModelSource = resolve_model(config.model, config.load_format)
@@ -440,21 +443,27 @@ class LLMEngine:
 
     def _prompt_logprobs(self, sched: SchedulerOutput, result: Any) -> list[str]:
         """Append the prompt logprobs this step's rows scored (raw logits' log-softmax, as for
-        generated tokens): per prompt token its own logprob and rank, and the top prompt_logprobs."""
+        generated tokens): per prompt token its own logprob and rank, and the top prompt_logprobs.
+        Logits are computed PROMPT_LOGPROB_ROWS rows at a time from the rows' hidden states."""
         seqs = [(s.request, first, cnt) for s, (first, cnt) in zip(sched.seqs, result.prompt_rows) if cnt]
         if not seqs:
             return []
-        idx = torch.tensor([first + j for _, first, cnt in seqs for j in range(cnt)], device=result.logits.device)
-        lp = torch.log_softmax(result.logits[idx].float(), dim=-1)
+        h = result.prompt_hidden
         targets = torch.tensor([t for r, _, cnt in seqs for t in
                                 r.prompt_token_ids[len(r.prompt_logprobs): len(r.prompt_logprobs) + cnt]],
-                               device=lp.device)  # fmt: skip
-        own = lp.gather(1, targets[:, None])
-        ranks = ((lp > own).sum(-1) + 1).tolist()
+                               device=h.device)  # fmt: skip
         k = max(r.params.prompt_logprobs for r, _, _ in seqs)
-        top = torch.topk(lp, k, dim=-1) if k else None
-        own_l, tgt_l = own[:, 0].tolist(), targets.tolist()
-        top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
+        own_l, ranks, top_v, top_i = [], [], [], []
+        for a in range(0, h.shape[0], self.PROMPT_LOGPROB_ROWS):
+            lp = torch.log_softmax(self.runner.model.compute_logits(h[a : a + self.PROMPT_LOGPROB_ROWS]).float(), -1)
+            own = lp.gather(1, targets[a : a + lp.shape[0], None])
+            own_l += own[:, 0].tolist()
+            ranks += ((lp > own).sum(-1) + 1).tolist()
+            if k:
+                top = torch.topk(lp, k, dim=-1)
+                top_v += top.values.tolist()
+                top_i += top.indices.tolist()
+        tgt_l = targets.tolist()
         row = 0
         for r, _, cnt in seqs:
             for _ in range(cnt):

@@ -37,9 +37,12 @@ class StepResult:
     rows: list[tuple[int, int]]
     hidden: Optional[torch.Tensor] = None  # [R, H] final hidden states at those rows (Medusa heads)
     greedy: Optional[torch.Tensor] = None  # int64 [R]: each logits row's argmax, computed in the decode graph
-    # SamplingParams.prompt_logprobs: per scheduled seq (first row, count) of the rows after `rows`'
-    # whose logits score its next prompt tokens (count 0: none); None when no seq asked
+    # SamplingParams.prompt_logprobs: per scheduled seq (first row, count) of prompt_hidden's rows, the
+    # final hidden states whose logits score its next prompt tokens (count 0: none); None when no seq
+    # asked. Hidden states, not logits: the caller computes the logits a slice at a time (a long
+    # prompt's chunk times the vocabulary would be gigabytes of float32).
     prompt_rows: Optional[list[tuple[int, int]]] = None
+    prompt_hidden: Optional[torch.Tensor] = None
 
 
 class ModelRunner:
@@ -255,7 +258,7 @@ class ModelRunner:
         fixes: list[tuple[int, int]] = []
         ids, pos, slots, qlens, seq_lens, logit_idx, rows = self.prepare(
             sched, block_tables, fixes if prev_tokens is not None else None)
-        prompt_rows = self._prompt_logprob_rows(sched, logit_idx)
+        prompt_idx, prompt_rows = self._prompt_logprob_rows(sched)
         if positions_override is not None:
             pos = positions_override
         sg = self.step_graphs
@@ -273,15 +276,19 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, kv_caches or self.kv_caches, self.backend, plan, num_layers)
         idx = to_device(torch.tensor(logit_idx, dtype=torch.int64), dev)
         h = hidden[idx]
-        return StepResult(self.model.compute_logits(h), rows, h, prompt_rows=prompt_rows)
+        ph = None
+        if prompt_rows is not None:
+            ph = hidden[to_device(torch.tensor(prompt_idx, dtype=torch.int64), dev)]
+        return StepResult(self.model.compute_logits(h), rows, h, prompt_rows=prompt_rows, prompt_hidden=ph)
 
     @staticmethod
-    def _prompt_logprob_rows(sched: SchedulerOutput, logit_idx: list[int]) -> Optional[list[tuple[int, int]]]:
-        """Append to logit_idx the input rows whose logits score prompt tokens that still lack their
-        prompt logprobs (the row at position q scores token q + 1; the last prompt position's row is
-        the sampling row), after every sampling row; returns their (first, count) per seq."""
+    def _prompt_logprob_rows(sched: SchedulerOutput) -> tuple[list[int], Optional[list[tuple[int, int]]]]:
+        """The input rows whose logits score prompt tokens that still lack their prompt logprobs (the
+        row at position q scores token q + 1; the last prompt position's row is the sampling row),
+        and their (first, count) per seq among them; ([], None) when no seq asks."""
         if not any(getattr(s.request, "needs_prompt_logprobs", False) for s in sched.seqs):
-            return None  # (drafters' Feeds have no such attribute)
+            return [], None  # (drafters' Feeds have no such attribute)
+        idx: list[int] = []
         out: list[tuple[int, int]] = []
         off = 0
         for s in sched.seqs:
@@ -289,10 +296,10 @@ class ModelRunner:
             want = getattr(r, "needs_prompt_logprobs", False)
             lo = max(c, len(r.prompt_logprobs) - 1) if want else 0
             hi = min(c + n, r.num_prompt_tokens - 1) if want else 0
-            out.append((len(logit_idx), max(0, hi - lo)))
-            logit_idx.extend(range(off + lo - c, off + hi - c))
+            out.append((len(idx), max(0, hi - lo)))
+            idx.extend(range(off + lo - c, off + hi - c))
             off += n
-        return out
+        return idx, out
 
 
 
