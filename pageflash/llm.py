@@ -98,6 +98,7 @@ class LLM:
                 if not isinstance(sp, SamplingParams):
                     raise TypeError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
                 text, ids = eng.tokenize_prompt(p)
+                ids = sp.truncate_prompt(ids)
                 eng.validate_request(ids, sp)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e

@@ -66,6 +66,7 @@ class SamplingParams:
         None = no logprobs.
     prompt_logprobs: the same for each prompt token after the first (RequestOutput.prompt_logprobs;
         the prompt is then computed whole, without prefix-cache hits); None = none.
+    truncate_prompt_tokens: keep only the prompt's last k tokens (left truncation); None = all.
     skip_special_tokens: drop special tokens from the output text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
@@ -86,6 +87,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -115,6 +117,9 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, allow_none=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allow_none=True)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be at least 1 (or None), got {self.truncate_prompt_tokens}")
         _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
@@ -179,6 +184,11 @@ class SamplingParams:
             if t < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {t}")
         return list(ids)
+
+    def truncate_prompt(self, ids: list[int]) -> list[int]:
+        """The prompt token ids this request runs on (truncate_prompt_tokens keeps the last k)."""
+        k = self.truncate_prompt_tokens
+        return ids[-k:] if k is not None and len(ids) > k else ids
 
     @property
     def greedy(self) -> bool:

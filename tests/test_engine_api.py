@@ -279,6 +279,17 @@ def test_engine_seed_makes_unseeded_sampling_reproducible():
         LLM(max_model_len=64, num_kv_blocks=16, seed=2**64)
 
 
+def test_truncate_prompt_tokens(llm):
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = llm.get_tokenizer().encode(text)
+    got = llm.generate(text, SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    want = llm.generate({"prompt_token_ids": ids[-3:]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert got.prompt_token_ids == ids[-3:] and got.outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    assert free_all(llm)
+
+
 def test_generate_validates_whole_batch_first(llm):
     with pytest.raises(ValueError, match="prompt 1"):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2), use_tqdm=False)

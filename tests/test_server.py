@@ -373,7 +373,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json", ("not supported",)),
     ({"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids", ("not supported",)),
     ({"prompt": "hi", "bad_words": ["x"]}, "bad_words", ("not supported",)),
-    ({"prompt": "hi", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens", ("not supported",)),
+    ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ()),
     ({"prompt": "hi", "prompt_logprobs": 0}, "prompt_logprobs", ("not supported",)),
 ]
 
@@ -457,6 +457,28 @@ def test_echo_with_logprobs_scores_the_prompt(srv: Srv) -> None:
             assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
             assert usage.prompt_tokens == n and usage.completion_tokens == max_tokens
     assert_error(srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}), 400, param="max_tokens")
+
+
+def test_truncate_prompt_tokens(srv: Srv) -> None:
+    """vLLM's truncate_prompt_tokens keeps the prompt's last k tokens (usage counts those; echo shows
+    their text); a prompt too long for the context fits once truncated."""
+    tok = srv.aeng.tokenizer
+    ids = tok.encode(PROMPT)
+    k = 3
+    want = srv.client.completions.create(model=MODEL, prompt=ids[-k:], max_tokens=4, temperature=0)
+    for prompt in (PROMPT, ids):
+        r = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": k})
+        assert r.choices[0].text == want.choices[0].text and r.usage.prompt_tokens == k
+    e = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True,
+                                      extra_body={"truncate_prompt_tokens": k})
+    assert e.choices[0].text.startswith(tok.decode(ids[-k:])) and not e.choices[0].text.startswith(PROMPT)
+    long = "hi " * 300  # over max_model_len alone
+    r = srv.client.completions.create(model=MODEL, prompt=long, max_tokens=2, extra_body={"truncate_prompt_tokens": 8})
+    assert r.usage.prompt_tokens == 8
+    c = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=2,
+                                           extra_body={"truncate_prompt_tokens": 16})
+    assert c.usage.prompt_tokens == 16
 
 
 def test_unimplemented_extras_left_at_their_defaults_are_fine(srv: Srv) -> None:

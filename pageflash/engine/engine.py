@@ -301,6 +301,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        ids = params.truncate_prompt(ids)
         self.validate_request(ids, params)
         gen = None
         if params.seed is not None:

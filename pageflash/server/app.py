@@ -599,6 +599,7 @@ class OpenAIServing:
             name = "prompt" if len(raw) == 1 else f"prompt[{i}]"
             if isinstance(p, list):
                 self.check_token_ids(p, name)
+                p = raw[i] = params.truncate_prompt(p)
                 self.validate(p, params, name)
                 prompts.append({"prompt_token_ids": p})
             elif not p:
@@ -607,8 +608,10 @@ class OpenAIServing:
                 prompts.append(p)  # no tokenizer copy: the engine encodes it (and says if it cannot)
             else:
                 ids = await self.tokenizer.run(lambda t, p=p: list(t.encode(p)), "Cannot tokenize the prompt", name)
+                if len(params.truncate_prompt(ids)) < len(ids):  # echo then shows the text that was run
+                    ids = raw[i] = params.truncate_prompt(ids)
                 self.validate(ids, params, name)
-                prompts.append({"prompt": p, "prompt_token_ids": ids})
+                prompts.append({"prompt": p if isinstance(raw[i], str) else None, "prompt_token_ids": ids})
         echo = [p if isinstance(p, str) else "" for p in raw]
         first_tokens: list[str | None] = [None] * len(raw)  # echo + logprobs: the text of each prompt's first token
         if req.echo and req.logprobs is not None and self.tokenizer.tok is not None:
@@ -704,6 +707,7 @@ class OpenAIServing:
         if req.logprobs:
             kw["logprobs"] = k
         params = self.sampling_params(kw)
+        prompt_ids = params.truncate_prompt(prompt_ids)
         self.validate(prompt_ids, params, "messages", "the chat prompt (messages after the chat template)")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()

@@ -94,14 +94,14 @@ class _SamplingFields(_Strict):
     structured_outputs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
-    truncate_prompt_tokens: Any = None
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
     prompt_logprobs: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
     return_tokens_as_token_ids: Any = None
 
     @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs",
+                     "allowed_token_ids", "bad_words", "prompt_logprobs",
                      "logits_processors", "use_beam_search", "return_tokens_as_token_ids")
     @classmethod
     def _not_implemented(cls, v: Any) -> Any:
@@ -120,7 +120,7 @@ class _SamplingFields(_Strict):
         names = (
             "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens",
-            "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+            "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
         )  # fmt: skip
         kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.stop is not None:
