@@ -457,6 +457,18 @@ def test_echo_with_logprobs_scores_the_prompt(srv: Srv) -> None:
             assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
             assert usage.prompt_tokens == n and usage.completion_tokens == max_tokens
     assert_error(srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}), 400, param="max_tokens")
+    # characters split over several tokens, in the prompt; the generated tokens over several chunks
+    prompt = "Hello 🎉 party, naïve café 日本語 test"
+    assert any(tok.decode([i]) == "\ufffd" for i in tok.encode(prompt))
+    for stream in (False, True):
+        text, lp, _ = _collect_completion(srv, stream, prompt=prompt, echo=True, logprobs=1, max_tokens=6,
+                                          temperature=0)
+        n = len(tok.encode(prompt))
+        assert text.startswith(prompt) and len(lp.tokens) == n + 6
+        assert lp.text_offset == sorted(lp.text_offset) and min(lp.text_offset[n:]) >= len(prompt)
+        for t, o in zip(lp.tokens, lp.text_offset):
+            if "\ufffd" not in t:
+                assert text[o : o + len(t)] == t, (t, o, stream)
 
 
 def test_truncate_prompt_tokens(srv: Srv) -> None:

@@ -368,6 +368,20 @@ class _Generation:
             self.timer.finish([c.finish_reason if finished else "abort" for c in self.choices])
 
 
+def _prompt_offsets(tokenizer: Any, ids: list[int], text_len: int) -> list[int]:
+    """Where each prompt token's text starts, as the engine's detokenizer builds text (special tokens
+    kept, as an echoed prompt shows them; a token holding part of a character starts where that
+    character does), capped at the echoed text's length."""
+    from pageflash.engine.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    out = []
+    for t in ids:
+        out.append(min(len(detok.output_text), text_len))
+        detok.add_tokens([t])
+    return out
+
+
 def _sse(obj: pydantic.BaseModel | dict[str, Any]) -> str:
     data = obj.model_dump_json() if isinstance(obj, pydantic.BaseModel) else json.dumps(obj)
     return f"data: {data}\n\n"
@@ -542,23 +556,19 @@ class OpenAIServing:
         del pending[:done]
         return out
 
-    def prompt_logprob_part(self, ids: list[int], plp: list[Any] | None, first: str | None) -> P.CompletionLogprobs:
+    def prompt_logprob_part(self, ids: list[int], plp: list[Any] | None, first: str | None,
+                            offsets: list[int]) -> P.CompletionLogprobs:  # fmt: skip
         """Completions logprobs of the echoed prompt: the first token (text `first`) has none (null),
-        as in vLLM; a token's offset is the length of the prompt tokens' texts before it (a token
-        holding part of a character adds none)."""
+        as in vLLM; offsets: where each token's text starts (`_prompt_offsets`)."""
         out = P.CompletionLogprobs()
-        pos = 0
         for j, tid in enumerate(ids):
             d = plp[j] if plp is not None and j < len(plp) else None
             lp = (d or {}).get(tid)
-            tok = first if j == 0 and first is not None else self.decoded(tid, lp)
-            out.tokens.append(tok)
+            out.tokens.append(first if j == 0 and first is not None else self.decoded(tid, lp))
             out.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
             out.top_logprobs.append({self.decoded(t, v): _clamp(v.logprob) for t, v in self._ranked(d)} or None
                                     if d is not None else None)
-            out.text_offset.append(pos)
-            if "\ufffd" not in tok:
-                pos += len(tok)
+            out.text_offset.append(offsets[j])
         return out
 
     def chat_logprobs(self, ids: list[int], lps: list[dict[int, Any]] | None, k: int) -> P.ChatLogprobs | None:
@@ -613,15 +623,19 @@ class OpenAIServing:
                 self.validate(ids, params, name)
                 prompts.append({"prompt": p if isinstance(raw[i], str) else None, "prompt_token_ids": ids})
         echo = [p if isinstance(p, str) else "" for p in raw]
-        first_tokens: list[str | None] = [None] * len(raw)  # echo + logprobs: the text of each prompt's first token
-        if req.echo and req.logprobs is not None and self.tokenizer.tok is not None:
-            firsts = [pr["prompt_token_ids"][0] for pr in prompts]
-            first_tokens = list(await self.tokenizer.run(lambda t: [t.decode([i]) for i in firsts],
-                                                         "Cannot decode the prompt", "prompt"))  # fmt: skip
         if req.echo and any(isinstance(p, list) for p in raw):
             texts = await self.tokenizer.run(lambda t: [t.decode(p) if isinstance(p, list) else p for p in raw],
                                              "Cannot decode the prompt", "prompt")  # fmt: skip
             echo = list(texts)
+        # echo + logprobs: per prompt, its first token's text and where each token's text starts
+        first_tokens: list[str | None] = [None] * len(raw)
+        prompt_offsets: list[list[int]] = [[] for _ in raw]
+        if req.echo and req.logprobs is not None and self.tokenizer.tok is not None:
+            pids = [pr["prompt_token_ids"] for pr in prompts]
+            found = await self.tokenizer.run(lambda t: [(t.decode(ids[:1]), _prompt_offsets(t, ids, len(e)))
+                                                        for ids, e in zip(pids, echo)],
+                                             "Cannot decode the prompt", "prompt")  # fmt: skip
+            first_tokens, prompt_offsets = [f for f, _ in found], [o for _, o in found]
         rid = f"cmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
         gen = _Generation(await self.add_all(rid, prompts, params), params, timer)
@@ -634,15 +648,16 @@ class OpenAIServing:
             lp = None
             if req.logprobs is not None:
                 lp = self.completion_logprobs(ch, ids, lps, offs, ch.text_len + len(delta), ch.finish_reason is not None)
+            if req.echo and lp is not None:  # generated text follows the echoed prompt's
+                lp.text_offset = [o + len(echo[ch.prompt_idx]) for o in lp.text_offset]
             if req.echo and not ch.started:
-                if lp is not None:  # the prompt's tokens come first, then the generated ones after its text
-                    head = self.prompt_logprob_part(gen.prompt_ids[ch.prompt_idx], gen.prompt_logprobs[ch.prompt_idx],
-                                                    first_tokens[ch.prompt_idx])
-                    shift = len(echo[ch.prompt_idx])
+                if lp is not None:  # the prompt's tokens come first
+                    i = ch.prompt_idx
+                    head = self.prompt_logprob_part(gen.prompt_ids[i], gen.prompt_logprobs[i], first_tokens[i],
+                                                    prompt_offsets[i])  # fmt: skip
                     lp = P.CompletionLogprobs(
                         tokens=head.tokens + lp.tokens, token_logprobs=head.token_logprobs + lp.token_logprobs,
-                        top_logprobs=head.top_logprobs + lp.top_logprobs,
-                        text_offset=head.text_offset + [o + shift for o in lp.text_offset])
+                        top_logprobs=head.top_logprobs + lp.top_logprobs, text_offset=head.text_offset + lp.text_offset)
                 delta = echo[ch.prompt_idx] + delta
             return P.CompletionChoice(index=ch.index, text=delta, logprobs=lp,
                                       finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
