@@ -92,8 +92,12 @@ def sampling_params(a: argparse.Namespace):
 
 
 def _stream(engine, prompt, params, out=sys.stdout) -> str:
-    """Add one request and print its text as it grows (first sample only); returns the final text."""
+    """Add one request and print its text as it grows (first sample only); returns the final text.
+    While it runs, the last len(longest stop string) - 1 characters wait: a stop string completed by
+    a later token cuts them off, and nothing printed is taken back."""
     rid = engine.add_request(None, prompt, params)
+    stops = [] if params.include_stop_str_in_output else params.stop
+    holdback = max((len(s) for s in stops), default=1) - 1
     printed = 0
     text = ""
     try:
@@ -102,10 +106,11 @@ def _stream(engine, prompt, params, out=sys.stdout) -> str:
                 if o.request_id != rid:
                     continue
                 text = o.outputs[0].text
-                if len(text) > printed:
-                    out.write(text[printed:])
+                ready = len(text) if o.finished else len(text) - holdback
+                if ready > printed:
+                    out.write(text[printed:ready])
                     out.flush()
-                    printed = len(text)
+                    printed = ready
     except KeyboardInterrupt:
         engine.abort_request(rid)
         raise
@@ -117,7 +122,10 @@ def _chat_prompt(engine, messages: list[dict]) -> dict:
     tok = engine.tokenizer
     if tok is None:
         raise ValueError("this model has no tokenizer, so no chat template")
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2's errors (a message without content, a role the template refuses)
+        raise ValueError(f"the chat template refused the messages: {type(e).__name__}: {e}") from None
     return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
 
@@ -227,7 +235,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv and argv[0] == "bench":
         kinds = ("latency", "throughput", "kernels", "spec")
         if len(argv) < 2 or argv[1] not in kinds:
-            print(f"usage: pageflash bench {{{','.join(kinds)}}} [options]", file=sys.stderr)
+            usage = f"usage: pageflash bench {{{','.join(kinds)}}} [options]  (`pageflash bench KIND --help`)"
+            if len(argv) >= 2 and argv[1] in ("-h", "--help"):
+                print(usage)
+                return 0
+            print(usage, file=sys.stderr)
             return 2
         import importlib
 

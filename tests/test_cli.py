@@ -98,3 +98,57 @@ def test_speculative_config_errors_name_the_draft():
         SpeculativeConfig.parse({"method": "draft_model", "model": "nosuch", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match=r"the tree \[8, 8, 8\] gives 584"):
         SpeculativeConfig.parse({"method": "early_exit", "num_layers": 2, "tree": [8, 8, 8]})
+
+
+def test_cli_refusals_name_the_problem(tmp_path, capsys, monkeypatch):
+    """Triton attention without CUDA, a chat template that refuses the messages, a tokenizer that
+    does not exist: one error line, exit 2. `bench --help` is help, not an error."""
+    from hf_ref import make_random_hf_folder
+
+    folder = make_random_hf_folder(tmp_path / "m", dict(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=64,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, model_type="llama", architectures=["LlamaForCausalLM"],
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rc, err = run(capsys, ["generate", "hi", "--model", folder, "--device", "cpu", "--attention-backend", "triton"])
+    assert rc == 2 and "needs a CUDA device" in err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rc, err = run(capsys, ["generate", "hi", "--model", folder, "--tokenizer", str(tmp_path / "nothing")])
+    assert rc == 2 and err.startswith("error: tokenizer: unknown model")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    rc, err = run(capsys, ["generate", "--input", str(rows), "--max-model-len", "256"])
+    assert rc == 2 and "chat template refused the messages" in err
+    assert cli_main(["bench", "--help"]) == 0 and "pageflash bench" in capsys.readouterr().out
+    assert cli_main(["bench"]) == 2
+
+
+def test_serve_refuses_a_taken_port_and_two_models(capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert serve_main(["--port", str(port), "--load-format", "dummy"]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        serve_main(["smollm2-135m", "--model", "llama-3-8b"])
+    assert e.value.code == 2 and "given twice" in capsys.readouterr().err
+
+
+def test_streamed_text_never_shows_what_a_stop_string_cuts(capsys):
+    """`generate` prints text as it grows but holds back what could be the start of a stop string."""
+    import io
+
+    from pageflash.cli import _stream
+    from pageflash.sampling_params import SamplingParams
+
+    llm = LLM(max_model_len=128, num_kv_blocks=32)
+    eng = llm.llm_engine
+    base = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    text = base[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    out = io.StringIO()
+    final = _stream(eng, "The capital of France is", SamplingParams(temperature=0, max_tokens=12, stop=[stop]), out)
+    assert final == text[: text.find(stop)] and out.getvalue() == final + "\n"

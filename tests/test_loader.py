@@ -85,3 +85,33 @@ def test_bad_engine_args():
         LLM("smollm2-135m", load_format="dummy", max_model_len=10**6)
     with pytest.raises(ValueError, match="num_kv_blocks"):
         LLM("smollm2-135m", load_format="dummy", max_model_len=512, num_kv_blocks=4)
+
+
+def test_load_format_is_enforced(tmp_path):
+    """gguf / safetensors / pt name what to read: a source of another kind is a ValueError, and a
+    HF folder reads only the files named (pt: pytorch_model*.bin, safetensors: *.safetensors)."""
+    from hf_ref import make_random_hf_folder
+
+    from pageflash.model.loader import iter_weights
+
+    cfg = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=64,
+               rms_norm_eps=1e-6, tie_word_embeddings=False, model_type="llama", architectures=["LlamaForCausalLM"],
+               num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+    folder = make_random_hf_folder(tmp_path / "st", cfg)
+    with pytest.raises(ValueError, match="load_format='gguf', but .* HF model folder"):
+        resolve_model(folder, "gguf")
+    with pytest.raises(ValueError, match="load_format='safetensors', but model 'smollm2-135m' is an embedded GGUF"):
+        resolve_model("smollm2-135m", "safetensors")
+    src = resolve_model(folder, "safetensors")
+    names = {k for k, _ in iter_weights(src, load_config(src))}
+    assert "model.embed_tokens.weight" in names
+    with pytest.raises(ValueError, match="no pytorch_model\\*.bin weights"):
+        next(iter(iter_weights(resolve_model(folder, "pt"), load_config(src))))
+    pt = tmp_path / "pt"
+    pt.mkdir()
+    (pt / "config.json").write_text((tmp_path / "st" / "config.json").read_text())
+    torch.save({k: v for k, v in iter_weights(src, load_config(src))}, pt / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="has no \\*.safetensors files"):
+        next(iter(iter_weights(resolve_model(str(pt), "safetensors"), load_config(src))))
+    assert {k for k, _ in iter_weights(resolve_model(str(pt), "pt"), load_config(src))} == names
+    assert {k for k, _ in iter_weights(resolve_model(str(pt)), load_config(src))} == names

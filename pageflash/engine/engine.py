@@ -164,9 +164,12 @@ class LLMEngine:
         default_budget = 8192 if self.device.type == "cuda" else 2048
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
 
-        self.tokenizer = load_tokenizer(
-            resolve_model(config.tokenizer, "auto") if config.tokenizer else self.source
-        )
+        if config.tokenizer:
+            try:
+                tok_src = resolve_model(config.tokenizer, "auto")
+            except ValueError as e:
+                raise ValueError(f"tokenizer: {e}") from None
+        self.tokenizer = load_tokenizer(tok_src if config.tokenizer else self.source)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))

@@ -24,6 +24,7 @@ with one mechanism.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -285,6 +286,9 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
             except ImportError:
                 return TorchBackend()
         return TorchBackend()
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError(f"attention_backend='triton' needs a CUDA device, got {device.type!r}: use 'torch' or "
+                         f"'auto' there (or TRITON_INTERPRET=1, the slow Triton interpreter the tests use)")
     if name == "triton" and "triton" not in _BACKENDS:
         from pageflash.kernels.backend import TritonBackend  # noqa: F401
     if name not in _BACKENDS:

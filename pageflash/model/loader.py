@@ -28,6 +28,7 @@ class ModelSource:
     kind: str
     path: Optional[str] = None
     tokenizer_source: Optional["ModelSource"] = None  # for "config": where a tokenizer can come from
+    weights: str = "auto"  # "hf": which weight files to read ("safetensors", "pt", or "auto": either)
 
 
 def _embedded_path(name: str) -> str:
@@ -61,6 +62,8 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
                     tok = None
             return ModelSource(key, "config", None, tok)
         if key in EMBEDDED_MODELS:
+            if load_format in ("safetensors", "pt"):
+                raise ValueError(f"load_format={load_format!r}, but model {model!r} is an embedded GGUF file")
             return ModelSource(key, "gguf", _embedded_path(key))
         raise ValueError(
             f"model {model!r} is a named config without embedded weights: pass load_format='dummy' for random "
@@ -84,6 +87,12 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
         raise ValueError(f"unknown model {model!r}: not a known name ({known}) nor an existing file or folder")
     if load_format == "dummy":
         return ModelSource(src.name, "config", src.path, src)
+    if load_format == "gguf" and src.kind != "gguf":
+        raise ValueError(f"load_format='gguf', but {model!r} is a HF model folder, not a GGUF file")
+    if load_format in ("safetensors", "pt"):
+        if src.kind != "hf":
+            raise ValueError(f"load_format={load_format!r}, but {model!r} is a GGUF file, not a HF model folder")
+        return ModelSource(src.name, "hf", src.path, weights=load_format)
     return src
 
 
@@ -207,8 +216,12 @@ def iter_gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.
         yield name, w
 
 
-def iter_hf_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+def iter_hf_weights(folder: str, weights: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+    """A HF folder's tensors: its *.safetensors files, else its pytorch_model*.bin files (weights
+    "auto"); weights "safetensors" / "pt" reads only those (load_format)."""
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors"))) if weights != "pt" else []
+    if weights == "safetensors" and not files:
+        raise ValueError(f"load_format='safetensors', but model folder {folder!r} has no *.safetensors files")
     if files:
         from safetensors import safe_open
 
@@ -224,7 +237,8 @@ def iter_hf_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         return
     bins = sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
     if not bins:
-        raise ValueError(f"model folder {folder!r} has no *.safetensors or pytorch_model*.bin weights")
+        what = "pytorch_model*.bin" if weights == "pt" else "*.safetensors or pytorch_model*.bin"
+        raise ValueError(f"model folder {folder!r} has no {what} weights")
     for fn in bins:
         try:
             state = torch.load(fn, map_location="cpu", weights_only=True)
@@ -239,7 +253,7 @@ def iter_weights(src: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torc
     if src.kind == "gguf":
         return iter_gguf_weights(src.path, cfg)
     if src.kind == "hf":
-        return iter_hf_weights(src.path)
+        return iter_hf_weights(src.path, src.weights)
     raise ValueError("a named config has no weights; use load_format='dummy'")
 
 

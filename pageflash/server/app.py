@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 import time
 import uuid
@@ -931,12 +932,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_arg_parser()
     args = parser.parse_args(argv)
     if args.model_tag is not None:
+        given = any(x == "--model" or x.startswith("--model=") for x in (argv if argv is not None else sys.argv[1:]))
+        if given and args.model != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_body_bytes < 1:
         parser.error(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # before the model loads: a taken port fails in a second, not after a minute of loading
+        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((args.host, args.port))
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
     from pageflash import LLM
 
     try:
