@@ -67,6 +67,8 @@ class SamplingParams:
     prompt_logprobs: the same for each prompt token after the first (RequestOutput.prompt_logprobs;
         the prompt is then computed whole, without prefix-cache hits); None = none.
     truncate_prompt_tokens: keep only the prompt's last k tokens (left truncation); None = all.
+    allowed_token_ids: only these tokens may be generated (the others' logits are -inf before
+        anything else, so logprobs still report the model's own distribution); None = any.
     skip_special_tokens: drop special tokens from the output text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
@@ -88,6 +90,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -152,6 +155,11 @@ class SamplingParams:
         # ---- stops ------------------------------------------------------------------------
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = sorted(set(self._normalize_stop_token_ids(self.allowed_token_ids,
+                                                                               "allowed_token_ids")))
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
 
     @staticmethod
     def _normalize_stop(stop: Any) -> list[str]:
@@ -171,18 +179,18 @@ class SamplingParams:
         return stop
 
     @staticmethod
-    def _normalize_stop_token_ids(ids: Any) -> list[int]:
+    def _normalize_stop_token_ids(ids: Any, name: str = "stop_token_ids") -> list[int]:
         if ids is None:
             return []
         if not isinstance(ids, (list, tuple)):
             raise TypeError(
-                f"stop_token_ids must be a list of int or None, got {type(ids).__name__}"
+                f"{name} must be a list of int or None, got {type(ids).__name__}"
             )
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"stop_token_ids must hold only int, got {type(t).__name__} {t!r}")
+                raise TypeError(f"{name} must hold only int, got {type(t).__name__} {t!r}")
             if t < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+                raise ValueError(f"{name} must be >= 0, got {t}")
         return list(ids)
 
     def truncate_prompt(self, ids: list[int]) -> list[int]:

@@ -250,6 +250,38 @@ def test_extreme_repetition_penalty_keeps_probabilities_defined():
         assert set(Sampler()(logits, batch).token_ids.tolist()) <= {5, 7}
 
 
+def test_allowed_token_ids_restrict_greedy_and_sampled_rows():
+    """allowed_token_ids: greedy takes the best allowed token, sampling draws only allowed ones in
+    proportion to the model's probabilities; other rows in the batch are untouched; logprobs stay
+    the model's raw ones."""
+    vocab = 10
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=g) * 2
+    allowed = [1, 4, 7]
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed, logprobs=1),
+              SamplingParams(temperature=1.0, allowed_token_ids=allowed, seed=5),
+              SamplingParams(temperature=0.0)]
+    batch = build(params, vocab, gens=[None, gen(5), None])
+    assert batch.needs_logits_processing
+    out = Sampler()(logits, batch)
+    assert out.token_ids[0].item() == max(allowed, key=lambda t: logits[0, t].item())
+    assert out.token_ids[2].item() == logits[2].argmax().item()
+    probs = compute_probs(logits, batch)
+    want = torch.zeros(vocab)
+    want[allowed] = torch.softmax(logits[1, allowed], -1)
+    torch.testing.assert_close(probs[1], want)
+    raw = torch.log_softmax(logits[0], -1)
+    assert out.logprobs[0, 0].item() == pytest.approx(raw[out.token_ids[0]].item(), abs=1e-5)
+    counts = torch.zeros(vocab)
+    for _ in range(300):
+        counts[Sampler()(logits, batch).token_ids[1]] += 1
+    assert counts[[t for t in range(vocab) if t not in allowed]].sum() == 0
+    for bad, err in (([], ValueError), ([1, -2], ValueError), ([True], TypeError), ("1,2", TypeError)):
+        with pytest.raises(err, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    assert SamplingParams(allowed_token_ids=(7, 1, 7)).allowed_token_ids == [1, 7]
+
+
 def test_penalties_only_build_what_is_used():
     b = build([SamplingParams(), SamplingParams(temperature=0)], 10, outputs=[[1], [2]])
     assert b.output_counts is None and b.repetition_mask is None and not b.needs_logits_processing

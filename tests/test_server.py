@@ -371,7 +371,8 @@ BAD_COMPLETIONS = [
     # vLLM extras that would change the result: refused by name, never silently ignored
     ({"prompt": "hi", "guided_choice": ["a", "b"]}, "guided_choice", ("not supported",)),
     ({"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json", ("not supported",)),
-    ({"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids", ("not supported",)),
+    ({"prompt": "hi", "allowed_token_ids": [1, "x"]}, "allowed_token_ids[1]", ()),
+    ({"prompt": "hi", "allowed_token_ids": [10**9]}, "allowed_token_ids", ("outside the vocabulary",)),
     ({"prompt": "hi", "bad_words": ["x"]}, "bad_words", ("not supported",)),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ()),
     ({"prompt": "hi", "prompt_logprobs": 0}, "prompt_logprobs", ("not supported",)),
@@ -491,6 +492,15 @@ def test_truncate_prompt_tokens(srv: Srv) -> None:
     c = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=2,
                                            extra_body={"truncate_prompt_tokens": 16})
     assert c.usage.prompt_tokens == 16
+
+
+def test_allowed_token_ids(srv: Srv) -> None:
+    tok = srv.aeng.tokenizer
+    allowed = tok.encode(" yes no maybe")
+    for stream in (False, True):
+        text, _, _ = _collect_completion(srv, stream, prompt=PROMPT, max_tokens=5, temperature=0.8, seed=3,
+                                         extra_body={"allowed_token_ids": allowed})
+        assert set(tok.encode(text)) <= set(allowed)
 
 
 def test_unimplemented_extras_left_at_their_defaults_are_fine(srv: Srv) -> None:

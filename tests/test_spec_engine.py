@@ -236,6 +236,23 @@ def test_seeded_sampling_with_drafts_is_reproducible(env, name):
     assert _no_leaks(llm)
 
 
+@pytest.mark.parametrize("name", ["ngram", "draft_model-tree"])
+def test_allowed_token_ids_with_speculation(env, name):
+    """Greedy with allowed_token_ids goes through the processed distribution in verification too:
+    the same tokens as plain decoding, all of them allowed; sampled ones stay inside the set."""
+    allowed = [t for t in range(V) if t != env["ref"][4][0]][::8]  # plain greedy's first token is out
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, allowed_token_ids=allowed),
+              SamplingParams(temperature=1.0, seed=1, max_tokens=NEW, ignore_eos=True, allowed_token_ids=allowed)]
+    want = _run(env["plain"], params, PROMPTS[4:6])
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, name), **ENGINE)
+    got = _run(llm, params, PROMPTS[4:6])
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert want[0].outputs[0].token_ids != env["ref"][4]  # the set did change the greedy output
+    for o in got + want:
+        assert set(o.outputs[0].token_ids) <= set(allowed)
+    assert _no_leaks(llm)
+
+
 def test_abort_mid_speculation_frees_everything(env):
     llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, "draft_model-tree"), **ENGINE)
     eng = llm.llm_engine

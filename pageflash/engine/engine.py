@@ -278,6 +278,9 @@ class LLMEngine:
                 f"prompt has {n} tokens, but max_model_len is {self.max_model_len}: at most "
                 f"{self.max_model_len - 1} prompt tokens leave room for one generated token"
             )
+        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:

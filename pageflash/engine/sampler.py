@@ -138,6 +138,8 @@ class SamplingBatch:
     output_counts: Optional[torch.Tensor] = None
     repetition_mask: Optional[torch.Tensor] = None
     min_tokens_index: Optional[torch.Tensor] = None
+    # bool [B, V], True where a row's allowed_token_ids leave a token out; None when no row has them
+    banned_mask: Optional[torch.Tensor] = None
     generators: list[tuple[int, torch.Generator]] = field(default_factory=list)
     max_num_logprobs: Optional[int] = None
 
@@ -152,6 +154,7 @@ class SamplingBatch:
             self.output_counts is not None
             or self.repetition_mask is not None
             or self.min_tokens_index is not None
+            or self.banned_mask is not None
         )
 
     @classmethod
@@ -257,6 +260,14 @@ class SamplingBatch:
         if masked:
             min_tokens_index = to_device(torch.tensor(masked, dtype=torch.int64), device)
 
+        banned_mask = None
+        limited = [i for i, p in enumerate(ps) if p.allowed_token_ids is not None]
+        if limited:  # built on the device: only the allowed ids travel
+            banned_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+            banned_mask[to_device(torch.tensor(limited), device)] = True
+            allowed = [i * vocab_size + t for i in limited for t in ps[i].allowed_token_ids if t < vocab_size]
+            banned_mask.view(-1)[to_device(torch.tensor(allowed, dtype=torch.int64), device)] = False
+
         asked = [p.logprobs for p in ps if p.logprobs is not None]
         return cls(
             rows=rows,
@@ -279,6 +290,7 @@ class SamplingBatch:
             output_counts=output_counts,
             repetition_mask=repetition_mask,
             min_tokens_index=min_tokens_index,
+            banned_mask=banned_mask,
             generators=[
                 (i, r.generator)
                 for i, (r, g) in enumerate(zip(rows, greedy))
@@ -432,6 +444,8 @@ def apply_penalties_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -
     """Penalties, then the min_tokens mask. logits [B, V] any float -> new float32 [B, V]."""
     # float32 copy: processing happens in place on it, never on the model's buffer.
     x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    if batch.banned_mask is not None:
+        x.masked_fill_(batch.banned_mask, float("-inf"))
     if batch.repetition_mask is not None:
         pen = batch.repetition_penalty[:, None]
         # HF/CTRL: divide positive logits, multiply negative ones, so > 1 always discourages.

@@ -109,6 +109,10 @@ def _validation_error(e: pydantic.ValidationError) -> APIError:
     return APIError(400, "Invalid request: " + "; ".join(parts), param=first_param)
 
 
+# request fields that LLMEngine.validate_request's errors may name (else the prompt is to blame)
+_PARAMS_FIELDS = ("max_tokens", "allowed_token_ids", "logprobs")
+
+
 def _value_error(e: Exception, fields: Sequence[str] = ()) -> APIError:
     """A ValueError/TypeError from SamplingParams or the engine; param guessed from its message."""
     msg = str(e) or type(e).__name__
@@ -476,11 +480,11 @@ class OpenAIServing:
     def validate(self, ids: list[int], params: Any, param: str, what: str | None = None) -> None:
         """The engine's own length rules (`LLMEngine.validate_request`, which only reads limits), checked
         here so that an over-long prompt never reaches the engine thread. param: the field to blame
-        unless the error is max_tokens'; what: a prefix for the message."""
+        unless the error names one of _PARAMS_FIELDS; what: a prefix for the message."""
         try:
             self.engine.engine.validate_request(ids, params)
         except ValueError as e:
-            err = _value_error(e, ("max_tokens",))
+            err = _value_error(e, _PARAMS_FIELDS)
             if err.param is None:
                 err.param = param
                 if what:
@@ -511,7 +515,7 @@ class OpenAIServing:
             if isinstance(e, EngineError):
                 raise APIError(503, f"The engine is not available: {e}") from None
             if isinstance(e, (ValueError, TypeError)):
-                err = _value_error(e, ("max_tokens",))
+                err = _value_error(e, _PARAMS_FIELDS)
                 if err.param is None:
                     err.param = param if len(prompts) == 1 else f"{param}[{i}]"
                 raise err from None

@@ -92,7 +92,7 @@ class _SamplingFields(_Strict):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    allowed_token_ids: Any = None
+    allowed_token_ids: list[StrictInt] | None = None
     bad_words: Any = None
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
     prompt_logprobs: Any = None
@@ -101,7 +101,7 @@ class _SamplingFields(_Strict):
     return_tokens_as_token_ids: Any = None
 
     @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                     "allowed_token_ids", "bad_words", "prompt_logprobs",
+                     "bad_words", "prompt_logprobs",
                      "logits_processors", "use_beam_search", "return_tokens_as_token_ids")
     @classmethod
     def _not_implemented(cls, v: Any) -> Any:
@@ -121,6 +121,7 @@ class _SamplingFields(_Strict):
             "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens",
             "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+            "allowed_token_ids",
         )  # fmt: skip
         kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.stop is not None:

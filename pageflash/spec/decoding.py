@@ -94,7 +94,8 @@ def _prune_depth(tree: DraftTree, max_depth: int) -> DraftTree:
 def _verified_by_sampling(req: Request) -> bool:
     """Whether req's drafts go through rejection sampling (it samples, or its distribution at a node
     depends on the draft tokens before it: penalties, min_tokens) rather than the greedy walk."""
-    return not req.params.greedy or req.params.reads_outputs(req.num_output_tokens)
+    p = req.params
+    return not p.greedy or p.reads_outputs(req.num_output_tokens) or p.allowed_token_ids is not None
 
 
 def _state(req: Request) -> _ReqState:
