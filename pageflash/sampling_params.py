@@ -68,7 +68,9 @@ class SamplingParams:
         the prompt is then computed whole, without prefix-cache hits); None = none.
     truncate_prompt_tokens: keep only the prompt's last k tokens (left truncation); None = all.
     allowed_token_ids: only these tokens may be generated (the others' logits are -inf before
-        anything else, so logprobs still report the model's own distribution); None = any.
+        anything else, so logprobs still report the model's own distribution); None = any. The
+        engine refuses a set of stop / EOS tokens only together with min_tokens (nothing could
+        be generated).
     skip_special_tokens: drop special tokens from the output text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     """

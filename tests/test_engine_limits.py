@@ -75,3 +75,17 @@ def test_logprobs_above_vocabulary_is_refused(model):
     lps = done[full].outputs[0].logprobs
     assert len(lps) == 2 and all(len(d) == V for d in lps)
     assert _no_leaks(llm)
+
+
+def test_allowed_token_ids_that_min_tokens_would_empty_are_refused(model):
+    """Allowed tokens that are all stop tokens, with min_tokens: no token could be generated (every
+    logit masked), so the request is refused, naming both; one more allowed token makes it fine."""
+    llm = LLM(model, max_model_len=64, num_kv_blocks=32)
+    eng = llm.llm_engine
+    bad = SamplingParams(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2, max_tokens=4)
+    with pytest.raises(ValueError, match="allowed_token_ids holds only stop / EOS tokens, which min_tokens=2"):
+        eng.add_request("bad", [1, 2, 3], bad)
+    ok = SamplingParams(temperature=0.0, allowed_token_ids=[5, 6], stop_token_ids=[5], min_tokens=2, max_tokens=4)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, ok, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:2] == [6, 6] and set(out.token_ids) <= {5, 6}
+    assert _no_leaks(llm)

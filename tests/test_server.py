@@ -371,6 +371,7 @@ BAD_COMPLETIONS = [
     # vLLM extras that would change the result: refused by name, never silently ignored
     ({"prompt": "hi", "guided_choice": ["a", "b"]}, "guided_choice", ("not supported",)),
     ({"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json", ("not supported",)),
+    ({"prompt": "hi", "guided_json": {}}, "guided_json", ("not supported",)),
     ({"prompt": "hi", "allowed_token_ids": [1, "x"]}, "allowed_token_ids[1]", ()),
     ({"prompt": "hi", "allowed_token_ids": [10**9]}, "allowed_token_ids", ("outside the vocabulary",)),
     ({"prompt": "hi", "bad_words": ["x"]}, "bad_words", ("not supported",)),
@@ -472,6 +473,16 @@ def test_echo_with_logprobs_scores_the_prompt(srv: Srv) -> None:
                 assert text[o : o + len(t)] == t, (t, o, stream)
 
 
+def test_prompt_offsets_skip_a_bos_the_echo_does_not_show(srv: Srv) -> None:
+    """A string prompt is echoed as given; when its encoding added a BOS (Llama, Mistral), the
+    prompt tokens' offsets still point into the echoed text."""
+    tok = copy.deepcopy(srv.aeng.tokenizer)
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    ids = [bos] + tok.encode("Hello world", add_special_tokens=False)
+    assert server_app._prompt_offsets(tok, ids, "Hello world") == [0, 0, 5]
+    assert server_app._prompt_offsets(tok, ids, tok.decode(ids)) == [0, 12, 17]  # token-id prompt: BOS shown
+
+
 def test_truncate_prompt_tokens(srv: Srv) -> None:
     """vLLM's truncate_prompt_tokens keeps the prompt's last k tokens (usage counts those; echo shows
     their text); a prompt too long for the context fits once truncated."""
@@ -505,7 +516,8 @@ def test_allowed_token_ids(srv: Srv) -> None:
 
 def test_unimplemented_extras_left_at_their_defaults_are_fine(srv: Srv) -> None:
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "guided_json": None, "use_beam_search": False,
-            "truncate_prompt_tokens": None, "prompt_logprobs": None}
+            "truncate_prompt_tokens": None, "prompt_logprobs": None, "bad_words": [], "logits_processors": [],
+            "guided_regex": ""}
     assert srv.post("/v1/completions", body).status_code == 200
     body = {"messages": CHAT, "max_tokens": 2, "echo": False, "continue_final_message": False,
             "chat_template_kwargs": {}}

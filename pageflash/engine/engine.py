@@ -278,9 +278,14 @@ class LLMEngine:
                 f"prompt has {n} tokens, but max_model_len is {self.max_model_len}: at most "
                 f"{self.max_model_len - 1} prompt tokens leave room for one generated token"
             )
-        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"allowed_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        allowed = params.allowed_token_ids
+        if allowed is not None:
+            bad = [t for t in allowed if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"allowed_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+            if params.min_tokens and set(allowed) <= params.all_stop_token_ids(sorted(self.eos_token_ids)):
+                raise ValueError(f"allowed_token_ids holds only stop / EOS tokens, which min_tokens="
+                                 f"{params.min_tokens} forbids for the first tokens: no token could be generated")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:

@@ -373,18 +373,22 @@ class _Generation:
             self.timer.finish([c.finish_reason if finished else "abort" for c in self.choices])
 
 
-def _prompt_offsets(tokenizer: Any, ids: list[int], text_len: int) -> list[int]:
-    """Where each prompt token's text starts, as the engine's detokenizer builds text (special tokens
-    kept, as an echoed prompt shows them; a token holding part of a character starts where that
-    character does), capped at the echoed text's length."""
+def _prompt_offsets(tokenizer: Any, ids: list[int], echoed: str) -> list[int]:
+    """Where each prompt token's text starts in the echoed prompt text, as the engine's detokenizer
+    builds text (special tokens kept; a token holding part of a character starts where that character
+    does). A string prompt is echoed as given, without the BOS its encoding added: when the decoded
+    text ends with the echoed one, offsets are moved back by what it has in front (BOS and its space)."""
     from pageflash.engine.detokenizer import IncrementalDetokenizer
 
     detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
     out = []
     for t in ids:
-        out.append(min(len(detok.output_text), text_len))
+        out.append(len(detok.output_text))
         detok.add_tokens([t])
-    return out
+    detok.flush()
+    text = detok.output_text
+    lead = len(text) - len(echoed) if text != echoed and text.endswith(echoed) else 0
+    return [min(max(0, o - lead), len(echoed)) for o in out]
 
 
 def _sse(obj: pydantic.BaseModel | dict[str, Any]) -> str:
@@ -637,7 +641,7 @@ class OpenAIServing:
         prompt_offsets: list[list[int]] = [[] for _ in raw]
         if req.echo and req.logprobs is not None and self.tokenizer.tok is not None:
             pids = [pr["prompt_token_ids"] for pr in prompts]
-            found = await self.tokenizer.run(lambda t: [(t.decode(ids[:1]), _prompt_offsets(t, ids, len(e)))
+            found = await self.tokenizer.run(lambda t: [(t.decode(ids[:1]), _prompt_offsets(t, ids, e))
                                                         for ids, e in zip(pids, echo)],
                                              "Cannot decode the prompt", "prompt")  # fmt: skip
             first_tokens, prompt_offsets = [f for f, _ in found], [o for _, o in found]

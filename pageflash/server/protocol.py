@@ -34,9 +34,11 @@ MAX_LOGPROBS = 20
 Float = float  # strict float: JSON ints are accepted, strings and booleans are not
 
 
-def _unless_asked(v: Any) -> Any:
-    """An unimplemented option's value, if it asks for nothing (null, false, {}); else the 400."""
-    if v is None or v is False or v == {}:
+def _unless_asked(v: Any, empty_dict: bool = False) -> Any:
+    """An unimplemented option's value if it asks for nothing (null, false, an empty list or string;
+    with empty_dict an empty object too: chat_template_kwargs), else the 400. An empty object
+    elsewhere (guided_json: {}, the schema of any JSON value) does ask for something."""
+    if v is None or v is False or v == [] or v == "" or (empty_dict and v == {}):
         return v
     raise ValueError("not supported by this server (leave it out)")
 
@@ -299,8 +301,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     @field_validator("echo", "continue_final_message", "chat_template", "chat_template_kwargs", "documents")
     @classmethod
-    def _chat_not_implemented(cls, v: Any) -> Any:
-        return _unless_asked(v)
+    def _chat_not_implemented(cls, v: Any, info: ValidationInfo) -> Any:
+        return _unless_asked(v, empty_dict=info.field_name == "chat_template_kwargs")
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
