@@ -95,9 +95,10 @@ def _stream(engine, prompt, params, out=sys.stdout) -> str:
     """Add one request and print its text as it grows (first sample only); returns the final text.
     While it runs, the last len(longest stop string) - 1 characters wait: a stop string completed by
     a later token cuts them off, and nothing printed is taken back."""
+    from pageflash.engine.detokenizer import stop_holdback
+
     rid = engine.add_request(None, prompt, params)
-    stops = [] if params.include_stop_str_in_output else params.stop
-    holdback = max((len(s) for s in stops), default=1) - 1
+    holdback = stop_holdback(params.stop, params.include_stop_str_in_output)
     printed = 0
     text = ""
     try:

@@ -221,6 +221,11 @@ class SamplingParams:
             return True
         return self.min_tokens > 0 if num_output is None else num_output < self.min_tokens
 
+    def changes_logits(self, num_output: Optional[int] = None) -> bool:
+        """Whether the logits are processed before the argmax: reads_outputs (penalties, min_tokens)
+        or allowed_token_ids; a greedy request then takes the processed argmax, not the raw one."""
+        return self.reads_outputs(num_output) or self.allowed_token_ids is not None
+
     def all_stop_token_ids(self, eos_token_id: Union[int, list[int], None]) -> set[int]:
         """Token ids that end this request: stop_token_ids, plus EOS unless ignore_eos.
 

@@ -128,6 +128,13 @@ class IncrementalDetokenizer:
         return delta
 
 
+def stop_holdback(stops: Sequence[str], include: bool) -> int:
+    """Characters at the end of an unfinished output to hold back when streaming it: they may be the
+    start of a stop string that a later token completes, which cuts them off (none when the stop
+    string stays in the output, include_stop_str_in_output)."""
+    return 0 if include else max((len(s) for s in stops), default=1) - 1
+
+
 def find_stop_string(
     output_text: str,
     new_delta_len: int,

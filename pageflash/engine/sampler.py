@@ -261,12 +261,13 @@ class SamplingBatch:
             min_tokens_index = to_device(torch.tensor(masked, dtype=torch.int64), device)
 
         banned_mask = None
-        limited = [i for i, p in enumerate(ps) if p.allowed_token_ids is not None]
-        if limited:  # built on the device: only the allowed ids travel
-            banned_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
-            banned_mask[to_device(torch.tensor(limited), device)] = True
-            allowed = [i * vocab_size + t for i in limited for t in ps[i].allowed_token_ids if t < vocab_size]
-            banned_mask.view(-1)[to_device(torch.tensor(allowed, dtype=torch.int64), device)] = False
+        limited = [p.allowed_token_ids is not None for p in ps]
+        if any(limited):  # built on the device, as the repetition mask: only the allowed ids travel
+            index = to_device(_flat_token_index([(p.allowed_token_ids,) if p.allowed_token_ids else () for p in ps],
+                                                vocab_size), device)  # fmt: skip
+            allowed = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
+            allowed.index_fill_(0, index, True)
+            banned_mask = to_device(torch.tensor(limited), device)[:, None] & ~allowed.view(n, vocab_size)
 
         asked = [p.logprobs for p in ps if p.logprobs is not None]
         return cls(

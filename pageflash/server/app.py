@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from pageflash.engine.async_engine import AsyncLLMEngine, EngineError, RequestStream
+from pageflash.engine.detokenizer import IncrementalDetokenizer, stop_holdback
 from pageflash.server import protocol as P
 from pageflash.server.metrics import CONTENT_TYPE_LATEST, RequestTimer, ServerMetrics
 
@@ -312,8 +313,7 @@ class _Generation:
         self.timer = timer
         # While unfinished, the text's tail may be the start of a stop string that the engine will
         # cut off when it completes: hold back that many characters so no delta has to be taken back.
-        stops = [] if params.include_stop_str_in_output else list(params.stop or [])
-        self.holdback = max((len(x) for x in stops), default=1) - 1
+        self.holdback = stop_holdback(params.stop, params.include_stop_str_in_output)
         self.choices = [_Choice(index=i * n + j, prompt_idx=i) for i in range(len(streams)) for j in range(n)]
         self.prompt_tokens = [0] * len(streams)
         self.prompt_ids: list[list[int]] = [[] for _ in streams]
@@ -378,8 +378,6 @@ def _prompt_offsets(tokenizer: Any, ids: list[int], echoed: str) -> list[int]:
     builds text (special tokens kept; a token holding part of a character starts where that character
     does). A string prompt is echoed as given, without the BOS its encoding added: when the decoded
     text ends with the echoed one, offsets are moved back by what it has in front (BOS and its space)."""
-    from pageflash.engine.detokenizer import IncrementalDetokenizer
-
     detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
     out = []
     for t in ids:
@@ -556,11 +554,7 @@ class OpenAIServing:
         for tid, d, off in pending:
             if not final and off >= sent:
                 break
-            lp = (d or {}).get(tid)
-            out.tokens.append(self.decoded(tid, lp))
-            out.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
-            out.top_logprobs.append({self.decoded(t, v): _clamp(v.logprob) for t, v in self._ranked(d)} or None)
-            out.text_offset.append(min(off, sent))
+            self._add_token(out, tid, d, None, min(off, sent))
             done += 1
         del pending[:done]
         return out
@@ -572,13 +566,19 @@ class OpenAIServing:
         out = P.CompletionLogprobs()
         for j, tid in enumerate(ids):
             d = plp[j] if plp is not None and j < len(plp) else None
-            lp = (d or {}).get(tid)
-            out.tokens.append(first if j == 0 and first is not None else self.decoded(tid, lp))
-            out.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
-            out.top_logprobs.append({self.decoded(t, v): _clamp(v.logprob) for t, v in self._ranked(d)} or None
-                                    if d is not None else None)
-            out.text_offset.append(offsets[j])
+            self._add_token(out, tid, d, first if j == 0 else None, offsets[j])
         return out
+
+    def _add_token(self, out: P.CompletionLogprobs, tid: int, d: dict[int, Any] | None, text: str | None,
+                   offset: int) -> None:  # fmt: skip
+        """One token of completions logprobs: its text (decoded unless given), logprob, top ones and
+        offset; no logprobs (null) when d is None (an echoed prompt's first token)."""
+        lp = (d or {}).get(tid)
+        out.tokens.append(text if text is not None else self.decoded(tid, lp))
+        out.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
+        top = {self.decoded(t, v): _clamp(v.logprob) for t, v in self._ranked(d)} if d is not None else None
+        out.top_logprobs.append(top or None)
+        out.text_offset.append(offset)
 
     def chat_logprobs(self, ids: list[int], lps: list[dict[int, Any]] | None, k: int) -> P.ChatLogprobs | None:
         if lps is None:
@@ -627,8 +627,9 @@ class OpenAIServing:
                 prompts.append(p)  # no tokenizer copy: the engine encodes it (and says if it cannot)
             else:
                 ids = await self.tokenizer.run(lambda t, p=p: list(t.encode(p)), "Cannot tokenize the prompt", name)
-                if len(params.truncate_prompt(ids)) < len(ids):  # echo then shows the text that was run
-                    ids = raw[i] = params.truncate_prompt(ids)
+                cut = params.truncate_prompt(ids)
+                if len(cut) < len(ids):  # echo then shows the text that was run
+                    ids = raw[i] = cut
                 self.validate(ids, params, name)
                 prompts.append({"prompt": p if isinstance(raw[i], str) else None, "prompt_token_ids": ids})
         echo = [p if isinstance(p, str) else "" for p in raw]

@@ -92,10 +92,10 @@ def _prune_depth(tree: DraftTree, max_depth: int) -> DraftTree:
 
 
 def _verified_by_sampling(req: Request) -> bool:
-    """Whether req's drafts go through rejection sampling (it samples, or its distribution at a node
-    depends on the draft tokens before it: penalties, min_tokens) rather than the greedy walk."""
-    p = req.params
-    return not p.greedy or p.reads_outputs(req.num_output_tokens) or p.allowed_token_ids is not None
+    """Whether req's drafts go through verification against processed distributions (it samples, or
+    its logits are processed: penalties, min_tokens, allowed_token_ids) rather than the greedy walk
+    over the raw argmax."""
+    return not req.params.greedy or req.params.changes_logits(req.num_output_tokens)
 
 
 def _state(req: Request) -> _ReqState:
