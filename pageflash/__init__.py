@@ -6,12 +6,13 @@ loaders' dependencies, say) does not pull in the whole engine.
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 _WHERE = {
     "LLM": "pageflash.llm",
     "SamplingParams": "pageflash.sampling_params",
+    "StructuredOutputsParams": "pageflash.sampling_params",
     "RequestOutput": "pageflash.outputs",
     "CompletionOutput": "pageflash.outputs",
     "Logprob": "pageflash.outputs",
@@ -20,7 +21,7 @@ _WHERE = {
 if TYPE_CHECKING:  # pragma: no cover
     from pageflash.llm import LLM
     from pageflash.outputs import CompletionOutput, Logprob, RequestOutput
-    from pageflash.sampling_params import SamplingParams
+    from pageflash.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):

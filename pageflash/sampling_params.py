@@ -45,6 +45,71 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's structured outputs): exactly one of
+
+    json: a JSON schema (dict or JSON string); the output is a JSON value that satisfies it.
+    regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
+    choice: a list of strings; the output is one of them.
+    grammar: a context-free grammar, in Lark syntax (llguidance's dialect) or GBNF / EBNF (llama.cpp).
+    json_object: True for any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+
+    disable_any_whitespace: JSON without whitespace between tokens (vLLM's option); by default any
+        JSON whitespace is allowed there.
+
+    The engine compiles the constraint when the request is added (an invalid schema, regex or grammar
+    is a ValueError naming it) and masks, at every step, the tokens that cannot continue a matching
+    text; the request stops when the constraint is complete. Needs the ``llguidance`` package and a
+    model with a tokenizer.
+    """
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        asked = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(asked) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar or "
+                             f"json_object; got {', '.join(asked) if asked else 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise TypeError(f"structured_outputs json must be a JSON schema (dict or str), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise TypeError(f"structured_outputs {name} must be a non-empty str, got {v!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise TypeError(f"structured_outputs choice must be a non-empty list of non-empty str, got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object is not None:
+            _check_bool("json_object", self.json_object)
+        _check_bool("disable_any_whitespace", self.disable_any_whitespace)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StructuredOutputsParams":
+        known = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown or unsupported key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's earlier name
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request (vLLM's fields, defaults and semantics).
 
@@ -71,6 +136,8 @@ class SamplingParams:
         anything else, so logprobs still report the model's own distribution); None = any. The
         engine refuses a set of stop / EOS tokens only together with min_tokens (nothing could
         be generated).
+    structured_outputs: a :class:`StructuredOutputsParams` (or a dict of its fields) that constrains
+        the output to a JSON schema, regex, choice or grammar; None = free text.
     skip_special_tokens: drop special tokens from the output text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
@@ -93,6 +160,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
     allowed_token_ids: Optional[list[int]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -162,6 +230,11 @@ class SamplingParams:
                                                                                "allowed_token_ids")))
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams, a dict or None, got "
+                            f"{type(self.structured_outputs).__name__}")
 
     @staticmethod
     def _normalize_stop(stop: Any) -> list[str]:
@@ -223,8 +296,10 @@ class SamplingParams:
 
     def changes_logits(self, num_output: Optional[int] = None) -> bool:
         """Whether the logits are processed before the argmax: reads_outputs (penalties, min_tokens)
-        or allowed_token_ids; a greedy request then takes the processed argmax, not the raw one."""
-        return self.reads_outputs(num_output) or self.allowed_token_ids is not None
+        or allowed_token_ids or structured outputs; a greedy request then takes the processed argmax,
+        not the raw one."""
+        return (self.reads_outputs(num_output) or self.allowed_token_ids is not None
+                or self.structured_outputs is not None)
 
     def all_stop_token_ids(self, eos_token_id: Union[int, list[int], None]) -> set[int]:
         """Token ids that end this request: stop_token_ids, plus EOS unless ignore_eos.

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import re
 import socket
 import threading
 import time
@@ -368,10 +369,20 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi " * 300, "max_tokens": 1}, "prompt", (str(MAX_MODEL_LEN),)),
     ({"prompt": ["hi", "hi " * 300], "max_tokens": 1}, "prompt[1]", (str(MAX_MODEL_LEN),)),
     ({"prompt": [[1, 2], [-1]]}, "prompt[1]", ("outside the vocabulary",)),
+    # structured outputs: invalid constraints are named
+    ({"prompt": "hi", "guided_regex": "[a-z"}, "structured_outputs", ("regex", "unclosed character class")),
+    ({"prompt": "hi", "guided_grammar": "start: foo"}, "structured_outputs", ("grammar",)),
+    ({"prompt": "hi", "guided_json": "{not json"}, "structured_outputs", ("json",)),
+    ({"prompt": "hi", "guided_choice": [""]}, "structured_outputs", ("choice",)),
+    ({"prompt": "hi", "guided_choice": "yes"}, "guided_choice", ()),
+    ({"prompt": "hi", "guided_json": {"type": "object"}, "guided_regex": "a+"}, None,
+     ("at most one output constraint", "guided_json", "guided_regex")),
+    ({"prompt": "hi", "structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", ("exactly one",)),
+    ({"prompt": "hi", "structured_outputs": {"regexp": "a"}}, "structured_outputs", ("regexp",)),
+    ({"prompt": "hi", "response_format": {"type": "json_schema"}}, None, ("json_schema.schema",)),
+    ({"prompt": "hi", "response_format": {"type": "structural_tag"}}, None, ("structural_tag",)),
+    ({"prompt": "hi", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", ("not supported",)),
     # vLLM extras that would change the result: refused by name, never silently ignored
-    ({"prompt": "hi", "guided_choice": ["a", "b"]}, "guided_choice", ("not supported",)),
-    ({"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json", ("not supported",)),
-    ({"prompt": "hi", "guided_json": {}}, "guided_json", ("not supported",)),
     ({"prompt": "hi", "allowed_token_ids": [1, "x"]}, "allowed_token_ids[1]", ()),
     ({"prompt": "hi", "allowed_token_ids": [10**9]}, "allowed_token_ids", ("outside the vocabulary",)),
     ({"prompt": "hi", "bad_words": ["x"]}, "bad_words", ("not supported",)),
@@ -402,7 +413,9 @@ BAD_CHATS = [
     ({"messages": CHAT, "n": 0}, "n", ()),
     ({"messages": CHAT, "top_logprobs": 2}, None, ("logprobs",)),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None, ("tools",)),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, None, ("response_format",)),
+    ({"messages": CHAT, "response_format": {"type": "xml"}}, None, ("response_format", "'xml'")),
+    ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None,
+     ("json_schema.schema",)),
     ({"messages": CHAT, "max_tokens": 1000}, "max_tokens", ("1000", str(MAX_MODEL_LEN))),
     ({"messages": [{"role": "user", "content": "hi " * 300}]}, "messages", ("chat prompt", str(MAX_MODEL_LEN))),
     ({"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}, None, ("functions",)),
@@ -411,7 +424,7 @@ BAD_CHATS = [
     ({"messages": CHAT, "continue_final_message": True}, "continue_final_message", ("not supported",)),
     ({"messages": CHAT, "echo": True}, "echo", ("not supported",)),
     ({"messages": CHAT, "chat_template": "{{ 'x' }}"}, "chat_template", ("not supported",)),
-    ({"messages": CHAT, "structured_outputs": {"choice": ["a"]}}, "structured_outputs", ("not supported",)),
+    ({"messages": CHAT, "structured_outputs": {"choice": "a"}}, "structured_outputs", ("choice",)),
 ]
 
 
@@ -512,6 +525,44 @@ def test_allowed_token_ids(srv: Srv) -> None:
         text, _, _ = _collect_completion(srv, stream, prompt=PROMPT, max_tokens=5, temperature=0.8, seed=3,
                                          extra_body={"allowed_token_ids": allowed})
         assert set(tok.encode(text)) <= set(allowed)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_outputs_through_the_openai_client(srv: Srv) -> None:
+    """response_format json_schema / json_object and vLLM's guided_* / structured_outputs fields, streamed
+    and not: every output satisfies its constraint, and streaming returns the same text."""
+    msgs = [{"role": "user", "content": "Give me a person as JSON."}]
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    c = srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0,
+                                           response_format=rf)  # fmt: skip
+    person = json.loads(c.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and isinstance(person["age"], int)
+    assert c.choices[0].finish_reason == "stop"
+    chunks = srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0,
+                                                response_format=rf, stream=True)  # fmt: skip
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == c.choices[0].message.content
+    c = srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, temperature=0.9, seed=1, n=3,
+                                           response_format={"type": "json_object"})  # fmt: skip
+    for ch in c.choices:
+        if ch.finish_reason == "stop":
+            assert isinstance(json.loads(ch.message.content), dict)
+        else:  # cut by max_tokens: still a prefix of an object
+            assert ch.finish_reason == "length" and ch.message.content.startswith("{")
+    r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=5, n=4,
+                                      extra_body={"guided_choice": ["red", "green", "blue"]})  # fmt: skip
+    assert all(ch.text in ("red", "green", "blue") and ch.finish_reason == "stop" for ch in r.choices)
+    for stream in (False, True):
+        text, _, _ = _collect_completion(srv, stream, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}})
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text), text
+    grammar = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"'
+    text, _, _ = _collect_completion(srv, False, prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"guided_grammar": grammar})
+    assert text in ("The answer is yes.", "The answer is no."), text
+    assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 
 def test_unimplemented_extras_left_at_their_defaults_are_fine(srv: Srv) -> None:

@@ -24,6 +24,7 @@ from pageflash.engine.model_runner import ModelRunner
 from pageflash.engine.sampler import Sampler, SamplingBatch, SamplingRow
 from pageflash.engine.scheduler import Scheduler, SchedulerOutput
 from pageflash.engine.sequence import Request
+from pageflash.engine.structured import StructuredOutputs
 from pageflash.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import CompletionOutput, Logprob, RequestOutput
@@ -211,6 +212,7 @@ class LLMEngine:
             self.device.type == "cuda" if config.async_scheduling is None else bool(config.async_scheduling)
         )
         self._inflight: Optional[_Inflight] = None  # a launched step whose sampled tokens are not processed
+        self._structured: Optional[StructuredOutputs] = None  # built at the first structured request
         self.groups: dict[str, list[Request]] = {}  # user request id -> its sequences (n of them)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -314,15 +316,26 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         ids = params.truncate_prompt(ids)
         self.validate_request(ids, params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured_outputs().matcher(params.structured_outputs)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         req = Request(request_id, text, ids, params, arrival_time or time.monotonic(), generator=gen)
+        req.grammar = grammar
         self._attach_detokenizer(req)
         self.groups[request_id] = [req]
         self.scheduler.add(req)
         self.prompt_tokens_total += len(ids)
         return request_id
+
+    def structured_outputs(self) -> StructuredOutputs:
+        """The grammar compiler over this engine's tokenizer (built once, ~0.5 s); ValueError when
+        structured outputs cannot be had here (no llguidance, no tokenizer)."""
+        if self._structured is None:
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._structured
 
     def _attach_detokenizer(self, req: Request) -> None:
         if self.tokenizer is not None:
@@ -436,9 +449,11 @@ class LLMEngine:
             return None
         # Only rows with penalties or min_tokens read their outputs: the others get an empty list
         # instead of a copy of their outputs (O(length) per row per step otherwise).
+        guided = [r.grammar for r in sample_reqs if r.grammar is not None]
+        masks = iter(self._structured.bitmasks(guided) if guided else ())
         batch = SamplingBatch.build(
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids if r.params.reads_outputs() else (),
-                         r.generator) for r in sample_reqs],
+                         r.generator, next(masks) if r.grammar is not None else None) for r in sample_reqs],
             vocab_size=self.vocab_size, device=self.device, eos_token_ids=sorted(self.eos_token_ids),
         )
         if sample_rows != list(range(logits.shape[0])):  # decode steps: every row samples, once
@@ -449,8 +464,10 @@ class LLMEngine:
             r.num_pending += 1
             r.pending_row = i
         # The next step may overlap only if no request sampled here needs its newest token on the
-        # host to build its next sampling row (penalties read the outputs; min_tokens their count).
-        may_overlap = not any(r.params.reads_outputs(r.num_output_tokens) for r in sample_reqs)
+        # host to build its next sampling row (penalties read the outputs; min_tokens their count;
+        # a grammar's next mask follows the token).
+        may_overlap = not any(r.params.reads_outputs(r.num_output_tokens) or r.grammar is not None
+                              for r in sample_reqs)  # fmt: skip
         return _Inflight(sample_reqs, out, may_overlap)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, result: Any) -> list[str]:
@@ -519,6 +536,8 @@ class LLMEngine:
             child.num_computed_tokens = req.num_computed_tokens
             child.forked = True
             child.prompt_logprobs = None  # the group's are the parent's
+            if req.grammar is not None:  # nothing consumed yet: this is the first sample
+                child.grammar = req.grammar.deep_copy()
             child.metrics.first_scheduled_time = req.metrics.first_scheduled_time
             self._attach_detokenizer(child)
             self.kv.fork(req.request_id, child.request_id, req.num_computed_tokens)
@@ -542,7 +561,15 @@ class LLMEngine:
             req.cumulative_logprob += lps[0]
             req.text_offsets.append(len(req.output_text))
         self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+        grammar_ok = req.grammar is None or req.grammar.consume_token(tok)
         self._check_stop(req, tok)
+        if req.finish_reason is None and req.grammar is not None:
+            if not grammar_ok:  # only if the mask left no token at all (e.g. allowed_token_ids outside it)
+                logger.error("request %s: token %d breaks its structured-outputs constraint (%s); aborted",
+                             req.request_id, tok, req.grammar.get_error())
+                req.finish_reason = "abort"
+            elif req.grammar.is_stopped():  # the constrained text is complete: nothing may follow
+                req.finish_reason = "stop"
         if req.finish_reason is not None:
             if req.detokenizer is not None and not isinstance(req.stop_reason, str):
                 # bytes held back for a character still incomplete: emit them (as U+FFFD, like a

@@ -53,12 +53,15 @@ class SamplingRow:
         request, on the logits' device: ``torch.Generator(device).manual_seed(params.seed)``, and
         keeps it for the request's life. Each non-greedy row draws V exponentials from it per call;
         greedy rows leave it untouched.
+    grammar_bitmask: int32 [W] (numpy) or None: the tokens a structured-outputs matcher allows next,
+        bit t % 32 of word t // 32 (``engine.structured``); the others' logits become -inf.
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: Optional[torch.Generator] = None
+    grammar_bitmask: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -138,7 +141,8 @@ class SamplingBatch:
     output_counts: Optional[torch.Tensor] = None
     repetition_mask: Optional[torch.Tensor] = None
     min_tokens_index: Optional[torch.Tensor] = None
-    # bool [B, V], True where a row's allowed_token_ids leave a token out; None when no row has them
+    # bool [B, V], True where a row's allowed_token_ids or structured-outputs mask leave a token
+    # out; None when no row has either
     banned_mask: Optional[torch.Tensor] = None
     generators: list[tuple[int, torch.Generator]] = field(default_factory=list)
     max_num_logprobs: Optional[int] = None
@@ -252,7 +256,7 @@ class SamplingBatch:
         masked = [
             i * vocab_size + t
             for i, r in enumerate(rows)
-            if len(r.output_token_ids) < r.params.min_tokens
+            if len(r.output_token_ids) < r.params.min_tokens and not _grammar_only_stops(r, eos, vocab_size)
             for t in sorted(r.params.all_stop_token_ids(eos))
             if t < vocab_size
         ]
@@ -268,6 +272,16 @@ class SamplingBatch:
             allowed = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
             allowed.index_fill_(0, index, True)
             banned_mask = to_device(torch.tensor(limited), device)[:, None] & ~allowed.view(n, vocab_size)
+        if any(r.grammar_bitmask is not None for r in rows):
+            words = next(r.grammar_bitmask for r in rows if r.grammar_bitmask is not None).shape[0]
+            if words * 32 < vocab_size:
+                raise ValueError(f"grammar_bitmask has {words} words, fewer than a vocabulary of {vocab_size} needs")
+            packed_bits = np.full((n, words), -1, dtype=np.int32)  # rows without a grammar allow all
+            for i, r in enumerate(rows):
+                if r.grammar_bitmask is not None:
+                    packed_bits[i] = r.grammar_bitmask
+            grammar_banned = ~unpack_bitmask(to_device(torch.from_numpy(packed_bits), device), vocab_size)
+            banned_mask = grammar_banned if banned_mask is None else banned_mask | grammar_banned
 
         asked = [p.logprobs for p in ps if p.logprobs is not None]
         return cls(
@@ -336,9 +350,28 @@ class SamplingBatch:
                             row.prompt_token_ids,
                             list(row.output_token_ids) + drafts,
                             row.generator,
+                            row.grammar_bitmask,
                         )
                     )
         return SamplingBatch.build(rows, self.vocab_size, self.device, self.eos_token_ids)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [B, W] bitmasks (token t is bit t % 32 of word t // 32) -> bool [B, vocab_size]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words[:, :, None] >> shifts) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _grammar_only_stops(row: SamplingRow, eos: Sequence[int], vocab_size: int) -> bool:
+    """Whether a row's grammar allows only stop tokens next (its text is complete): min_tokens then
+    yields, since masking them too would leave no token at all."""
+    if row.grammar_bitmask is None:
+        return False
+    bits = np.unpackbits(row.grammar_bitmask.view(np.uint8), bitorder="little")[:vocab_size].copy()
+    stops = [t for t in row.params.all_stop_token_ids(eos) if t < vocab_size]
+    bits[stops] = 0
+    return not bits.any()
 
 
 def argmax_rows(x: torch.Tensor, two_pass: Optional[bool] = None) -> torch.Tensor:

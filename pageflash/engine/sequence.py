@@ -56,6 +56,7 @@ class Request:
         self.num_pending = 0  # sampled on the device, not yet in token_ids (async scheduling)
         self.pending_row = -1
         self.spec_state: Any = None  # proposer's per-request state
+        self.grammar: Any = None  # structured outputs: the llguidance matcher of this sequence
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
         self.text_offsets: Optional[list[int]] = [] if params.logprobs is not None else None
         self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = (

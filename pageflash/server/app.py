@@ -111,7 +111,7 @@ def _validation_error(e: pydantic.ValidationError) -> APIError:
 
 
 # request fields that LLMEngine.validate_request's errors may name (else the prompt is to blame)
-_PARAMS_FIELDS = ("max_tokens", "allowed_token_ids", "logprobs")
+_PARAMS_FIELDS = ("max_tokens", "allowed_token_ids", "logprobs", "structured_outputs")
 
 
 def _value_error(e: Exception, fields: Sequence[str] = ()) -> APIError:

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictInt,
     StrictStr,
@@ -87,27 +88,64 @@ class _SamplingFields(_Strict):
     user: StrictStr | None = None
     # Accepted so that setting them is a clear 400, not silently ignored.
     logit_bias: dict[str, Any] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
+    # earlier guided_* fields (at most one of them per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    _structured: dict[str, Any] | None = PrivateAttr(None)
+    guided_json: StrictStr | dict[str, Any] | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_whitespace_pattern: Any = None
+    allowed_token_ids: list[StrictInt] | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
     # vLLM's extra parameters that change the result and that pageflash does not implement: asking
     # for one (anything but null / false) is a 400 naming it, not a silently different result.
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    allowed_token_ids: list[StrictInt] | None = None
     bad_words: Any = None
-    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
     prompt_logprobs: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
     return_tokens_as_token_ids: Any = None
 
-    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                     "bad_words", "prompt_logprobs",
+    @field_validator("bad_words", "prompt_logprobs", "guided_whitespace_pattern",
                      "logits_processors", "use_beam_search", "return_tokens_as_token_ids")
     @classmethod
     def _not_implemented(cls, v: Any) -> Any:
         return _unless_asked(v)
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "_SamplingFields":
+        self._structured = self._structured_outputs()
+        return self
+
+    def _structured_outputs(self) -> dict[str, Any] | None:
+        """The request's constraint as StructuredOutputsParams fields, or None."""
+        asked: dict[str, dict[str, Any]] = {}
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                asked["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+                asked["response_format"] = {"json": schema}
+            elif kind != "text":
+                raise ValueError(f"response_format type {kind!r} is not supported; "
+                                 "use 'text', 'json_object' or 'json_schema'")  # fmt: skip
+        if self.structured_outputs:
+            asked["structured_outputs"] = dict(self.structured_outputs)
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+            v = getattr(self, name)
+            if v is not None and v != "" and v != []:  # as _unless_asked: "" and [] ask for nothing
+                asked[name] = {key: v}
+        if len(asked) > 1:
+            raise ValueError(f"give at most one output constraint, got {', '.join(asked)}")
+        return next(iter(asked.values()), None)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_SamplingFields":
@@ -126,6 +164,8 @@ class _SamplingFields(_Strict):
             "allowed_token_ids",
         )  # fmt: skip
         kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self._structured is not None:
+            kw["structured_outputs"] = self._structured
         if self.stop is not None:
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         return kw
@@ -291,7 +331,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     # vLLM's chat extras that change the result (see _SamplingFields._not_implemented)
     echo: Any = None
     continue_final_message: Any = None
@@ -315,8 +354,6 @@ class ChatCompletionRequest(_SamplingFields):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise ValueError(f"{name} is not supported (no function calling); leave it out or send \"none\"")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than {'type': 'text'} is not supported")
         return self
 
     @property

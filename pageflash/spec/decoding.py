@@ -287,9 +287,11 @@ class SpecDecoder:
     def _decode_ready(self) -> list[Request]:
         """Running requests in decode state: only their last token lacks KV (it may be in flight).
         Not an n > 1 request before its fork: its last prompt token is still prefill, which forks
-        the siblings when it samples (LLMEngine._fork_if_needed); a verify step would skip that."""
+        the siblings when it samples (LLMEngine._fork_if_needed); a verify step would skip that.
+        Not a structured-outputs request: its grammar masks one token at a time (engine.structured)."""
         sched = self.engine.scheduler  # only the first max_num_seqs running can be scheduled
-        return [r for r in sched.running[: sched.max_num_seqs] if r.num_computed_tokens == r.num_tokens - 1 and r.forked]
+        return [r for r in sched.running[: sched.max_num_seqs]
+                if r.num_computed_tokens == r.num_tokens - 1 and r.forked and r.grammar is None]
 
     def _plan(self) -> Optional[dict[str, tuple[int, int]]]:
         """request id -> (draft nodes k, depth cap) for the decode-ready requests that get drafts

@@ -1,0 +1,101 @@
+"""Structured outputs: constrained decoding through llguidance (one grammar matcher per sequence).
+
+A request's :class:`~pageflash.sampling_params.StructuredOutputsParams` (JSON schema, regex, choice,
+Lark / GBNF grammar, any JSON object) is compiled when the request is added into an
+``llguidance.LLMatcher`` over the model's tokenizer. Before each sampling of the request the engine
+asks the matcher for the tokens that can continue a matching text (a bitmask, one bit per token,
+computed on the host, for every constrained row of the step at once by llguidance's thread pool);
+the sampler sets every other logit to -inf before penalties and sampling (``SamplingRow.
+grammar_bitmask``), and the engine feeds the sampled token back into the matcher. The matcher
+accepts EOS only where the text is complete; the engine also ends the request as soon as the
+matcher cannot continue (``is_stopped``).
+
+What this costs the engine loop: a constrained request's next mask depends on its newest token, so a
+step with constrained rows is not overlapped with the next one (async scheduling waits for its
+tokens), and constrained requests are not drafted by speculative decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from pageflash.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputs:
+    """Grammar compiler and mask filler of one engine (its tokenizer and vocabulary).
+
+    tokenizer: the engine's HF tokenizer (a fast one: llguidance reads its tokenizer.json).
+    vocab_size: the logits' width (may exceed the tokenizer's vocabulary: those ids are never allowed).
+    eos_token_ids: the ids the matcher allows where the text is complete.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        try:
+            import llguidance
+            import llguidance.hf
+        except ImportError:
+            raise ValueError("structured_outputs need the llguidance package: pip install llguidance") from None
+        if tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer; this model has none (dummy weights)")
+        self._llg = llguidance
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                          eos_token=sorted(eos_token_ids))  # fmt: skip
+        except Exception as e:  # a slow (Python) tokenizer, or one larger than the logits
+            raise ValueError(f"structured_outputs cannot use this tokenizer: {e}") from None
+        self.vocab_size = vocab_size
+        self.words = (self.tokenizer.vocab_size + 31) // 32  # int32 words per mask row
+        self._executor = llguidance.LLExecutor()
+
+    def _new_matcher(self, grammar: str) -> Any:
+        return self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+
+    def grammar(self, so: StructuredOutputsParams) -> str:
+        """The llguidance grammar of a constraint (not yet checked: matcher() reports its errors)."""
+        LLMatcher = self._llg.LLMatcher
+        kind = so.kind
+        try:
+            if kind in ("json", "json_object"):
+                schema = so.json if kind == "json" else {"type": "object"}
+                if isinstance(schema, str):
+                    schema = json.loads(schema)
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError("a JSON schema must be an object")
+                options = {"whitespace_flexible": not so.disable_any_whitespace}
+                return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            if kind == "regex":
+                return LLMatcher.grammar_from_regex(so.regex)
+            if kind == "choice":
+                return self._llg.grammar_from("choice", so.choice)
+            return self._llg.grammar_from("grammar", so.grammar)  # Lark, or GBNF / EBNF converted
+        except ValueError as e:
+            raise ValueError(f"structured_outputs {kind}: {e}") from None
+
+    def matcher(self, so: StructuredOutputsParams) -> Any:
+        """A new matcher for a request; ValueError naming the problem if the constraint is invalid."""
+        m = self._new_matcher(self.grammar(so))
+        if m.is_error():
+            raise ValueError(f"structured_outputs {so.kind}: {m.get_error()}")
+        return m
+
+    def bitmasks(self, matchers: Sequence[Any]) -> np.ndarray:
+        """int32 [len(matchers), words]: bit t of row i (word t // 32, bit t % 32) set where matcher i
+        allows token t next. Computed by llguidance's thread pool."""
+        out = np.zeros((len(matchers), self.words), dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], out.ctypes.data, self.words * 4, len(matchers)
+        )
+        return out
+
+
+def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids a mask row allows (bool [vocab_size]): the reference of the sampler's unpacking."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask, dtype=np.int32).view(np.uint8), bitorder="little")
+    return bits[:vocab_size].astype(bool)
