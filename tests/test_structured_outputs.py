@@ -204,3 +204,23 @@ def test_async_scheduling_speculation_and_preemption_keep_the_constraint():
     assert run(num_kv_blocks=160, speculative_config={"method": "ngram", "num_speculative_tokens": 4}) == ref
     # 32 blocks of 4 tokens hold one sequence of max_model_len, not the three together; prompts are chunked
     assert run(preempts=True, max_model_len=128, num_kv_blocks=32, block_size=4, max_num_batched_tokens=32) == ref
+
+
+def test_missing_llguidance_or_tokenizer_is_a_clear_error(monkeypatch):
+    import sys
+
+    from pageflash.engine.structured import StructuredOutputs, grammar_threads
+
+    with pytest.raises(ValueError, match="tokenizer"):
+        StructuredOutputs(None, 100, [2])
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import fails
+    with pytest.raises(ValueError, match="pip install llguidance"):
+        StructuredOutputs(None, 100, [2])
+    monkeypatch.setenv("PAGEFLASH_GRAMMAR_THREADS", "3")
+    assert grammar_threads() == 3
+    for bad in ("0", "many"):
+        monkeypatch.setenv("PAGEFLASH_GRAMMAR_THREADS", bad)
+        with pytest.raises(ValueError, match="PAGEFLASH_GRAMMAR_THREADS"):
+            grammar_threads()
+    monkeypatch.delenv("PAGEFLASH_GRAMMAR_THREADS")
+    assert 1 <= grammar_threads() <= 4

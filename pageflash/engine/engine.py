@@ -404,6 +404,11 @@ class LLMEngine:
         result = self.runner.execute(sched, [self.kv.block_ids(s.request.request_id) for s in sched.seqs], **extra)
         if result.prompt_rows is not None:
             touched += self._prompt_logprobs(sched, result)
+        if prev is not None and any(s.request.grammar is not None for s in sched.seqs):
+            # A grammar's mask for this step's sampling needs the previous step's token on the host:
+            # read it now, while the device runs this step's forward (launched above).
+            touched += self._resolve(prev)
+            prev = None
         launched = self._launch(sched, result.logits, result.rows, result.greedy)
         self._inflight = None
         if prev is not None:  # the device runs the step just launched meanwhile
@@ -449,11 +454,13 @@ class LLMEngine:
             return None
         # Only rows with penalties or min_tokens read their outputs: the others get an empty list
         # instead of a copy of their outputs (O(length) per row per step otherwise).
-        guided = [r.grammar for r in sample_reqs if r.grammar is not None]
-        masks = iter(self._structured.bitmasks(guided) if guided else ())
+        # (a request that finished by the previous step's token samples once more, for nothing: no mask)
+        guided = [r.grammar is not None and not r.is_finished for r in sample_reqs]
+        masks = iter(self._structured.bitmasks([r.grammar for r, g in zip(sample_reqs, guided) if g])
+                     if any(guided) else ())  # fmt: skip
         batch = SamplingBatch.build(
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids if r.params.reads_outputs() else (),
-                         r.generator, next(masks) if r.grammar is not None else None) for r in sample_reqs],
+                         r.generator, next(masks) if g else None) for r, g in zip(sample_reqs, guided)],
             vocab_size=self.vocab_size, device=self.device, eos_token_ids=sorted(self.eos_token_ids),
         )
         if sample_rows != list(range(logits.shape[0])):  # decode steps: every row samples, once
@@ -464,10 +471,10 @@ class LLMEngine:
             r.num_pending += 1
             r.pending_row = i
         # The next step may overlap only if no request sampled here needs its newest token on the
-        # host to build its next sampling row (penalties read the outputs; min_tokens their count;
-        # a grammar's next mask follows the token).
-        may_overlap = not any(r.params.reads_outputs(r.num_output_tokens) or r.grammar is not None
-                              for r in sample_reqs)  # fmt: skip
+        # host to build its next sampling row (penalties read the outputs; min_tokens their count).
+        # A grammar's next mask needs it too, but only for the next sampling, not for the next
+        # forward: step() reads the token after launching that forward.
+        may_overlap = not any(r.params.reads_outputs(r.num_output_tokens) for r in sample_reqs)
         return _Inflight(sample_reqs, out, may_overlap)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, result: Any) -> list[str]:

@@ -10,15 +10,18 @@ grammar_bitmask``), and the engine feeds the sampled token back into the matcher
 accepts EOS only where the text is complete; the engine also ends the request as soon as the
 matcher cannot continue (``is_stopped``).
 
-What this costs the engine loop: a constrained request's next mask depends on its newest token, so a
-step with constrained rows is not overlapped with the next one (async scheduling waits for its
-tokens), and constrained requests are not drafted by speculative decoding.
+What this costs the engine loop: a constrained request's next mask depends on its newest token. With
+async scheduling the next step's forward is still launched before that token reaches the host (its
+input is copied on the device); the engine then reads the token, feeds the matchers and computes the
+masks while that forward runs, and launches the sampling after (``LLMEngine.step``). Constrained
+requests are not drafted by speculative decoding.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -26,6 +29,23 @@ import numpy as np
 from pageflash.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+
+def grammar_threads() -> int:
+    """Threads of llguidance's mask pool: PAGEFLASH_GRAMMAR_THREADS, else half the cores up to 4.
+    llguidance's own default (80% of the cores) was the slowest on a 16-core H100 host: 3.2 ms for 64
+    masks over a 128k vocabulary, against 1.1 ms with 4 threads and 1.4 ms with 2
+    (scripts/structured_phases.py, docs/BENCHMARKS.md run 26)."""
+    env = os.environ.get("PAGEFLASH_GRAMMAR_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"PAGEFLASH_GRAMMAR_THREADS must be a positive integer, got {env!r}") from None
+        if n < 1:
+            raise ValueError(f"PAGEFLASH_GRAMMAR_THREADS must be a positive integer, got {env!r}")
+        return n
+    return min(4, max(1, (os.cpu_count() or 2) // 2))
 
 
 class StructuredOutputs:
@@ -45,14 +65,15 @@ class StructuredOutputs:
         if tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer; this model has none (dummy weights)")
         self._llg = llguidance
+        # ids the tokenizer does not know (a config's EOS past a smaller tokenizer) cannot be matched
+        eos = sorted(t for t in eos_token_ids if t < len(tokenizer)) or None
         try:
-            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                          eos_token=sorted(eos_token_ids))  # fmt: skip
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         except Exception as e:  # a slow (Python) tokenizer, or one larger than the logits
             raise ValueError(f"structured_outputs cannot use this tokenizer: {e}") from None
         self.vocab_size = vocab_size
         self.words = (self.tokenizer.vocab_size + 31) // 32  # int32 words per mask row
-        self._executor = llguidance.LLExecutor()
+        self._executor = llguidance.LLExecutor(num_threads=grammar_threads())
 
     def _new_matcher(self, grammar: str) -> Any:
         return self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
