@@ -2,6 +2,12 @@
 speculation, and what a constraint costs a batch's throughput.
 
 Usage (device machine; llguidance installed from a carried wheel, a tokenizer folder carried):
+    # here: the folder (a named config's config.json + the embedded model's tokenizer, ~3.5 MB) and the wheel
+    python scripts/gpu_structured_probe.py --make-model .carry/smollm2-tok --config smollm2-135m
+    python scripts/gpu_structured_probe.py --make-model .carry/llama8b-tok --config llama-3-8b
+    pip download --no-deps llguidance -d .carry/wheels
+    # device (carry .carry/wheels and the folder):
+    pip install --no-deps --no-index --target /tmp/llg .carry/wheels/llguidance-*.whl
     PYTHONPATH=.:/tmp/llg python scripts/gpu_structured_probe.py --model .carry/smollm2-tok [--out DIR]
 
 The model folder holds config.json and the tokenizer only: weights are random (load_format="dummy"), so
@@ -32,7 +38,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 CASES = [
     ("json", StructuredOutputsParams(json=PERSON)),
     ("json_object", StructuredOutputsParams(json_object=True)),
-    ("regex", StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}")),
+    ("regex", StructuredOutputsParams(regex=r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}")),
     ("choice", StructuredOutputsParams(choice=["red", "green", "blue"])),
     ("grammar", StructuredOutputsParams(grammar='start: ("yes" | "no") " because " /[a-z ]{1,20}/ "."')),
     ("free", None),
@@ -57,7 +63,7 @@ def complete(kind: str, text: str) -> bool:
             return False
         return isinstance(v, dict) and (kind == "json_object" or set(v) == {"name", "age"})
     if kind == "regex":
-        return re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", text) is not None
+        return re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", text) is not None
     if kind == "choice":
         return text in ("red", "green", "blue")
     if kind == "grammar":
@@ -98,14 +104,34 @@ def check(llm: LLM, outs, params, kinds) -> tuple[int, int, int]:
     return held, stopped_ok, total
 
 
+def make_model(folder: str, config: str) -> None:
+    """A model folder for load_format="dummy": a named config's config.json and the tokenizer of the
+    embedded default model (the only one on hand without a model hub)."""
+    from pageflash.model.loader import load_tokenizer, resolve_model
+    from pageflash.model.registry import NAMED_CONFIGS
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(NAMED_CONFIGS[config], f)
+    load_tokenizer(resolve_model("smollm2-135m")).save_pretrained(folder)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--make-model", metavar="DIR", help="write a config + tokenizer folder and exit")
+    ap.add_argument("--config", default="smollm2-135m", help="named config for --make-model")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--each", type=int, default=8, help="requests per constraint kind in the mixed batch")
     ap.add_argument("--batch", type=int, default=64, help="throughput batch")
+    ap.add_argument("--no-fp32", action="store_true", help="skip check 2 (two float32 engines: large models)")
     args = ap.parse_args()
+    if args.make_model:
+        make_model(args.make_model, args.config)
+        return
+    if not args.model:
+        ap.error("--model is required")
     rows = []
     common = dict(load_format="dummy", max_model_len=1024, max_num_seqs=128)
 
@@ -159,8 +185,9 @@ def main() -> None:
 
     # 2. float32 plain vs ngram, greedy
     prompts, params, kinds = batch(max(1, args.each // 2), greedy_only=True)
-    got = {}
-    for name, kw in (("plain", {}), ("ngram", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}})):
+    got = {"plain": [], "ngram": []}
+    for name, kw in () if args.no_fp32 else (
+            ("plain", {}), ("ngram", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}})):
         llm = LLM(args.model, dtype="float32", **common, **kw)
         outs = llm.generate(prompts, params, use_tqdm=False)
         got[name] = [c.token_ids for o in outs for c in o.outputs]
@@ -168,8 +195,9 @@ def main() -> None:
         rows.append((f"fp32 greedy {name}", f"{held}/{total} prefixes accepted, {ok}/{total} complete-or-cut", ""))
         del llm
         empty_cache()
-    same = sum(a == b for a, b in zip(got["plain"], got["ngram"]))
-    rows.append(("fp32 greedy ngram == plain", f"{same}/{len(got['plain'])}", ""))
+    if not args.no_fp32:
+        same = sum(a == b for a, b in zip(got["plain"], got["ngram"]))
+        rows.append(("fp32 greedy ngram == plain", f"{same}/{len(got['plain'])}", ""))
 
     with open(os.path.join(args.out, "structured_probe.json"), "w") as f:
         json.dump({"rows": rows, "throughput": res}, f, indent=1)
