@@ -50,7 +50,7 @@ class StructuredOutputsParams:
 
     json: a JSON schema (dict or JSON string); the output is a JSON value that satisfies it.
     regex: a regular expression the whole output matches, in Rust ``regex`` syntax (as llguidance
-        reads it): ``\d`` and ``\w`` are Unicode classes there; write ``[0-9]`` for ASCII digits.
+        reads it): ``\\d`` and ``\\w`` are Unicode classes there; write ``[0-9]`` for ASCII digits.
     choice: a list of strings; the output is one of them.
     grammar: a context-free grammar, in Lark syntax (llguidance's dialect) or GBNF / EBNF (llama.cpp).
     json_object: True for any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).

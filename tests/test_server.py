@@ -412,7 +412,17 @@ BAD_CHATS = [
     ({"messages": CHAT, "top_p": 0.0}, "top_p", ()),
     ({"messages": CHAT, "n": 0}, "n", ()),
     ({"messages": CHAT, "top_logprobs": 2}, None, ("logprobs",)),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None, ("tools",)),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None,
+     ('tool_choice "auto"', "tool-call parser")),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, None, ("'g'", "not among the tools")),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, None, ("constrains the output already",)),
+    ({"messages": CHAT, "tools": [{"type": "retrieval"}]}, "tools[0].type", ()),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "no spaces"}}], "tool_choice": "none"},
+     "tools[0].function.name", ()),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"type": "function", "function": {"name": "f",
+      "arguments": "{}"}}]}]}, "messages[0]", ("assistant",)),
     ({"messages": CHAT, "response_format": {"type": "xml"}}, None, ("response_format", "'xml'")),
     ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None,
      ("json_schema.schema",)),
@@ -562,6 +572,71 @@ def test_structured_outputs_through_the_openai_client(srv: Srv) -> None:
     text, _, _ = _collect_completion(srv, False, prompt=PROMPT, max_tokens=12, temperature=0,
                                      extra_body={"guided_grammar": grammar})
     assert text in ("The answer is yes.", "The answer is no."), text
+    assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def _tool_args_ok(name: str, args: str) -> bool:
+    a = json.loads(args)
+    if name == "get_weather":
+        return set(a) == {"city", "unit"} and a["unit"] in ("c", "f")
+    return name == "get_time" and set(a) == {"zone"}
+
+
+def test_tool_calls_named_and_required_through_the_openai_client(srv: Srv) -> None:
+    """tool_choice naming a function, and "required", streamed and not: the calls' arguments satisfy the
+    tools' schemas, the streamed deltas add up to the same calls, and an earlier call plus a tool result
+    can go back in as history."""
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    c = srv.client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice=named,
+                                           max_tokens=60, temperature=0)  # fmt: skip
+    m = c.choices[0].message
+    assert m.content is None and len(m.tool_calls) == 1 and c.choices[0].finish_reason == "stop"
+    call = m.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    assert _tool_args_ok("get_weather", call.function.arguments)
+    chunks = list(srv.client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME],
+                                                     tool_choice=named, max_tokens=60, temperature=0, stream=True))
+    deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120,
+                  temperature=0.8, seed=4, n=2)
+        if not stream:
+            r = srv.client.chat.completions.create(**kw)
+            got = [(ch.finish_reason, [(t.function.name, t.function.arguments) for t in ch.message.tool_calls or []])
+                   for ch in r.choices]  # fmt: skip
+        else:
+            calls: dict[int, list] = {0: [], 1: []}
+            reasons: dict[int, str] = {}
+            for ch in srv.client.chat.completions.create(stream=True, **kw):
+                for choice in ch.choices:
+                    calls[choice.index] += [(t.function.name, t.function.arguments) for t in choice.delta.tool_calls or []]
+                    if choice.finish_reason:
+                        reasons[choice.index] = choice.finish_reason
+            got = [(reasons[i], calls[i]) for i in (0, 1)]
+        for reason, cs in got:
+            if reason == "tool_calls":
+                assert cs and all(_tool_args_ok(name, args) for name, args in cs)
+            else:
+                assert reason == "length" and not cs  # cut before the list closed: left as text
+    history = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    c = srv.client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=8, temperature=0)  # fmt: skip
+    assert c.choices[0].message.content and not c.choices[0].message.tool_calls
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 

@@ -719,7 +719,8 @@ class OpenAIServing:
         def render(tok: Any) -> list[int]:
             if tok is None:
                 raise ValueError("this model has no tokenizer (dummy weights)")
-            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=req.template_tools(),
+                                           add_generation_prompt=req.add_generation_prompt, tokenize=False)
             # The template writes its own special tokens (BOS etc.): do not add them twice.
             return list(tok.encode(text, add_special_tokens=False))
 
@@ -740,7 +741,11 @@ class OpenAIServing:
                           params, timer)  # fmt: skip
         created = int(time.time())
 
-        def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any, _offs: Any) -> P.ChatStreamChoice:
+        tools = _ToolCalls(req) if req.calls_tools else None
+
+        def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any, _offs: Any) -> P.ChatStreamChoice | None:
+            if tools is not None and req.stream:
+                return tools.stream_delta(ch, delta, ids, lps, lambda i, l: self.chat_logprobs(i, l, k) if req.logprobs else None)
             lp = self.chat_logprobs(ids, lps, k) if req.logprobs else None
             return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(content=delta), logprobs=lp,
                                       finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
@@ -777,6 +782,9 @@ class OpenAIServing:
                 prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
                 if prev.logprobs is not None and c.logprobs is not None:
                     prev.logprobs.content = [*(prev.logprobs.content or []), *(c.logprobs.content or [])]
+            if tools is not None:
+                for c in merged.values():
+                    tools.finish_message(c)
             return [merged[i] for i in sorted(merged)]
 
         try:
@@ -785,6 +793,79 @@ class OpenAIServing:
             gen.close()
         body = P.ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage())
         return Response(body.model_dump_json(), media_type="application/json")
+
+
+class _ToolCalls:
+    """A chat request whose tool_choice calls tools ("required" or a named function): its output is
+    constrained to JSON (ChatCompletionRequest.tool_schema) and answered as tool_calls, as vLLM does.
+
+    Named: the text is the function's arguments; streamed as they come (the first delta carries the
+    call's id and name), finish_reason as generated ("stop"). Required: the text is a list of
+    {"name", "parameters"}; streamed whole once the choice ends (a list cannot be split into calls
+    before it is complete), finish_reason "tool_calls". Output cut by max_tokens that does not parse
+    stays text (content), with finish_reason "length"."""
+
+    def __init__(self, req: P.ChatCompletionRequest) -> None:
+        self.mode = req.calls_tools
+        self.name = req.tool_choice_name
+        self.ids: dict[int, str] = {}
+        self.held: dict[int, tuple[list[int], list[Any] | None]] = {}  # required, streamed: ids, logprobs so far
+
+    def call_id(self, index: int) -> str:
+        return self.ids.setdefault(index, f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+    def parse(self, text: str) -> list[tuple[str, str]] | None:
+        """(name, arguments JSON) per call, or None when the text is not a complete list of calls."""
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                                  for c in calls):  # fmt: skip
+            return None
+        return [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in calls]
+
+    def stream_delta(self, ch: _Choice, delta: str, ids: list[int], lps: Any,
+                     logprobs: Callable[[list[int], Any], Any]) -> P.ChatStreamChoice | None:
+        if self.mode == "named":
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": delta}}
+            if not ch.started:
+                call = {"index": 0, "id": self.call_id(ch.index), "type": "function",
+                        "function": {"name": self.name, "arguments": delta}}  # fmt: skip
+            return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(tool_calls=[call]), logprobs=logprobs(ids, lps),
+                                      finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
+        held_ids, held_lps = self.held.setdefault(ch.index, ([], [] if lps is not None else None))
+        held_ids += ids
+        if held_lps is not None and lps is not None:
+            held_lps += lps
+        if ch.finish_reason is None:
+            return None
+        calls = self.parse(ch.text)
+        lp = logprobs(held_ids, held_lps)
+        if calls is None:
+            return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(content=ch.text), logprobs=lp,
+                                      finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
+        out = [{"index": i, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+                "function": {"name": name, "arguments": args}} for i, (name, args) in enumerate(calls)]  # fmt: skip
+        reason = "tool_calls" if ch.finish_reason == "stop" else ch.finish_reason
+        return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(tool_calls=out), logprobs=lp,
+                                  finish_reason=reason, stop_reason=ch.stop_reason)  # fmt: skip
+
+    def finish_message(self, c: P.ChatChoice) -> None:
+        """A whole (non-streamed) choice: its text becomes tool_calls."""
+        text = c.message.content or ""
+        if self.mode == "named":
+            calls = [(self.name, text)]
+        else:
+            calls = self.parse(text)
+            if calls is None:
+                return
+            if c.finish_reason == "stop":
+                c.finish_reason = "tool_calls"
+        c.message.content = None
+        c.message.tool_calls = [P.ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}",
+                                           function=P.FunctionCall(name=name, arguments=args))
+                                for name, args in calls]  # fmt: skip
 
 
 async def _run_request(request: Request, work: Awaitable[Any]) -> Any:

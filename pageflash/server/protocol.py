@@ -10,6 +10,7 @@ the error names the field. Everything else is checked by SamplingParams and the 
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar, Literal, Union
 
@@ -282,6 +283,17 @@ class RefusalPart(_Strict):
 CONTENT_PART_TYPES = ("text", "refusal")
 
 
+class FunctionCall(_Strict):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     # Roles are checked by hand so that an unknown one gets a clear message naming the known ones.
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -289,6 +301,7 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[TextPart | RefusalPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
 
     @model_validator(mode="before")
     @classmethod
@@ -309,6 +322,8 @@ class ChatMessage(BaseModel):
             raise ValueError(f"unknown role {self.role!r}; expected one of {', '.join(ROLES)}")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role} ones")
         return self
 
     def text(self) -> str:
@@ -319,6 +334,34 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class ToolFunction(_Strict):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class _ChoiceName(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _ChoiceName
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -326,9 +369,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    # Function calling: the tools go to the chat template; tool_choice "required" or a named function
+    # constrains the output to their arguments' JSON (structured outputs), answered as tool_calls.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    _tool_choice: Any = PrivateAttr("none")
     # Not supported; present so that asking for them is a clear 400 rather than silently ignored.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     # vLLM's chat extras that change the result (see _SamplingFields._not_implemented)
@@ -347,14 +394,62 @@ class ChatCompletionRequest(_SamplingFields):
     def _check(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported")
         if self.functions:
-            raise ValueError("functions (function calling) are not supported")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise ValueError(f"{name} is not supported (no function calling); leave it out or send \"none\"")
+            raise ValueError("functions (the deprecated function calling) are not supported; use tools")
+        if self.function_call not in (None, "none"):
+            raise ValueError("function_call (the deprecated function calling) is not supported; use tools and tool_choice")
+        choice = self.tool_choice
+        if choice is None:
+            choice = "auto" if self.tools else "none"
+        if choice != "none" and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice_name!r} needs tools")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among "
+                                 f"the tools ({', '.join(names)})")  # fmt: skip
+        if choice == "auto":
+            raise ValueError('tool_choice "auto" (the default with tools) needs a tool-call parser, which this '
+                             'server does not have: send tool_choice "required", a named function, or "none"')
+        if choice != "none" and self._structured_outputs() is not None:
+            raise ValueError("a tool_choice that calls tools constrains the output already: leave out "
+                             "response_format / structured_outputs / guided_*")
+        self._tool_choice = choice
+        if choice != "none":
+            self._structured = {"json": self.tool_schema()}
         return self
+
+    @property
+    def tool_choice_name(self) -> str:
+        c = self.tool_choice
+        return c.function.name if isinstance(c, NamedToolChoice) else str(c)
+
+    @property
+    def calls_tools(self) -> Literal["named", "required"] | None:
+        """How this request's output is read: one named function's arguments, a list of calls, or text."""
+        c = self._tool_choice
+        return "named" if isinstance(c, NamedToolChoice) else "required" if c == "required" else None
+
+    def tool_schema(self) -> dict[str, Any]:
+        """The JSON schema the output follows: the named function's parameters, or (required) a list of
+        {"name", "parameters"} objects, one of the tools each (at most one with parallel_tool_calls false)."""
+        c = self._tool_choice
+        tools = {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools or []}
+        if isinstance(c, NamedToolChoice):
+            return tools[c.function.name]
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, params in tools.items()]  # fmt: skip
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return schema
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (HF's {"type": "function", "function": {...}})."""
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in self.tools]
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -365,7 +460,16 @@ class ChatCompletionRequest(_SamplingFields):
         out = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
+            msg: dict[str, Any] = {"role": role, "content": m.text()}
+            if m.tool_calls:  # arguments as objects, as chat templates expect them (vLLM does the same)
+                msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                                     for c in m.tool_calls]  # fmt: skip
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
         return out
 
 
@@ -386,6 +490,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -410,6 +515,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {"index", "id"?, "type"?, "function": {"name"?, "arguments"}}
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
