@@ -431,9 +431,14 @@ BAD_CHATS = [
     ({"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}, None, ("functions",)),
     ({"messages": CHAT, "function_call": "auto"}, None, ("function_call",)),
     ({"messages": CHAT, "tools": [], "tool_choice": "required"}, None, ("tool_choice",)),
-    ({"messages": CHAT, "continue_final_message": True}, "continue_final_message", ("not supported",)),
-    ({"messages": CHAT, "echo": True}, "echo", ("not supported",)),
-    ({"messages": CHAT, "chat_template": "{{ 'x' }}"}, "chat_template", ("not supported",)),
+    ({"messages": CHAT, "continue_final_message": True}, None, ("add_generation_prompt",)),
+    ({"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False}, None,
+     ("continues an assistant message",)),
+    ({"messages": CHAT, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", ("tools",)),
+    ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs", ()),
+    ({"messages": CHAT, "documents": [{"text": "x"}]}, "documents", ("not supported",)),
+    ({"messages": CHAT, "chat_template": "{% if %}"}, "chat_template", ("--trust-request-chat-template",)),
+    ({"messages": CHAT, "echo": "yes"}, "echo", ()),
     ({"messages": CHAT, "structured_outputs": {"choice": "a"}}, "structured_outputs", ("choice",)),
 ]
 
@@ -638,6 +643,60 @@ def test_tool_calls_named_and_required_through_the_openai_client(srv: Srv) -> No
                                            max_tokens=8, temperature=0)  # fmt: skip
     assert c.choices[0].message.content and not c.choices[0].message.tool_calls
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
+
+
+def test_continue_final_message_echo_and_template_kwargs(srv: Srv) -> None:
+    """continue_final_message leaves the assistant's last message open and the reply continues it (the
+    same tokens as a completion of the rendered text); echo puts that message in front of the reply,
+    streamed and not; chat_template_kwargs reach the template."""
+    tok = srv.aeng.tokenizer
+    msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite color is"}]
+    body = {"messages": msgs, "max_tokens": 6, "temperature": 0, "continue_final_message": True,
+            "add_generation_prompt": False}
+    c = srv.post("/v1/chat/completions", body).json()
+    text = tok.apply_chat_template(msgs, tokenize=False, continue_final_message=True, add_generation_prompt=False)
+    assert text.endswith("My favourite color is")
+    ref = srv.post("/v1/completions", {"prompt": tok.encode(text, add_special_tokens=False), "max_tokens": 6,
+                                       "temperature": 0}).json()  # fmt: skip
+    assert c["choices"][0]["message"]["content"] == ref["choices"][0]["text"]
+    e = srv.post("/v1/chat/completions", {**body, "echo": True}).json()
+    assert e["choices"][0]["message"]["content"] == "My favourite color is" + ref["choices"][0]["text"]
+    chunks = srv.client.chat.completions.create(model=MODEL, stream=True, messages=msgs, max_tokens=6, temperature=0,
+                                                extra_body={"continue_final_message": True, "echo": True,
+                                                            "add_generation_prompt": False})  # fmt: skip
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == e["choices"][0]["message"]["content"]
+    # echo without an assistant message last: nothing to echo (vLLM's rule)
+    plain = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0}).json()
+    echoed = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    # chat_template_kwargs: SmolLM2's template reads none, so they change nothing; a server-side template
+    # that reads one is tested through render() in test_request_chat_template_needs_trust
+    kw = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0,
+                                           "chat_template_kwargs": {"enable_thinking": False}}).json()  # fmt: skip
+    assert kw["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+
+
+def test_request_chat_template_needs_trust() -> None:
+    """A server started with trust_request_chat_template renders a request's own template, and its
+    chat_template_kwargs; the same request is a 400 on a server without the flag."""
+    llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN, num_kv_blocks=32)
+    template = "{% for m in messages %}{{ greeting }} {{ m['content'] }}\n{% endfor %}"
+    body = {"messages": CHAT, "max_tokens": 3, "temperature": 0, "chat_template": template,
+            "chat_template_kwargs": {"greeting": "Dear"}}
+    tok = llm.get_tokenizer()
+    want = tok.encode("".join(f"Dear {m['content']}\n" for m in CHAT), add_special_tokens=False)
+    for trusted in (False, True):
+        aeng = AsyncLLMEngine(llm.llm_engine)
+        try:
+            with serve(build_app(aeng, MODEL, trust_request_chat_template=trusted)) as base:
+                r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+                if not trusted:
+                    assert_error(r, 400, param="chat_template", contains=("--trust-request-chat-template",))
+                else:
+                    assert r.status_code == 200, r.text
+                    assert r.json()["usage"]["prompt_tokens"] == len(want)
+        finally:
+            aeng.shutdown()
 
 
 def test_unimplemented_extras_left_at_their_defaults_are_fine(srv: Srv) -> None:
@@ -883,3 +942,9 @@ def test_main_wires_flags_to_llm_and_uvicorn(monkeypatch: pytest.MonkeyPatch) ->
     server_app.main(["--model", "other", "--max-num-seqs", "4"])
     assert seen["model"] == "other" and seen["kw"]["max_num_seqs"] == 4
     assert seen["app"].state.serving.model_names == ["other"]
+    assert seen["app"].state.serving.chat_template is None
+    assert not seen["app"].state.serving.trust_request_chat_template
+    server_app.main(["--model", "other", "--chat-template", "{{ messages[0]['content'] }}",
+                     "--trust-request-chat-template"])
+    assert seen["app"].state.serving.chat_template == "{{ messages[0]['content'] }}"
+    assert seen["app"].state.serving.trust_request_chat_template

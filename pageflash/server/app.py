@@ -434,10 +434,13 @@ class TokenizerWorker:
 class OpenAIServing:
     """The endpoints' logic; one per app, shared by all requests (holds no per-request state)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], max_body_bytes: int) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], max_body_bytes: int,
+                 chat_template: str | None = None, trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.model_names = model_names
         self.max_body_bytes = max_body_bytes
+        self.chat_template = chat_template  # replaces the tokenizer's (--chat-template)
+        self.trust_request_chat_template = trust_request_chat_template
         self.metrics = ServerMetrics(engine, model_names[0])
         self.tokenizer = TokenizerWorker(engine)
         self.token_bytes = TokenBytes(engine.tokenizer)
@@ -715,12 +718,20 @@ class OpenAIServing:
         if req.n > MAX_CHOICES:
             raise APIError(400, f"n = {req.n} is over the limit of {MAX_CHOICES}", param="n")
         messages = req.template_messages()
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request needs a server started with --trust-request-chat-template",
+                           param="chat_template")  # fmt: skip
+        if req.chat_template is None and self.chat_template is not None:
+            req.chat_template = self.chat_template
+        echo = "" if req.calls_tools else req.echo_prefix
 
         def render(tok: Any) -> list[int]:
             if tok is None:
                 raise ValueError("this model has no tokenizer (dummy weights)")
-            text = tok.apply_chat_template(messages, tools=req.template_tools(),
-                                           add_generation_prompt=req.add_generation_prompt, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=req.template_tools(), chat_template=req.chat_template,
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=bool(req.continue_final_message), tokenize=False,
+                                           **(req.chat_template_kwargs or {}))  # fmt: skip
             # The template writes its own special tokens (BOS etc.): do not add them twice.
             return list(tok.encode(text, add_special_tokens=False))
 
@@ -759,6 +770,8 @@ class OpenAIServing:
                 try:
                     for i in range(req.n):  # the first chunk of each choice carries the role
                         yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))])
+                        if echo:
+                            yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(content=echo))])
                     async for c in gen.deltas(on_delta):
                         yield chunk([c], gen.usage() if req.continuous_usage else None)
                     if req.include_usage:
@@ -782,9 +795,11 @@ class OpenAIServing:
                 prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
                 if prev.logprobs is not None and c.logprobs is not None:
                     prev.logprobs.content = [*(prev.logprobs.content or []), *(c.logprobs.content or [])]
-            if tools is not None:
-                for c in merged.values():
+            for c in merged.values():
+                if tools is not None:
                     tools.finish_message(c)
+                elif echo:
+                    c.message.content = echo + (c.message.content or "")
             return [merged[i] for i in sorted(merged)]
 
         try:
@@ -879,18 +894,20 @@ async def _run_request(request: Request, work: Awaitable[Any]) -> Any:
 def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins: Sequence[str] = ("*",),
               allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
-              allow_credentials: bool = False) -> FastAPI:  # fmt: skip
+              allow_credentials: bool = False, chat_template: str | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:  # fmt: skip
     """The FastAPI app serving `engine` under the given model name(s) (the first is the default).
 
     `api_key`: if set, /v1/* require `Authorization: Bearer <api_key>` (401 otherwise); /health and
     /metrics stay open. `max_body_bytes`: larger request bodies get 413. CORS (browser front-ends
     calling the API directly): the `allowed_*` lists and `allow_credentials`, vLLM's defaults (any
-    origin, no credentials).
+    origin, no credentials). `chat_template`: a Jinja chat template used instead of the tokenizer's;
+    `trust_request_chat_template`: let requests bring their own (`chat_template`), as vLLM's flag.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
-    serving = OpenAIServing(engine, names, max_body_bytes)
+    serving = OpenAIServing(engine, names, max_body_bytes, chat_template, trust_request_chat_template)
     metrics = serving.metrics
 
     @contextlib.asynccontextmanager
@@ -996,6 +1013,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--allowed-{flag}", type=_json_str_list, default=["*"], metavar="JSON",
                        help=f"CORS: {what} allowed, as a JSON list (default: [\"*\"])")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: no)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (off: such requests get a 400)")
     add_engine_args(p)
     return p
 
@@ -1030,6 +1051,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_body_bytes < 1:
         parser.error(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
+    template = args.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            template = f.read()
+    elif template is not None and not any(tag in template for tag in ("{{", "{%")):
+        parser.error(f"--chat-template {template!r} is neither a file nor a Jinja template")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # before the model loads: a taken port fails in a second, not after a minute of loading
         with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
@@ -1050,7 +1077,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.served_model_name or [args.model]
     app = build_app(engine, names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                     allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                    allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+                    allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                    chat_template=template, trust_request_chat_template=args.trust_request_chat_template)
     logger.info("serving %s as %s on http://%s:%d/v1", args.model, ", ".join(names), args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,

@@ -378,22 +378,42 @@ class ChatCompletionRequest(_SamplingFields):
     # Not supported; present so that asking for them is a clear 400 rather than silently ignored.
     functions: list[Any] | None = None
     function_call: Any = None
-    # vLLM's chat extras that change the result (see _SamplingFields._not_implemented)
-    echo: Any = None
-    continue_final_message: Any = None
-    chat_template: Any = None
-    chat_template_kwargs: Any = None
-    documents: Any = None
+    # vLLM's chat extras: echo the open last message, continue it, another template (the server must
+    # trust request templates), extra template variables
+    echo: StrictBool | None = False
+    continue_final_message: StrictBool | None = False
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: Any = None  # not implemented: a 400 unless null / []
 
-    @field_validator("echo", "continue_final_message", "chat_template", "chat_template_kwargs", "documents")
+    RESERVED_TEMPLATE_KWARGS: ClassVar[tuple[str, ...]] = (
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs")
+
+    @field_validator("documents")
     @classmethod
-    def _chat_not_implemented(cls, v: Any, info: ValidationInfo) -> Any:
-        return _unless_asked(v, empty_dict=info.field_name == "chat_template_kwargs")
+    def _chat_not_implemented(cls, v: Any) -> Any:
+        return _unless_asked(v)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        bad = sorted(set(v or ()) & set(cls.RESERVED_TEMPLATE_KWARGS))
+        if bad:
+            raise ValueError(f"{', '.join(bad)} cannot be set through chat_template_kwargs (use the request's own fields)")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true: "
+                                 "send add_generation_prompt: false to continue the last message")
+            if self.messages[-1].role != "assistant":
+                raise ValueError(f"continue_final_message continues an assistant message, but the last message "
+                                 f"is a {self.messages[-1].role} one")  # fmt: skip
         if self.functions:
             raise ValueError("functions (the deprecated function calling) are not supported; use tools")
         if self.function_call not in (None, "none"):
@@ -418,6 +438,13 @@ class ChatCompletionRequest(_SamplingFields):
         if choice != "none":
             self._structured = {"json": self.tool_schema()}
         return self
+
+    @property
+    def echo_prefix(self) -> str:
+        """With echo, the text the reply starts with: the last message's, if it is the assistant's (the
+        message being continued), else nothing (vLLM's rule)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @property
     def tool_choice_name(self) -> str:
