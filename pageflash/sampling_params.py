@@ -137,6 +137,9 @@ class SamplingParams:
         anything else, so logprobs still report the model's own distribution); None = any. The
         engine refuses a set of stop / EOS tokens only together with min_tokens (nothing could
         be generated).
+    bad_words: words that must not be generated (vLLM's): each is tokenized as written and with a
+        leading space; a one-token word is masked always, a longer one's last token is masked where
+        the output so far ends with its other tokens. Needs the model's tokenizer.
     structured_outputs: a :class:`StructuredOutputsParams` (or a dict of its fields) that constrains
         the output to a JSON schema, regex, choice or grammar; None = free text.
     skip_special_tokens: drop special tokens from the output text.
@@ -161,6 +164,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
     allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -231,6 +235,13 @@ class SamplingParams:
                                                                                "allowed_token_ids")))
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)):
+                raise TypeError(f"bad_words must be a list of str or None, got {type(self.bad_words).__name__}")
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip():
+                    raise ValueError(f"bad_words must hold non-blank strings, got {w!r}")
+            self.bad_words = list(self.bad_words)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -289,9 +300,9 @@ class SamplingParams:
         )
 
     def reads_outputs(self, num_output: Optional[int] = None) -> bool:
-        """Whether sampling reads the outputs so far: their tokens (penalties) or their count
+        """Whether sampling reads the outputs so far: their tokens (penalties, bad_words) or their count
         (min_tokens, while fewer than min_tokens exist; with num_output None: at any point)."""
-        if self.uses_penalties:
+        if self.uses_penalties or self.bad_words:  # (a bad word of several tokens follows the outputs)
             return True
         return self.min_tokens > 0 if num_output is None else num_output < self.min_tokens
 

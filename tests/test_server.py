@@ -385,7 +385,8 @@ BAD_COMPLETIONS = [
     # vLLM extras that would change the result: refused by name, never silently ignored
     ({"prompt": "hi", "allowed_token_ids": [1, "x"]}, "allowed_token_ids[1]", ()),
     ({"prompt": "hi", "allowed_token_ids": [10**9]}, "allowed_token_ids", ("outside the vocabulary",)),
-    ({"prompt": "hi", "bad_words": ["x"]}, "bad_words", ("not supported",)),
+    ({"prompt": "hi", "bad_words": "x"}, "bad_words", ()),
+    ({"prompt": "hi", "bad_words": ["  "]}, "bad_words", ("non-blank",)),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ()),
     ({"prompt": "hi", "prompt_logprobs": 0}, "prompt_logprobs", ("not supported",)),
 ]

@@ -224,3 +224,60 @@ def test_missing_llguidance_or_tokenizer_is_a_clear_error(monkeypatch):
             grammar_threads()
     monkeypatch.delenv("PAGEFLASH_GRAMMAR_THREADS")
     assert 1 <= grammar_threads() <= 4
+
+
+# ---------------------------------------------------------------------------------- bad_words
+def got_prompt_ids(llm, prompt):
+    return llm.get_tokenizer().encode(prompt)
+
+
+def test_bad_word_masks_follow_the_outputs():
+    vocab = 20
+    p = SamplingParams(temperature=0.0, bad_words=["x"])  # the words themselves are tokenized by the engine
+    rows = [SamplingRow(p, [1], [5, 6], None, bad_words=((3,), (6, 7), (5, 9, 8), (4, 2)))]
+    batch = SamplingBatch.build(rows, vocab, "cpu")
+    # 3 always; 7 follows 6 (the last output); 8 would need outputs ending 5, 9; 2 would need 4
+    assert batch.banned_mask[0].nonzero().flatten().tolist() == [3, 7]
+
+
+@torch.no_grad()
+def hf_greedy_without(model, prompt_ids, seqs, max_new_tokens, eos_ids):
+    """The reference: HF forward, argmax after masking each bad sequence's last token where the output
+    ends with the rest of it."""
+    ids, out = list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        for seq in seqs:
+            if len(seq) == 1 or (len(out) >= len(seq) - 1 and tuple(out[len(out) - len(seq) + 1:]) == seq[:-1]):
+                logits[seq[-1]] = float("-inf")
+        tok = int(logits.argmax())
+        out.append(tok)
+        ids.append(tok)
+        if tok in eos_ids:
+            break
+    return out
+
+
+def test_bad_words_never_come_out(llm):
+    """Greedy with bad_words equals an HF greedy reference masked by the same rule, the words' token
+    sequences do not occur, and n-gram speculation gives the same output."""
+    eng = llm.llm_engine
+    tok = llm.get_tokenizer()
+    prompt = chat(llm, "Write a sentence about the sky and the sea.")
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    words = free.text.split()[:3]  # words greedy decoding does produce
+    sp = SamplingParams(temperature=0, max_tokens=30, bad_words=words)
+    got = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    seqs = eng._bad_word_ids(words)
+    out = got.token_ids
+    for seq in seqs:  # no bad word's token sequence occurs in the output
+        assert not any(tuple(out[i:i + len(seq)]) == seq for i in range(len(out) - len(seq) + 1)), (seq, got.text)
+    assert got.token_ids != free.token_ids
+    ref = hf_greedy_without(hf_model_from_gguf(), got_prompt_ids(llm, prompt), seqs, 30, eng.eos_token_ids)
+    assert out == ref
+    spec = LLM(max_model_len=256, num_kv_blocks=160, dtype="float32",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert spec.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == out
+    with pytest.raises(ValueError, match="non-blank"):
+        SamplingParams(bad_words=[" "])
+    assert free_all(llm)

@@ -324,11 +324,28 @@ class LLMEngine:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         req = Request(request_id, text, ids, params, arrival_time or time.monotonic(), generator=gen)
         req.grammar = grammar
+        req.bad_words = self._bad_word_ids(params.bad_words)
         self._attach_detokenizer(req)
         self.groups[request_id] = [req]
         self.scheduler.add(req)
         self.prompt_tokens_total += len(ids)
         return request_id
+
+    def _bad_word_ids(self, words: Optional[list[str]]) -> tuple[tuple[int, ...], ...]:
+        """A request's bad_words as token sequences, as vLLM tokenizes them: each word (left-stripped)
+        as written, and with a leading space where that gives another first token of the same length."""
+        if not words:
+            return ()
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer; this model has none (dummy weights)")
+        seqs: list[tuple[int, ...]] = []
+        for w in words:
+            plain = tuple(self.tokenizer.encode(w.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + w.lstrip(), add_special_tokens=False))
+            seqs.append(plain)
+            if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
+                seqs.append(spaced)
+        return tuple(s for s in dict.fromkeys(seqs) if s)
 
     def structured_outputs(self) -> StructuredOutputs:
         """The grammar compiler over this engine's tokenizer (built once, ~0.5 s); ValueError when
@@ -460,7 +477,7 @@ class LLMEngine:
                      if any(guided) else ())  # fmt: skip
         batch = SamplingBatch.build(
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids if r.params.reads_outputs() else (),
-                         r.generator, next(masks) if g else None) for r, g in zip(sample_reqs, guided)],
+                         r.generator, next(masks) if g else None, r.bad_words) for r, g in zip(sample_reqs, guided)],
             vocab_size=self.vocab_size, device=self.device, eos_token_ids=sorted(self.eos_token_ids),
         )
         if sample_rows != list(range(logits.shape[0])):  # decode steps: every row samples, once
@@ -543,6 +560,7 @@ class LLMEngine:
             child.num_computed_tokens = req.num_computed_tokens
             child.forked = True
             child.prompt_logprobs = None  # the group's are the parent's
+            child.bad_words = req.bad_words
             if req.grammar is not None:  # nothing consumed yet: this is the first sample
                 child.grammar = req.grammar.deep_copy()
             child.metrics.first_scheduled_time = req.metrics.first_scheduled_time

@@ -55,6 +55,8 @@ class SamplingRow:
         greedy rows leave it untouched.
     grammar_bitmask: int32 [W] (numpy) or None: the tokens a structured-outputs matcher allows next,
         bit t % 32 of word t // 32 (``engine.structured``); the others' logits become -inf.
+    bad_words: token sequences (a request's tokenized bad_words); a sequence's last token is masked
+        where output_token_ids end with its other tokens (always, for a one-token word).
     """
 
     params: SamplingParams
@@ -62,6 +64,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: Optional[torch.Generator] = None
     grammar_bitmask: Optional[np.ndarray] = None
+    bad_words: Sequence[Sequence[int]] = ()
 
 
 @dataclass
@@ -265,13 +268,20 @@ class SamplingBatch:
             min_tokens_index = to_device(torch.tensor(masked, dtype=torch.int64), device)
 
         banned_mask = None
+        bad = [_bad_word_tokens(r, vocab_size) for r in rows]
+        if any(bad):
+            index = to_device(_flat_token_index([(b,) for b in bad], vocab_size), device)
+            banned_mask = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
+            banned_mask.index_fill_(0, index, True)
+            banned_mask = banned_mask.view(n, vocab_size)
         limited = [p.allowed_token_ids is not None for p in ps]
         if any(limited):  # built on the device, as the repetition mask: only the allowed ids travel
             index = to_device(_flat_token_index([(p.allowed_token_ids,) if p.allowed_token_ids else () for p in ps],
                                                 vocab_size), device)  # fmt: skip
             allowed = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
             allowed.index_fill_(0, index, True)
-            banned_mask = to_device(torch.tensor(limited), device)[:, None] & ~allowed.view(n, vocab_size)
+            outside = to_device(torch.tensor(limited), device)[:, None] & ~allowed.view(n, vocab_size)
+            banned_mask = outside if banned_mask is None else banned_mask | outside
         if any(r.grammar_bitmask is not None for r in rows):
             words = next(r.grammar_bitmask for r in rows if r.grammar_bitmask is not None).shape[0]
             if words * 32 < vocab_size:
@@ -351,6 +361,7 @@ class SamplingBatch:
                             list(row.output_token_ids) + drafts,
                             row.generator,
                             row.grammar_bitmask,
+                            row.bad_words,
                         )
                     )
         return SamplingBatch.build(rows, self.vocab_size, self.device, self.eos_token_ids)
@@ -361,6 +372,18 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     bits = (words[:, :, None] >> shifts) & 1
     return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _bad_word_tokens(row: SamplingRow, vocab_size: int) -> list[int]:
+    """The tokens row's bad words forbid next: each word's last token where the outputs end with the
+    rest of it (vLLM's NoBadWordsLogitsProcessor)."""
+    out: list[int] = []
+    outs = row.output_token_ids
+    for seq in row.bad_words:
+        k = len(seq) - 1
+        if seq[-1] < vocab_size and (k == 0 or (len(outs) >= k and list(outs[len(outs) - k:]) == list(seq[:-1]))):
+            out.append(seq[-1])
+    return out
 
 
 def _grammar_only_stops(row: SamplingRow, eos: Sequence[int], vocab_size: int) -> bool:

@@ -57,6 +57,7 @@ class Request:
         self.pending_row = -1
         self.spec_state: Any = None  # proposer's per-request state
         self.grammar: Any = None  # structured outputs: the llguidance matcher of this sequence
+        self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words tokenized (LLMEngine)
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
         self.text_offsets: Optional[list[int]] = [] if params.logprobs is not None else None
         self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = (

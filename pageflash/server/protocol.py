@@ -101,15 +101,15 @@ class _SamplingFields(_Strict):
     guided_whitespace_pattern: Any = None
     allowed_token_ids: list[StrictInt] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    bad_words: list[StrictStr] | None = None
     # vLLM's extra parameters that change the result and that pageflash does not implement: asking
     # for one (anything but null / false) is a 400 naming it, not a silently different result.
-    bad_words: Any = None
     prompt_logprobs: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
     return_tokens_as_token_ids: Any = None
 
-    @field_validator("bad_words", "prompt_logprobs", "guided_whitespace_pattern",
+    @field_validator("prompt_logprobs", "guided_whitespace_pattern",
                      "logits_processors", "use_beam_search", "return_tokens_as_token_ids")
     @classmethod
     def _not_implemented(cls, v: Any) -> Any:
@@ -162,7 +162,7 @@ class _SamplingFields(_Strict):
             "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens",
             "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
-            "allowed_token_ids",
+            "allowed_token_ids", "bad_words",
         )  # fmt: skip
         kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self._structured is not None:

@@ -527,11 +527,11 @@ class SpecDecoder:
         srows: list[SamplingRow] = []
         for r, t, ctx in zip(reqs, trees, ctxs):
             outs = r.output_token_ids
-            row = SamplingRow(r.params, r.prompt_token_ids, outs, r.generator)
+            row = SamplingRow(r.params, r.prompt_token_ids, outs, r.generator, bad_words=r.bad_words)
             srows.append(row)
             for j in range(len(t)):
-                srows.append(SamplingRow(r.params, r.prompt_token_ids, outs + t.path_tokens(j), r.generator)
-                             if ctx else row)
+                srows.append(SamplingRow(r.params, r.prompt_token_ids, outs + t.path_tokens(j), r.generator,
+                                         bad_words=r.bad_words) if ctx else row)
         batch = SamplingBatch.build(srows, eng.vocab_size, logits.device, eos_token_ids=sorted(eng.eos_token_ids))
         probs = compute_probs(logits, batch)
         gens = [r.generator for r in reqs]
