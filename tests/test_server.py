@@ -388,7 +388,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "bad_words": "x"}, "bad_words", ()),
     ({"prompt": "hi", "bad_words": ["  "]}, "bad_words", ("non-blank",)),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ()),
-    ({"prompt": "hi", "prompt_logprobs": 0}, "prompt_logprobs", ("not supported",)),
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", ()),
+    ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, None, ("prompt_logprobs", "stream")),
 ]
 
 
@@ -698,6 +699,35 @@ def test_request_chat_template_needs_trust() -> None:
                     assert r.json()["usage"]["prompt_tokens"] == len(want)
         finally:
             aeng.shutdown()
+
+
+def test_prompt_logprobs_field(srv: Srv) -> None:
+    """vLLM's prompt_logprobs: per completions choice (each prompt's own), and once per chat response;
+    the same figures as the engine's RequestOutput.prompt_logprobs, the first entry null."""
+    eng = srv.aeng.engine
+    tok = srv.aeng.tokenizer
+    prompts = [PROMPT, "The sea is"]
+    r = srv.post("/v1/completions", {"prompt": prompts, "max_tokens": 2, "temperature": 0, "n": 2,
+                                     "prompt_logprobs": 2}).json()  # fmt: skip
+    for ch in r["choices"]:
+        plp = ch["prompt_logprobs"]
+        ids = tok.encode(prompts[ch["index"] // 2])
+        assert plp[0] is None and len(plp) == len(ids)
+        for tid, entry in zip(ids[1:], plp[1:]):
+            assert str(tid) in entry and 2 <= len(entry) <= 3
+            assert {1, 2} <= {v["rank"] for v in entry.values()}  # the top 2, and the token itself
+    # the numbers: the same as echo + logprobs gives for the prompt's tokens
+    r2 = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "echo": True,
+                                      "logprobs": 1}).json()  # fmt: skip
+    echo_lps = r2["choices"][0]["logprobs"]["token_logprobs"]
+    first = r["choices"][0]["prompt_logprobs"]
+    ids = tok.encode(PROMPT)
+    assert [first[j][str(ids[j])]["logprob"] for j in range(1, len(ids))] == pytest.approx(echo_lps[1:len(ids)], abs=1e-5)
+    assert "prompt_logprobs" not in r2["choices"][0]  # not asked: not there
+    c = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in c["prompt_logprobs"][1:])
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
 
 
 def test_unimplemented_extras_left_at_their_defaults_are_fine(srv: Srv) -> None:

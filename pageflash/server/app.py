@@ -563,13 +563,29 @@ class OpenAIServing:
         return out
 
     def prompt_logprob_part(self, ids: list[int], plp: list[Any] | None, first: str | None,
-                            offsets: list[int]) -> P.CompletionLogprobs:  # fmt: skip
+                            offsets: list[int], k: int) -> P.CompletionLogprobs:  # fmt: skip
         """Completions logprobs of the echoed prompt: the first token (text `first`) has none (null),
-        as in vLLM; offsets: where each token's text starts (`_prompt_offsets`)."""
+        as in vLLM; offsets: where each token's text starts (`_prompt_offsets`); k: top entries kept."""
         out = P.CompletionLogprobs()
         for j, tid in enumerate(ids):
             d = plp[j] if plp is not None and j < len(plp) else None
+            if d is not None:
+                d = {t: v for t, v in d.items() if t == tid or (v.rank is not None and v.rank <= k)}
             self._add_token(out, tid, d, first if j == 0 else None, offsets[j])
+        return out
+
+    def prompt_logprobs_field(self, plp: list[Any] | None, ids: list[int], k: int) -> P.PromptLogprobs | None:
+        """vLLM's prompt_logprobs: per prompt token its own entry and the top k (the first null)."""
+        if plp is None:
+            return None
+        out: P.PromptLogprobs = []
+        for j, d in enumerate(plp):
+            if d is None:
+                out.append(None)
+                continue
+            tid = ids[j] if j < len(ids) else None
+            out.append({str(t): P.PromptLogprob(logprob=_clamp(v.logprob), rank=v.rank, decoded_token=self.decoded(t, v))
+                        for t, v in self._ranked(d) if t == tid or (v.rank is not None and v.rank <= k)})  # fmt: skip
         return out
 
     def _add_token(self, out: P.CompletionLogprobs, tid: int, d: dict[int, Any] | None, text: str | None,
@@ -613,8 +629,8 @@ class OpenAIServing:
         kw["max_tokens"] = 1 if echo_only else req.max_tokens
         if req.logprobs is not None:
             kw["logprobs"] = req.logprobs
-            if req.echo:
-                kw["prompt_logprobs"] = req.logprobs
+            if req.echo:  # (the echoed prompt shows the top `logprobs`, prompt_logprobs its own count)
+                kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
         params = self.sampling_params(kw)
         prompts: list[Any] = []
         for i, p in enumerate(raw):
@@ -667,7 +683,7 @@ class OpenAIServing:
                 if lp is not None:  # the prompt's tokens come first
                     i = ch.prompt_idx
                     head = self.prompt_logprob_part(gen.prompt_ids[i], gen.prompt_logprobs[i], first_tokens[i],
-                                                    prompt_offsets[i])  # fmt: skip
+                                                    prompt_offsets[i], req.logprobs)  # fmt: skip
                     lp = P.CompletionLogprobs(
                         tokens=head.tokens + lp.tokens, token_logprobs=head.token_logprobs + lp.token_logprobs,
                         top_logprobs=head.top_logprobs + lp.top_logprobs, text_offset=head.text_offset + lp.text_offset)
@@ -702,6 +718,11 @@ class OpenAIServing:
                 if prev.logprobs is not None and c.logprobs is not None:
                     for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
                         getattr(prev.logprobs, name).extend(getattr(c.logprobs, name))
+            if req.prompt_logprobs is not None:
+                for c in merged.values():
+                    i = c.index // req.n
+                    c.prompt_logprobs = self.prompt_logprobs_field(gen.prompt_logprobs[i], gen.prompt_ids[i],
+                                                                   req.prompt_logprobs)  # fmt: skip
             return [merged[i] for i in sorted(merged)]
 
         try:
@@ -806,7 +827,11 @@ class OpenAIServing:
             choices = await _run_request(request, collect())
         finally:
             gen.close()
-        body = P.ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage())
+        plp = None
+        if req.prompt_logprobs is not None:
+            plp = self.prompt_logprobs_field(gen.prompt_logprobs[0], gen.prompt_ids[0], req.prompt_logprobs)
+        body = P.ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage(),
+                                        prompt_logprobs=plp)  # fmt: skip
         return Response(body.model_dump_json(), media_type="application/json")
 
 

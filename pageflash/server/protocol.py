@@ -101,15 +101,16 @@ class _SamplingFields(_Strict):
     guided_whitespace_pattern: Any = None
     allowed_token_ids: list[StrictInt] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    # vLLM's: the prompt's tokens' logprobs and top k (completions: per choice; chat: the response's)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     bad_words: list[StrictStr] | None = None
     # vLLM's extra parameters that change the result and that pageflash does not implement: asking
     # for one (anything but null / false) is a 400 naming it, not a silently different result.
-    prompt_logprobs: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
     return_tokens_as_token_ids: Any = None
 
-    @field_validator("prompt_logprobs", "guided_whitespace_pattern",
+    @field_validator("guided_whitespace_pattern",
                      "logits_processors", "use_beam_search", "return_tokens_as_token_ids")
     @classmethod
     def _not_implemented(cls, v: Any) -> Any:
@@ -152,6 +153,8 @@ class _SamplingFields(_Strict):
     def _stream_options_need_stream(self) -> "_SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         return self
@@ -162,7 +165,7 @@ class _SamplingFields(_Strict):
             "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens",
             "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
-            "allowed_token_ids", "bad_words",
+            "allowed_token_ids", "bad_words", "prompt_logprobs",
         )  # fmt: skip
         kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self._structured is not None:
@@ -234,12 +237,31 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of prompt_logprobs: one token's logprob, rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token, keyed by token id; the first null
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        d = handler(self)
+        if d.get("prompt_logprobs") is None:
+            d.pop("prompt_logprobs", None)
+        return d
 
 
 class CompletionResponse(BaseModel):
@@ -535,6 +557,14 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        d = handler(self)
+        if d.get("prompt_logprobs") is None:
+            d.pop("prompt_logprobs", None)
+        return d
 
 
 class DeltaMessage(BaseModel):
