@@ -414,8 +414,8 @@ BAD_CHATS = [
     ({"messages": CHAT, "top_p": 0.0}, "top_p", ()),
     ({"messages": CHAT, "n": 0}, "n", ()),
     ({"messages": CHAT, "top_logprobs": 2}, None, ("logprobs",)),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None,
-     ('tool_choice "auto"', "tool-call parser")),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
+     ('tool_choice "auto"', "--tool-call-parser")),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, None, ("'g'", "not among the tools")),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
@@ -644,6 +644,37 @@ def test_tool_calls_named_and_required_through_the_openai_client(srv: Srv) -> No
     c = srv.client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
                                            max_tokens=8, temperature=0)  # fmt: skip
     assert c.choices[0].message.content and not c.choices[0].message.tool_calls
+    assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
+
+
+def test_auto_tool_choice_with_the_hermes_parser(srv: Srv) -> None:
+    """tool_choice "auto" reads Hermes-style calls out of the text (a regex makes the model write one),
+    streamed and not; plain text stays content; without --tool-call-parser "auto" is a 400."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = {"messages": msgs, "tools": [WEATHER, TIME], "max_tokens": 60, "temperature": 0}
+    assert_error(srv.post("/v1/chat/completions", body), 400, param="tool_choice", contains=("--tool-call-parser",))
+    with serve(build_app(srv.aeng, MODEL, tool_call_parser="hermes")) as base:
+        def post(**kw: Any) -> Any:
+            return httpx.post(f"{base}/v1/chat/completions", json={**body, **kw}, timeout=120)
+
+        forced = {"guided_regex": "Let me check. " + re.escape(call)}
+        c = post(**forced).json()["choices"][0]
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == "Let me check."
+        assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in c["message"]["tool_calls"]] == [
+            ("get_weather", {"city": "Paris", "unit": "c"})]
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, **forced, "stream": True},
+                          timeout=120) as r:  # fmt: skip
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        deltas = [e["choices"][0] for e in events if e["choices"]]
+        content = "".join(d["delta"].get("content") or "" for d in deltas)
+        calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+        assert content.strip() == "Let me check." and "<tool" not in content
+        assert [(t["function"]["name"], t["function"]["arguments"]) for t in calls] == [
+            (t["function"]["name"], t["function"]["arguments"]) for t in c["message"]["tool_calls"]]
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+        plain = post(max_tokens=8).json()["choices"][0]
+        assert plain["message"]["tool_calls"] == [] and plain["message"]["content"]
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 

@@ -42,6 +42,7 @@ from pageflash.engine.async_engine import AsyncLLMEngine, EngineError, RequestSt
 from pageflash.engine.detokenizer import IncrementalDetokenizer, stop_holdback
 from pageflash.server import protocol as P
 from pageflash.server.metrics import CONTENT_TYPE_LATEST, RequestTimer, ServerMetrics
+from pageflash.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pageflash.server")
 
@@ -441,6 +442,7 @@ class OpenAIServing:
         self.max_body_bytes = max_body_bytes
         self.chat_template = chat_template  # replaces the tokenizer's (--chat-template)
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_parser: Any = None  # set by build_app (--enable-auto-tool-choice --tool-call-parser)
         self.metrics = ServerMetrics(engine, model_names[0])
         self.tokenizer = TokenizerWorker(engine)
         self.token_bytes = TokenBytes(engine.tokenizer)
@@ -744,6 +746,10 @@ class OpenAIServing:
                            param="chat_template")  # fmt: skip
         if req.chat_template is None and self.chat_template is not None:
             req.chat_template = self.chat_template
+        if req.calls_tools == "auto" and self.tool_parser is None:
+            raise APIError(400, 'tool_choice "auto" (the default with tools) needs a server started with '
+                                '--enable-auto-tool-choice --tool-call-parser NAME; or send tool_choice "required", '
+                                'a named function, or "none"', param="tool_choice")  # fmt: skip
         echo = "" if req.calls_tools else req.echo_prefix
 
         def render(tok: Any) -> list[int]:
@@ -773,7 +779,7 @@ class OpenAIServing:
                           params, timer)  # fmt: skip
         created = int(time.time())
 
-        tools = _ToolCalls(req) if req.calls_tools else None
+        tools = _ToolCalls(req, self.tool_parser) if req.calls_tools else None
 
         def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any, _offs: Any) -> P.ChatStreamChoice | None:
             if tools is not None and req.stream:
@@ -845,11 +851,13 @@ class _ToolCalls:
     before it is complete), finish_reason "tool_calls". Output cut by max_tokens that does not parse
     stays text (content), with finish_reason "length"."""
 
-    def __init__(self, req: P.ChatCompletionRequest) -> None:
+    def __init__(self, req: P.ChatCompletionRequest, parser: Any = None) -> None:
         self.mode = req.calls_tools
         self.name = req.tool_choice_name
+        self.parser = parser  # auto: the server's tool-call parser (tool_parsers.py)
         self.ids: dict[int, str] = {}
         self.held: dict[int, tuple[list[int], list[Any] | None]] = {}  # required, streamed: ids, logprobs so far
+        self.content_sent: dict[int, int] = {}  # auto, streamed: characters sent as content
 
     def call_id(self, index: int) -> str:
         return self.ids.setdefault(index, f"chatcmpl-tool-{uuid.uuid4().hex}")
@@ -867,6 +875,8 @@ class _ToolCalls:
 
     def stream_delta(self, ch: _Choice, delta: str, ids: list[int], lps: Any,
                      logprobs: Callable[[list[int], Any], Any]) -> P.ChatStreamChoice | None:
+        if self.mode == "auto":
+            return self._auto_delta(ch, ids, lps, logprobs)
         if self.mode == "named":
             call: dict[str, Any] = {"index": 0, "function": {"arguments": delta}}
             if not ch.started:
@@ -891,9 +901,43 @@ class _ToolCalls:
         return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(tool_calls=out), logprobs=lp,
                                   finish_reason=reason, stop_reason=ch.stop_reason)  # fmt: skip
 
+    def _auto_delta(self, ch: _Choice, ids: list[int], lps: Any,
+                    logprobs: Callable[[list[int], Any], Any]) -> P.ChatStreamChoice | None:
+        """Auto: content is streamed up to where a call may start; once the choice ends, the calls
+        found come in one delta (finish_reason "tool_calls"), or the held text as content."""
+        sent = self.content_sent.get(ch.index, 0)
+        text = ch.text
+        calls: list[tuple[str, str]] = []
+        if ch.finish_reason is None:
+            upto = self.parser.safe_prefix(text)
+        else:
+            calls = self.parser.parse(text)[1]
+            upto = self.parser.safe_prefix(text) if calls else len(text)  # calls: the content before them
+        delta = text[sent:max(sent, upto)]
+        self.content_sent[ch.index] = max(sent, upto)
+        if not delta and not calls and ch.finish_reason is None and not ids:
+            return None
+        msg = P.DeltaMessage(content=delta or None, tool_calls=[
+            {"index": i, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+             "function": {"name": name, "arguments": args}} for i, (name, args) in enumerate(calls)] or None)
+        if msg.content is None and msg.tool_calls is None:
+            msg.content = ""
+        reason = "tool_calls" if calls else ch.finish_reason
+        return P.ChatStreamChoice(index=ch.index, delta=msg, logprobs=logprobs(ids, lps),
+                                  finish_reason=reason, stop_reason=ch.stop_reason)  # fmt: skip
+
     def finish_message(self, c: P.ChatChoice) -> None:
         """A whole (non-streamed) choice: its text becomes tool_calls."""
         text = c.message.content or ""
+        if self.mode == "auto":
+            content, calls = self.parser.parse(text)
+            if calls:
+                c.message.content = content
+                c.message.tool_calls = [P.ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}",
+                                                   function=P.FunctionCall(name=name, arguments=args))
+                                        for name, args in calls]  # fmt: skip
+                c.finish_reason = "tool_calls"
+            return
         if self.mode == "named":
             calls = [(self.name, text)]
         else:
@@ -920,7 +964,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins: Sequence[str] = ("*",),
               allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
               allow_credentials: bool = False, chat_template: str | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:  # fmt: skip
+              trust_request_chat_template: bool = False, tool_call_parser: str | None = None) -> FastAPI:  # fmt: skip
     """The FastAPI app serving `engine` under the given model name(s) (the first is the default).
 
     `api_key`: if set, /v1/* require `Authorization: Bearer <api_key>` (401 otherwise); /health and
@@ -928,11 +972,17 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     calling the API directly): the `allowed_*` lists and `allow_credentials`, vLLM's defaults (any
     origin, no credentials). `chat_template`: a Jinja chat template used instead of the tokenizer's;
     `trust_request_chat_template`: let requests bring their own (`chat_template`), as vLLM's flag.
+    `tool_call_parser`: the name of the parser (tool_parsers.TOOL_PARSERS) that reads tool calls out of
+    free text for tool_choice "auto"; None refuses "auto".
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
     serving = OpenAIServing(engine, names, max_body_bytes, chat_template, trust_request_chat_template)
+    if tool_call_parser is not None:
+        if tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
+        serving.tool_parser = TOOL_PARSERS[tool_call_parser]()
     metrics = serving.metrics
 
     @contextlib.asynccontextmanager
@@ -1042,6 +1092,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (off: such requests get a 400)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": read tool calls out of the output with --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format (with --enable-auto-tool-choice)")
     add_engine_args(p)
     return p
 
@@ -1076,6 +1130,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_body_bytes < 1:
         parser.error(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     template = args.chat_template
     if template is not None and os.path.isfile(template):
         with open(template, encoding="utf-8") as f:
@@ -1103,7 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(engine, names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                     allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                     allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                    chat_template=template, trust_request_chat_template=args.trust_request_chat_template)
+                    chat_template=template, trust_request_chat_template=args.trust_request_chat_template,
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     logger.info("serving %s as %s on http://%s:%d/v1", args.model, ", ".join(names), args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,

@@ -450,14 +450,11 @@ class ChatCompletionRequest(_SamplingFields):
             if choice.function.name not in names:
                 raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among "
                                  f"the tools ({', '.join(names)})")  # fmt: skip
-        if choice == "auto":
-            raise ValueError('tool_choice "auto" (the default with tools) needs a tool-call parser, which this '
-                             'server does not have: send tool_choice "required", a named function, or "none"')
-        if choice != "none" and self._structured_outputs() is not None:
+        if choice not in ("none", "auto") and self._structured_outputs() is not None:
             raise ValueError("a tool_choice that calls tools constrains the output already: leave out "
                              "response_format / structured_outputs / guided_*")
         self._tool_choice = choice
-        if choice != "none":
+        if choice not in ("none", "auto"):  # "auto": free text, read by the server's tool-call parser
             self._structured = {"json": self.tool_schema()}
         return self
 
@@ -474,10 +471,13 @@ class ChatCompletionRequest(_SamplingFields):
         return c.function.name if isinstance(c, NamedToolChoice) else str(c)
 
     @property
-    def calls_tools(self) -> Literal["named", "required"] | None:
-        """How this request's output is read: one named function's arguments, a list of calls, or text."""
+    def calls_tools(self) -> Literal["named", "required", "auto"] | None:
+        """How this request's output is read: one named function's arguments, a list of calls, text
+        that may hold calls (auto), or text."""
         c = self._tool_choice
-        return "named" if isinstance(c, NamedToolChoice) else "required" if c == "required" else None
+        if isinstance(c, NamedToolChoice):
+            return "named"
+        return c if c in ("required", "auto") else None
 
     def tool_schema(self) -> dict[str, Any]:
         """The JSON schema the output follows: the named function's parameters, or (required) a list of
