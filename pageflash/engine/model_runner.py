@@ -20,6 +20,7 @@ import torch
 
 from pageflash.config import ModelConfig
 from pageflash.engine.scheduler import SchedulerOutput
+from pageflash.envs import int_env
 from pageflash.kernels.launch import precompile
 from pageflash.transfer import copy_to, to_device
 from pageflash.layers.attention import AttentionMetadata, get_backend
@@ -486,14 +487,7 @@ def _precompile_from_env() -> bool:
 
 
 def _short_kv_from_env() -> int:
-    v = os.environ.get("PAGEFLASH_DECODE_SHORT_KV", str(_SHORT_KV))
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"PAGEFLASH_DECODE_SHORT_KV must be an integer number of keys, got {v!r}") from None
-    if n < 0:
-        raise ValueError(f"PAGEFLASH_DECODE_SHORT_KV must be >= 0, got {n}")
-    return n
+    return int_env("PAGEFLASH_DECODE_SHORT_KV", _SHORT_KV)
 
 
 def _decode_splits(plan: Any, num_kv_heads: int) -> Optional[int]:

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from pageflash.envs import int_env
 from pageflash.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -36,16 +37,7 @@ def grammar_threads() -> int:
     llguidance's own default (80% of the cores) was the slowest on a 16-core H100 host: 3.2 ms for 64
     masks over a 128k vocabulary, against 1.1 ms with 4 threads and 1.4 ms with 2
     (scripts/structured_phases.py, docs/BENCHMARKS.md run 26)."""
-    env = os.environ.get("PAGEFLASH_GRAMMAR_THREADS")
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ValueError(f"PAGEFLASH_GRAMMAR_THREADS must be a positive integer, got {env!r}") from None
-        if n < 1:
-            raise ValueError(f"PAGEFLASH_GRAMMAR_THREADS must be a positive integer, got {env!r}")
-        return n
-    return min(4, max(1, (os.cpu_count() or 2) // 2))
+    return int_env("PAGEFLASH_GRAMMAR_THREADS", min(4, max(1, (os.cpu_count() or 2) // 2)), minimum=1)
 
 
 class StructuredOutputs:

@@ -248,12 +248,9 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token, keyed by token id; the first null
 
 
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+class _WithPromptLogprobs(BaseModel):
+    """prompt_logprobs (vLLM's field) appears only when asked for."""
+
     prompt_logprobs: PromptLogprobs | None = None
 
     @model_serializer(mode="wrap")
@@ -262,6 +259,14 @@ class CompletionChoice(BaseModel):
         if d.get("prompt_logprobs") is None:
             d.pop("prompt_logprobs", None)
         return d
+
+
+class CompletionChoice(_WithPromptLogprobs):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -550,21 +555,13 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_WithPromptLogprobs):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
-        d = handler(self)
-        if d.get("prompt_logprobs") is None:
-            d.pop("prompt_logprobs", None)
-        return d
 
 
 class DeltaMessage(BaseModel):
