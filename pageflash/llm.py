@@ -141,8 +141,12 @@ class LLM:
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         eng = self.llm_engine
         ids = []
-        for prompt, sp in items:
-            ids.append(eng.add_request(None, prompt, sp))
+        try:
+            for prompt, sp in items:
+                ids.append(eng.add_request(None, prompt, sp))
+        except BaseException:  # (generate validated every prompt: this is not expected) nothing left queued
+            eng.abort_request(ids)
+            raise
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = None

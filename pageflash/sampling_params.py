@@ -74,11 +74,11 @@ class StructuredOutputsParams:
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
     def __post_init__(self) -> None:
-        asked = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        asked = self._asked()
         if len(asked) != 1:
             raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar or "
                              f"json_object; got {', '.join(asked) if asked else 'none'}")
-        if self.json is not None and not isinstance(self.json, (str, dict)):
+        if self.json is not None and (isinstance(self.json, bool) or not isinstance(self.json, (str, dict))):
             raise TypeError(f"structured_outputs json must be a JSON schema (dict or str), got {type(self.json).__name__}")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
@@ -93,9 +93,13 @@ class StructuredOutputsParams:
             _check_bool("json_object", self.json_object)
         _check_bool("disable_any_whitespace", self.disable_any_whitespace)
 
+    def _asked(self) -> list[str]:
+        """The kinds set (json_object: False asks for nothing; json: False is a bad schema)."""
+        return [k for k in self.KINDS if getattr(self, k) is not None and not (k == "json_object" and self.json_object is False)]
+
     @property
     def kind(self) -> str:
-        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+        return self._asked()[0]
 
     @classmethod
     def from_dict(cls, d: dict) -> "StructuredOutputsParams":

@@ -370,16 +370,19 @@ BAD_COMPLETIONS = [
     ({"prompt": ["hi", "hi " * 300], "max_tokens": 1}, "prompt[1]", (str(MAX_MODEL_LEN),)),
     ({"prompt": [[1, 2], [-1]]}, "prompt[1]", ("outside the vocabulary",)),
     # structured outputs: invalid constraints are named
-    ({"prompt": "hi", "guided_regex": "[a-z"}, "structured_outputs", ("regex", "unclosed character class")),
-    ({"prompt": "hi", "guided_grammar": "start: foo"}, "structured_outputs", ("grammar",)),
-    ({"prompt": "hi", "guided_json": "{not json"}, "structured_outputs", ("json",)),
-    ({"prompt": "hi", "guided_choice": [""]}, "structured_outputs", ("choice",)),
+    ({"prompt": "hi", "guided_regex": "[a-z"}, "guided_regex", ("regex", "unclosed character class")),
+    ({"prompt": "hi", "guided_grammar": "start: foo"}, "guided_grammar", ("grammar",)),
+    ({"prompt": "hi", "guided_json": "{not json"}, "guided_json", ("json",)),
+    ({"prompt": "hi", "guided_choice": [""]}, "guided_choice", ("choice",)),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     "response_format", ("json",)),
+    ({"prompt": "hi", "structured_outputs": {"json": False}}, "structured_outputs", ("JSON schema",)),
     ({"prompt": "hi", "guided_choice": "yes"}, "guided_choice", ()),
     ({"prompt": "hi", "guided_json": {"type": "object"}, "guided_regex": "a+"}, None,
      ("at most one output constraint", "guided_json", "guided_regex")),
     ({"prompt": "hi", "structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", ("exactly one",)),
     ({"prompt": "hi", "structured_outputs": {"regexp": "a"}}, "structured_outputs", ("regexp",)),
-    ({"prompt": "hi", "response_format": {"type": "json_schema"}}, None, ("json_schema.schema",)),
+    ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format", ("json_schema.schema",)),
     ({"prompt": "hi", "response_format": {"type": "structural_tag"}}, None, ("structural_tag",)),
     ({"prompt": "hi", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", ("not supported",)),
     # vLLM extras that would change the result: refused by name, never silently ignored
@@ -599,6 +602,19 @@ def _tool_args_ok(name: str, args: str) -> bool:
     return name == "get_time" and set(a) == {"zone"}
 
 
+def test_constraints_compile_off_the_engine_thread(srv: Srv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server compiles a request's constraint on its worker thread; the engine thread only copies
+    the cached matcher (a large schema does not stall the other streams)."""
+    so = srv.aeng.engine.structured_outputs()
+    threads: list[str] = []
+    orig = so._new_matcher
+    monkeypatch.setattr(so, "_new_matcher", lambda g: threads.append(threading.current_thread().name) or orig(g))
+    choices = [f"code-{i}" for i in range(2500)]
+    r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "guided_choice": choices})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in choices
+    assert threads and "pageflash-engine" not in threads
+
+
 def test_tool_calls_named_and_required_through_the_openai_client(srv: Srv) -> None:
     """tool_choice naming a function, and "required", streamed and not: the calls' arguments satisfy the
     tools' schemas, the streamed deltas add up to the same calls, and an earlier call plus a tool result
@@ -638,6 +654,16 @@ def test_tool_calls_named_and_required_through_the_openai_client(srv: Srv) -> No
                 assert cs and all(_tool_args_ok(name, args) for name, args in cs)
             else:
                 assert reason == "length" and not cs  # cut before the list closed: left as text
+    # "required" with $defs in a tool's parameters: they move to the root, where the $ref points
+    ref = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"], "additionalProperties": False,
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                          "required": ["city"], "additionalProperties": False}}}}}
+    r = srv.client.chat.completions.create(model=MODEL, messages=msgs, tools=[ref, TIME], tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=80, temperature=0)  # fmt: skip
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+    t = r.choices[0].message.tool_calls[0]
+    assert (t.function.name, set(json.loads(t.function.arguments))) in (("get_weather", {"loc"}), ("get_time", {"zone"}))
     history = msgs + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]

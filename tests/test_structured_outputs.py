@@ -281,3 +281,37 @@ def test_bad_words_never_come_out(llm):
     with pytest.raises(ValueError, match="non-blank"):
         SamplingParams(bad_words=[" "])
     assert free_all(llm)
+
+
+# ---------------------------------------------------------------------------------- from an audit
+def test_a_batch_compiles_a_constraint_once_and_bad_ones_leave_nothing_queued(llm):
+    eng = llm.llm_engine
+    so = StructuredOutputsParams(choice=[f"item{i}" for i in range(3000)])  # past llguidance's 2000 items a row
+    sp = SamplingParams(temperature=0, max_tokens=8, structured_outputs=so)
+    compiled = []
+    orig = eng.structured_outputs()._new_matcher
+    eng.structured_outputs()._new_matcher = lambda g: compiled.append(1) or orig(g)
+    try:
+        outs = llm.generate([chat(llm, "Pick an item."), chat(llm, "Another item.")], sp, use_tqdm=False)
+    finally:
+        del eng.structured_outputs()._new_matcher
+    assert len(compiled) == 1  # one compile, then copies
+    assert all(re.fullmatch(r"item\d+", o.outputs[0].text) and int(o.outputs[0].text[4:]) < 3000 for o in outs)
+    bad = SamplingParams(structured_outputs={"regex": "[a-"})
+    with pytest.raises(ValueError, match="prompt 2: structured_outputs regex"):
+        llm.generate(["Hello", "World", "x"], [sp, sp, bad], use_tqdm=False)
+    assert free_all(llm) and not eng.groups
+
+
+def test_a_mask_that_leaves_no_token_aborts_without_a_token(llm):
+    """allowed_token_ids outside the grammar: the request ends (abort) with no token that breaks it,
+    and the requests beside it go on."""
+    tok = llm.get_tokenizer()
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    other = tok.encode(" maybe", add_special_tokens=False)
+    outs = llm.generate([chat(llm, "Yes or no?"), chat(llm, "Hi")],
+                        [SamplingParams(temperature=0, max_tokens=4, structured_outputs=so, allowed_token_ids=other),
+                         SamplingParams(temperature=0, max_tokens=4)], use_tqdm=False)  # fmt: skip
+    assert outs[0].outputs[0].finish_reason == "abort" and outs[0].outputs[0].token_ids == []
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 4
+    assert free_all(llm)

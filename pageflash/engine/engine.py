@@ -11,6 +11,7 @@ import itertools
 import logging
 import operator
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
@@ -213,6 +214,7 @@ class LLMEngine:
         )
         self._inflight: Optional[_Inflight] = None  # a launched step whose sampled tokens are not processed
         self._structured: Optional[StructuredOutputs] = None  # built at the first structured request
+        self._structured_lock = threading.Lock()  # (the server compiles constraints on another thread)
         self.groups: dict[str, list[Request]] = {}  # user request id -> its sequences (n of them)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -288,6 +290,10 @@ class LLMEngine:
             if params.min_tokens and set(allowed) <= params.all_stop_token_ids(sorted(self.eos_token_ids)):
                 raise ValueError(f"allowed_token_ids holds only stop / EOS tokens, which min_tokens="
                                  f"{params.min_tokens} forbids for the first tokens: no token could be generated")
+        if params.structured_outputs is not None:  # compiled (and cached) now: add_request copies it
+            self.structured_outputs().matcher(params.structured_outputs)
+        if params.bad_words:
+            self._bad_word_ids(params.bad_words)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:
@@ -350,9 +356,10 @@ class LLMEngine:
     def structured_outputs(self) -> StructuredOutputs:
         """The grammar compiler over this engine's tokenizer (built once, ~0.5 s); ValueError when
         structured outputs cannot be had here (no llguidance, no tokenizer)."""
-        if self._structured is None:
-            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._structured
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._structured
 
     def _attach_detokenizer(self, req: Request) -> None:
         if self.tokenizer is not None:
@@ -573,6 +580,15 @@ class LLMEngine:
         return family
 
     def _append_token(self, req: Request, tok: int, lp: Optional[tuple], now: float) -> None:
+        if req.grammar is not None and not req.grammar.consume_token(tok):
+            # Only when the step's masks left no token (allowed_token_ids or bad_words outside the
+            # grammar) or the grammar hit one of llguidance's limits: the token is not appended.
+            logger.warning("request %s: structured-outputs constraint failed at token %d (%s); aborted",
+                           req.request_id, tok, req.grammar.get_error()[:300])
+            req.finish_reason = "abort"
+            req.metrics.finished_time = now
+            self._finish(req)
+            return
         req.token_ids.append(tok)
         self.generation_tokens_total += 1
         if req.metrics.first_token_time is None:
@@ -586,15 +602,9 @@ class LLMEngine:
             req.cumulative_logprob += lps[0]
             req.text_offsets.append(len(req.output_text))
         self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-        grammar_ok = req.grammar is None or req.grammar.consume_token(tok)
         self._check_stop(req, tok)
-        if req.finish_reason is None and req.grammar is not None:
-            if not grammar_ok:  # only if the mask left no token at all (e.g. allowed_token_ids outside it)
-                logger.error("request %s: token %d breaks its structured-outputs constraint (%s); aborted",
-                             req.request_id, tok, req.grammar.get_error())
-                req.finish_reason = "abort"
-            elif req.grammar.is_stopped():  # the constrained text is complete: nothing may follow
-                req.finish_reason = "stop"
+        if req.finish_reason is None and req.grammar is not None and req.grammar.is_stopped():
+            req.finish_reason = "stop"  # the constrained text is complete: nothing may follow
         if req.finish_reason is not None:
             if req.detokenizer is not None and not isinstance(req.stop_reason, str):
                 # bytes held back for a character still incomplete: emit them (as U+FFFD, like a

@@ -19,9 +19,11 @@ requests are not drafted by speculative decoding.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
+import threading
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -66,6 +68,10 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.words = (self.tokenizer.vocab_size + 31) // 32  # int32 words per mask row
         self._executor = llguidance.LLExecutor(num_threads=grammar_threads())
+        # compiled constraints, never advanced: a request gets a copy (a batch of prompts with one
+        # schema compiles it once; the server compiles off the engine thread, the engine then copies)
+        self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def _new_matcher(self, grammar: str) -> Any:
         return self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
@@ -85,18 +91,31 @@ class StructuredOutputs:
                 return LLMatcher.grammar_from_json_schema(schema, defaults=options)
             if kind == "regex":
                 return LLMatcher.grammar_from_regex(so.regex)
-            if kind == "choice":
-                return self._llg.grammar_from("choice", so.choice)
+            if kind == "choice":  # one regex: a rule of N alternatives stops at llguidance's 2000 items a row
+                return LLMatcher.grammar_from_regex("|".join(_regex_literal(c) for c in so.choice))
             return self._llg.grammar_from("grammar", so.grammar)  # Lark, or GBNF / EBNF converted
         except ValueError as e:
             raise ValueError(f"structured_outputs {kind}: {e}") from None
 
+    CACHE_SIZE = 64
+
     def matcher(self, so: StructuredOutputsParams) -> Any:
-        """A new matcher for a request; ValueError naming the problem if the constraint is invalid."""
-        m = self._new_matcher(self.grammar(so))
+        """A new matcher for a request; ValueError naming the problem if the constraint is invalid.
+        Thread-safe; compiled constraints are cached (CACHE_SIZE, least recently used dropped)."""
+        key = json.dumps([so.kind, getattr(so, so.kind), so.disable_any_whitespace], sort_keys=True)
+        with self._lock:
+            m = self._cache.get(key)
+            if m is not None:
+                self._cache.move_to_end(key)
+                return m.deep_copy()
+        m = self._new_matcher(self.grammar(so))  # (llguidance drops the GIL while it compiles)
         if m.is_error():
-            raise ValueError(f"structured_outputs {so.kind}: {m.get_error()}")
-        return m
+            raise ValueError(f"structured_outputs {so.kind}: {_short(m.get_error())}")
+        with self._lock:
+            self._cache[key] = m
+            while len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return m.deep_copy()
 
     def bitmasks(self, matchers: Sequence[Any]) -> np.ndarray:
         """int32 [len(matchers), words]: bit t of row i (word t // 32, bit t % 32) set where matcher i
@@ -106,6 +125,17 @@ class StructuredOutputs:
             [(m, i) for i, m in enumerate(matchers)], out.ctypes.data, self.words * 4, len(matchers)
         )
         return out
+
+
+def _regex_literal(text: str) -> str:
+    """text as a regex matching exactly it: every character but ASCII letters and digits as \\x{...}."""
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+
+
+def _short(msg: str, limit: int = 400) -> str:
+    """llguidance's error messages can carry a whole parser state: keep the head."""
+    msg = msg.strip()
+    return msg if len(msg) <= limit else msg[:limit] + " ..."
 
 
 def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:

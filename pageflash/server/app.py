@@ -99,10 +99,15 @@ def _validation_error(e: pydantic.ValidationError) -> APIError:
     first_param = None
     for err in errors:
         param = _loc_to_param(err["loc"])
-        first_param = first_param or param
         msg = err["msg"].removeprefix("Value error, ")
-        text = f"{param}: {msg}" if param else msg
-        if err["type"] not in ("missing", "model_type") and "input" in err and param:
+        named = False
+        if param is None:  # a check across fields: the one its message starts with, if any
+            head = re.match(r"\w+", msg)
+            param = head.group(0) if head and head.group(0) in _REQUEST_FIELDS else None
+            named = param is not None
+        first_param = first_param or param
+        text = f"{param}: {msg}" if param and not named else msg
+        if err["type"] not in ("missing", "model_type") and "input" in err and param and not named:
             text += f" (got {json.dumps(err['input'], default=str)[:80]})"
         if text not in parts:
             parts.append(text)
@@ -110,6 +115,8 @@ def _validation_error(e: pydantic.ValidationError) -> APIError:
         parts = parts[:4] + [f"... and {len(parts) - 4} more"]
     return APIError(400, "Invalid request: " + "; ".join(parts), param=first_param)
 
+
+_REQUEST_FIELDS = frozenset(P.CompletionRequest.model_fields) | frozenset(P.ChatCompletionRequest.model_fields)
 
 # request fields that LLMEngine.validate_request's errors may name (else the prompt is to blame)
 _PARAMS_FIELDS = ("max_tokens", "allowed_token_ids", "logprobs", "structured_outputs")
@@ -476,13 +483,37 @@ class OpenAIServing:
                            param="model", code="model_not_found")  # fmt: skip
         return requested
 
-    def sampling_params(self, kw: dict[str, Any]) -> Any:
+    def sampling_params(self, kw: dict[str, Any], constraint_field: str | None = None) -> Any:
+        """SamplingParams(**kw), a 400 naming the field at fault; constraint_field: the request field an
+        output constraint came from (response_format, guided_json, tools, ...)."""
         from pageflash.sampling_params import SamplingParams
 
         try:
             return SamplingParams(**kw)
         except (ValueError, TypeError) as e:
-            raise _value_error(e, list(kw)) from None
+            err = _value_error(e, list(kw))
+            if err.param == "structured_outputs" and constraint_field:
+                err.param = constraint_field
+            raise err from None
+
+    async def compile_constraint(self, params: Any, field: str) -> None:
+        """Compile a request's output constraint on the worker thread (a large schema or choice list
+        takes the worker's time, not the engine thread's); the engine then copies the cached matcher."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        eng = self.engine.engine
+
+        def compile_it(_tok: Any) -> str | None:
+            try:
+                eng.structured_outputs().matcher(so)
+            except (ValueError, TypeError) as e:
+                return str(e)
+            return None
+
+        err = await self.tokenizer.run(compile_it, "Invalid output constraint", field)
+        if err is not None:
+            raise APIError(400, err, param=field)
 
     def validate(self, ids: list[int], params: Any, param: str, what: str | None = None) -> None:
         """The engine's own length rules (`LLMEngine.validate_request`, which only reads limits), checked
@@ -633,7 +664,8 @@ class OpenAIServing:
             kw["logprobs"] = req.logprobs
             if req.echo:  # (the echoed prompt shows the top `logprobs`, prompt_logprobs its own count)
                 kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
-        params = self.sampling_params(kw)
+        params = self.sampling_params(kw, req.structured_from)
+        await self.compile_constraint(params, req.structured_from)
         prompts: list[Any] = []
         for i, p in enumerate(raw):
             name = "prompt" if len(raw) == 1 else f"prompt[{i}]"
@@ -770,7 +802,8 @@ class OpenAIServing:
         k = req.top_logprobs or 0
         if req.logprobs:
             kw["logprobs"] = k
-        params = self.sampling_params(kw)
+        params = self.sampling_params(kw, req.structured_from)
+        await self.compile_constraint(params, req.structured_from)
         prompt_ids = params.truncate_prompt(prompt_ids)
         self.validate(prompt_ids, params, "messages", "the chat prompt (messages after the chat template)")
         rid = f"chatcmpl-{uuid.uuid4().hex}"

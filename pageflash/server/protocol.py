@@ -94,6 +94,7 @@ class _SamplingFields(_Strict):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     _structured: dict[str, Any] | None = PrivateAttr(None)
+    _structured_field: str = PrivateAttr("structured_outputs")
     guided_json: StrictStr | dict[str, Any] | None = None
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
@@ -121,6 +122,11 @@ class _SamplingFields(_Strict):
         self._structured = self._structured_outputs()
         return self
 
+    @property
+    def structured_from(self) -> str:
+        """The request field the output constraint came from (what a 400 about it names)."""
+        return self._structured_field
+
     def _structured_outputs(self) -> dict[str, Any] | None:
         """The request's constraint as StructuredOutputsParams fields, or None."""
         asked: dict[str, dict[str, Any]] = {}
@@ -147,6 +153,7 @@ class _SamplingFields(_Strict):
                 asked[name] = {key: v}
         if len(asked) > 1:
             raise ValueError(f"give at most one output constraint, got {', '.join(asked)}")
+        self._structured_field = next(iter(asked), "structured_outputs")
         return next(iter(asked.values()), None)
 
     @model_validator(mode="after")
@@ -461,6 +468,7 @@ class ChatCompletionRequest(_SamplingFields):
         self._tool_choice = choice
         if choice not in ("none", "auto"):  # "auto": free text, read by the server's tool-call parser
             self._structured = {"json": self.tool_schema()}
+            self._structured_field = "tools"
         return self
 
     @property
@@ -491,10 +499,21 @@ class ChatCompletionRequest(_SamplingFields):
         tools = {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools or []}
         if isinstance(c, NamedToolChoice):
             return tools[c.function.name]
-        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, params in tools.items()]  # fmt: skip
+        # Each tool's $defs move to the root, where its "#/$defs/..." references point (as vLLM does).
+        defs: dict[str, Any] = {}
+        items = []
+        for name, params in tools.items():
+            params = dict(params)
+            for key, value in (params.pop("$defs", None) or {}).items():
+                if key in defs and defs[key] != value:
+                    raise ValueError(f"tools: the definition {key!r} has different schemas in different tools")
+                defs[key] = value
+            items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                           "parameters": params},
+                          "required": ["name", "parameters"], "additionalProperties": False})  # fmt: skip
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if defs:
+            schema["$defs"] = defs
         if self.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return schema
