@@ -686,16 +686,20 @@ def test_auto_tool_choice_with_the_hermes_parser(srv: Srv) -> None:
 
         forced = {"guided_regex": "Let me check. " + re.escape(call)}
         c = post(**forced).json()["choices"][0]
-        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == "Let me check."
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == "Let me check. "
         assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in c["message"]["tool_calls"]] == [
             ("get_weather", {"city": "Paris", "unit": "c"})]
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, **forced, "stream": True},
-                          timeout=120) as r:  # fmt: skip
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, **forced, "stream": True,
+                                                                         "logprobs": True}, timeout=120) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         deltas = [e["choices"][0] for e in events if e["choices"]]
         content = "".join(d["delta"].get("content") or "" for d in deltas)
         calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
-        assert content.strip() == "Let me check." and "<tool" not in content
+        assert content == "Let me check. "
+        assert all(d["delta"].get("content") or d["delta"].get("tool_calls") or d["delta"].get("role")
+                   for d in deltas)  # no empty chunks while a call is held back
+        n_lp = sum(len((d.get("logprobs") or {}).get("content") or []) for d in deltas)
+        assert n_lp == post(**forced).json()["usage"]["completion_tokens"]  # every token's logprob, once
         assert [(t["function"]["name"], t["function"]["arguments"]) for t in calls] == [
             (t["function"]["name"], t["function"]["arguments"]) for t in c["message"]["tool_calls"]]
         assert deltas[-1]["finish_reason"] == "tool_calls"
@@ -724,7 +728,12 @@ def test_continue_final_message_echo_and_template_kwargs(srv: Srv) -> None:
                                                 extra_body={"continue_final_message": True, "echo": True,
                                                             "add_generation_prompt": False})  # fmt: skip
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == e["choices"][0]["message"]["content"]
-    # echo without an assistant message last: nothing to echo (vLLM's rule)
+    # without a generation prompt the reply continues the last message in its role, and echo repeats it
+    r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a color:"}], "echo": True,
+                                          "add_generation_prompt": False, "max_tokens": 3, "temperature": 0}).json()
+    assert r["choices"][0]["message"]["role"] == "user"
+    assert r["choices"][0]["message"]["content"].startswith("Name a color:")
+    # echo after a generation prompt: the reply is the assistant's, the user's message is not echoed
     plain = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0}).json()
     echoed = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0, "echo": True}).json()
     assert echoed["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]

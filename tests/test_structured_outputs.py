@@ -315,3 +315,16 @@ def test_a_mask_that_leaves_no_token_aborts_without_a_token(llm):
     assert outs[0].outputs[0].finish_reason == "abort" and outs[0].outputs[0].token_ids == []
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 4
     assert free_all(llm)
+
+
+def test_the_cache_keeps_property_order_apart(llm):
+    """Two schemas that differ only in property order are two constraints (the output follows the
+    order): the cache must not hand one the other's matcher."""
+    so = llm.llm_engine.structured_outputs()
+    tok = llm.get_tokenizer()
+    props_ab = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+    s1 = {"type": "object", "properties": props_ab, "required": ["a", "b"], "additionalProperties": False}
+    s2 = {**s1, "properties": dict(reversed(list(props_ab.items())))}
+    so.matcher(StructuredOutputsParams(json=s1))
+    m = so.matcher(StructuredOutputsParams(json=s2))
+    assert m.consume_tokens(tok.encode('{"b": 1, "a": 2}', add_special_tokens=False))

@@ -273,7 +273,11 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
         return list(ids)
 
-    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams, compile_constraints: bool = True) -> None:
+        """Raise ValueError for a request this engine cannot run: lengths and ids against its limits;
+        with compile_constraints, also an invalid output constraint (compiled and cached, so that
+        add_request copies it) or bad_words without a tokenizer. The server passes False: it compiles
+        on its worker thread, and the engine thread tokenizes bad_words."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("prompt is empty: give at least one token")
@@ -290,9 +294,9 @@ class LLMEngine:
             if params.min_tokens and set(allowed) <= params.all_stop_token_ids(sorted(self.eos_token_ids)):
                 raise ValueError(f"allowed_token_ids holds only stop / EOS tokens, which min_tokens="
                                  f"{params.min_tokens} forbids for the first tokens: no token could be generated")
-        if params.structured_outputs is not None:  # compiled (and cached) now: add_request copies it
+        if compile_constraints and params.structured_outputs is not None:
             self.structured_outputs().matcher(params.structured_outputs)
-        if params.bad_words:
+        if compile_constraints and params.bad_words:
             self._bad_word_ids(params.bad_words)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
@@ -321,7 +325,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         ids = params.truncate_prompt(ids)
-        self.validate_request(ids, params)
+        self.validate_request(ids, params, compile_constraints=False)  # (compiled just below)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured_outputs().matcher(params.structured_outputs)
@@ -586,8 +590,7 @@ class LLMEngine:
             logger.warning("request %s: structured-outputs constraint failed at token %d (%s); aborted",
                            req.request_id, tok, req.grammar.get_error()[:300])
             req.finish_reason = "abort"
-            req.metrics.finished_time = now
-            self._finish(req)
+            self._finish_output(req, now)
             return
         req.token_ids.append(tok)
         self.generation_tokens_total += 1
@@ -606,13 +609,17 @@ class LLMEngine:
         if req.finish_reason is None and req.grammar is not None and req.grammar.is_stopped():
             req.finish_reason = "stop"  # the constrained text is complete: nothing may follow
         if req.finish_reason is not None:
-            if req.detokenizer is not None and not isinstance(req.stop_reason, str):
-                # bytes held back for a character still incomplete: emit them (as U+FFFD, like a
-                # plain decode); a stop string already cut the text where it matched
-                req.detokenizer.flush()
-                req.output_text = req.detokenizer.output_text
-            req.metrics.finished_time = now
-            self._finish(req)
+            self._finish_output(req, now)
+
+    def _finish_output(self, req: Request, now: float) -> None:
+        """A request that just reached its finish_reason: final text, time, blocks freed."""
+        if req.detokenizer is not None and not isinstance(req.stop_reason, str):
+            # bytes held back for a character still incomplete: emit them (as U+FFFD, like a
+            # plain decode); a stop string already cut the text where it matched
+            req.detokenizer.flush()
+            req.output_text = req.detokenizer.output_text
+        req.metrics.finished_time = now
+        self._finish(req)
 
     def _finish(self, req: Request) -> None:
         self.scheduler.finish(req)

@@ -97,12 +97,13 @@ class StructuredOutputs:
         except ValueError as e:
             raise ValueError(f"structured_outputs {kind}: {e}") from None
 
-    CACHE_SIZE = 64
+    CACHE_SIZE = 256
 
     def matcher(self, so: StructuredOutputsParams) -> Any:
         """A new matcher for a request; ValueError naming the problem if the constraint is invalid.
         Thread-safe; compiled constraints are cached (CACHE_SIZE, least recently used dropped)."""
-        key = json.dumps([so.kind, getattr(so, so.kind), so.disable_any_whitespace], sort_keys=True)
+        # (not sort_keys: a schema's property order is the order of the output's properties)
+        key = json.dumps([so.kind, getattr(so, so.kind), so.disable_any_whitespace])
         with self._lock:
             m = self._cache.get(key)
             if m is not None:

@@ -520,7 +520,7 @@ class OpenAIServing:
         here so that an over-long prompt never reaches the engine thread. param: the field to blame
         unless the error names one of _PARAMS_FIELDS; what: a prefix for the message."""
         try:
-            self.engine.engine.validate_request(ids, params)
+            self.engine.engine.validate_request(ids, params, compile_constraints=False)
         except ValueError as e:
             err = _value_error(e, _PARAMS_FIELDS)
             if err.param is None:
@@ -799,6 +799,8 @@ class OpenAIServing:
             raise APIError(400, "messages: the chat template produced an empty prompt", param="messages")
         kw = req.sampling_kwargs()
         kw["max_tokens"] = req.max_new_tokens
+        if req.calls_tools == "auto" and getattr(self.tool_parser, "keeps_special_tokens", False):
+            kw["skip_special_tokens"] = False
         k = req.top_logprobs or 0
         if req.logprobs:
             kw["logprobs"] = k
@@ -829,7 +831,7 @@ class OpenAIServing:
             async def body() -> AsyncIterator[str]:
                 try:
                     for i in range(req.n):  # the first chunk of each choice carries the role
-                        yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))])
+                        yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role=req.response_role, content=""))])
                         if echo:
                             yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(content=echo))])
                     async for c in gen.deltas(on_delta):
@@ -847,7 +849,8 @@ class OpenAIServing:
             async for c in gen.deltas(on_delta):
                 prev = merged.get(c.index)
                 if prev is None:
-                    merged[c.index] = P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.delta.content),
+                    merged[c.index] = P.ChatChoice(index=c.index, message=P.ChatResponseMessage(role=req.response_role,
+                                                                                                content=c.delta.content),
                                                    logprobs=c.logprobs, finish_reason=c.finish_reason,
                                                    stop_reason=c.stop_reason)  # fmt: skip
                     continue
@@ -889,7 +892,7 @@ class _ToolCalls:
         self.name = req.tool_choice_name
         self.parser = parser  # auto: the server's tool-call parser (tool_parsers.py)
         self.ids: dict[int, str] = {}
-        self.held: dict[int, tuple[list[int], list[Any] | None]] = {}  # required, streamed: ids, logprobs so far
+        self.held: dict[int, tuple[list[int], list[Any] | None]] = {}  # streamed: ids, logprobs not yet sent
         self.content_sent: dict[int, int] = {}  # auto, streamed: characters sent as content
 
     def call_id(self, index: int) -> str:
@@ -948,16 +951,24 @@ class _ToolCalls:
             upto = self.parser.safe_prefix(text) if calls else len(text)  # calls: the content before them
         delta = text[sent:max(sent, upto)]
         self.content_sent[ch.index] = max(sent, upto)
-        if not delta and not calls and ch.finish_reason is None and not ids:
-            return None
+        held_ids, held_lps = self.held.setdefault(ch.index, ([], [] if lps is not None else None))
+        held_ids += ids
+        if held_lps is not None and lps is not None:
+            held_lps += lps
+        if not delta and ch.finish_reason is None:
+            return None  # nothing to say yet (tokens of a possible call): their logprobs wait too
         msg = P.DeltaMessage(content=delta or None, tool_calls=[
             {"index": i, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
              "function": {"name": name, "arguments": args}} for i, (name, args) in enumerate(calls)] or None)
         if msg.content is None and msg.tool_calls is None:
             msg.content = ""
+        lp = logprobs(list(held_ids), list(held_lps) if held_lps is not None else None)
+        held_ids.clear()
+        if held_lps is not None:
+            held_lps.clear()
         reason = "tool_calls" if calls else ch.finish_reason
-        return P.ChatStreamChoice(index=ch.index, delta=msg, logprobs=logprobs(ids, lps),
-                                  finish_reason=reason, stop_reason=ch.stop_reason)  # fmt: skip
+        return P.ChatStreamChoice(index=ch.index, delta=msg, logprobs=lp, finish_reason=reason,
+                                  stop_reason=ch.stop_reason)  # fmt: skip
 
     def finish_message(self, c: P.ChatChoice) -> None:
         """A whole (non-streamed) choice: its text becomes tool_calls."""

@@ -463,7 +463,7 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among "
                                  f"the tools ({', '.join(names)})")  # fmt: skip
         if choice not in ("none", "auto") and self._structured_outputs() is not None:
-            raise ValueError("a tool_choice that calls tools constrains the output already: leave out "
+            raise ValueError("tool_choice calling tools constrains the output already: leave out "
                              "response_format / structured_outputs / guided_*")
         self._tool_choice = choice
         if choice not in ("none", "auto"):  # "auto": free text, read by the server's tool-call parser
@@ -472,11 +472,17 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     @property
+    def response_role(self) -> str:
+        """The reply's role (vLLM's rule): the assistant's after a generation prompt, else the last
+        message's (the one the reply continues)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
     def echo_prefix(self) -> str:
-        """With echo, the text the reply starts with: the last message's, if it is the assistant's (the
-        message being continued), else nothing (vLLM's rule)."""
+        """With echo, the text the reply starts with: the last message's, if it has the reply's role,
+        else nothing (vLLM's rule)."""
         last = self.messages[-1]
-        return last.text() if self.echo and last.role == "assistant" else ""
+        return last.text() if self.echo and last.role == self.response_role else ""
 
     @property
     def tool_choice_name(self) -> str:

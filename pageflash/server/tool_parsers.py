@@ -21,6 +21,9 @@ class HermesToolParser:
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
+    # the model's tool-call tags may be special tokens: they must stay in the text (vLLM's adjust_request)
+    keeps_special_tokens = True
+
     def parse(self, text: str) -> tuple[Optional[str], list[tuple[str, str]]]:
         """(content before the calls or None, [(name, arguments JSON)]); no calls: (text, [])."""
         start = text.find(self.START)
@@ -36,8 +39,7 @@ class HermesToolParser:
                 return text, []
             args = call.get("arguments", call.get("parameters", {}))
             calls.append((call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
-        content = text[:start].strip()
-        return (content or None), calls
+        return (text[:start] or None), calls  # (the content as written, as vLLM's hermes parser)
 
     def safe_prefix(self, text: str) -> int:
         """How many leading characters are content whatever comes next: up to a call's start, and
