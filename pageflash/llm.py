@@ -112,8 +112,18 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
+        continue_final_message: bool = False,
+        tools: Optional[list[dict]] = None,
+        chat_template_kwargs: Optional[dict] = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        As vLLM's LLM.chat: chat_template replaces the tokenizer's; continue_final_message leaves the
+        last (assistant) message open for the output to continue (add_generation_prompt must then be
+        False); tools (OpenAI's {"type": "function", "function": {...}} dicts) and chat_template_kwargs
+        go to the template."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("this model has no tokenizer, so no chat template")
@@ -131,8 +141,12 @@ class LLM:
                 if not isinstance(m, dict) or "role" not in m or "content" not in m:
                     raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
             conv = [{**m, "content": _message_text(m["content"])} for m in conv]
+            if continue_final_message and conv[-1].get("role") != "assistant":
+                raise ValueError("continue_final_message continues an assistant message, but the last message "
+                                 f"is a {conv[-1].get('role')!r} one")  # fmt: skip
             text = tok.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}),
             )
             # The template already holds any BOS: tokenize without adding special tokens again.
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})

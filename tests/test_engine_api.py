@@ -306,3 +306,21 @@ def test_abort_frees_blocks(llm):
     assert eng.kv.num_free_blocks < eng.kv.pool.num_blocks
     eng.abort_request(rid)
     assert free_all(llm)
+
+
+def test_chat_continue_final_message_tools_and_template_kwargs(llm):
+    tok = llm.get_tokenizer()
+    conv = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite color is"}]
+    sp = SamplingParams(temperature=0, max_tokens=5)
+    out = llm.chat(conv, sp, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("My favourite color is")
+    assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    with pytest.raises(ValueError, match="cannot both be True"):
+        llm.chat(conv, sp, continue_final_message=True)
+    with pytest.raises(ValueError, match="assistant message"):
+        llm.chat(conv[:1], sp, add_generation_prompt=False, continue_final_message=True)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ sep }}{{ tools | length }}"
+    out = llm.chat(conv[:1], sp, use_tqdm=False, chat_template=template, chat_template_kwargs={"sep": " |"},
+                   tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])[0]
+    assert out.prompt_token_ids == tok.encode("Name a color. |1", add_special_tokens=False)
