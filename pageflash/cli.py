@@ -79,6 +79,40 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("-n", type=int, default=1)
+    g.add_argument("--bad-word", dest="bad_words", action="append", default=None, metavar="WORD",
+                   help="a word never to complete (repeatable)")
+    so = p.add_argument_group("structured outputs (one at most)").add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="FILE_OR_JSON", help="the output is JSON satisfying this schema")
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", help="the output matches this regular expression (Rust regex syntax)")
+    so.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
+    so.add_argument("--grammar", metavar="FILE_OR_TEXT", help="the output follows this Lark or GBNF grammar")
+
+
+def _file_or_text(value: str) -> str:
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def structured_outputs(a: argparse.Namespace) -> Optional[dict]:
+    """The --json-schema / --json-object / --regex / --choice / --grammar constraint, or None."""
+    if getattr(a, "json_schema", None) is not None:
+        text = _file_or_text(a.json_schema)
+        try:
+            return {"json": json.loads(text)}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema is neither a file nor JSON: {e}") from None
+    if getattr(a, "json_object", False):
+        return {"json_object": True}
+    if getattr(a, "regex", None) is not None:
+        return {"regex": a.regex}
+    if getattr(a, "choice", None):
+        return {"choice": a.choice}
+    if getattr(a, "grammar", None) is not None:
+        return {"grammar": _file_or_text(a.grammar)}
+    return None
 
 
 def sampling_params(a: argparse.Namespace):
@@ -88,13 +122,16 @@ def sampling_params(a: argparse.Namespace):
         n=a.n, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
         min_p=a.min_p, repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty, seed=a.sample_seed, stop=a.stop, ignore_eos=a.ignore_eos,
+        bad_words=getattr(a, "bad_words", None), structured_outputs=structured_outputs(a),
     )
 
 
-def _stream(engine, prompt, params, out=sys.stdout) -> str:
+def _stream(engine, prompt, params, out=None) -> str:
     """Add one request and print its text as it grows (first sample only); returns the final text.
     While it runs, the last len(longest stop string) - 1 characters wait: a stop string completed by
-    a later token cuts them off, and nothing printed is taken back."""
+    a later token cuts them off, and nothing printed is taken back. out: sys.stdout (as it is at the
+    call) unless given."""
+    out = sys.stdout if out is None else out
     from pageflash.engine.detokenizer import stop_holdback
 
     rid = engine.add_request(None, prompt, params)
@@ -116,6 +153,7 @@ def _stream(engine, prompt, params, out=sys.stdout) -> str:
         engine.abort_request(rid)
         raise
     out.write("\n")
+    out.flush()
     return text
 
 

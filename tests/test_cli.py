@@ -152,3 +152,23 @@ def test_streamed_text_never_shows_what_a_stop_string_cuts(capsys):
     out = io.StringIO()
     final = _stream(eng, "The capital of France is", SamplingParams(temperature=0, max_tokens=12, stop=[stop]), out)
     assert final == text[: text.find(stop)] and out.getvalue() == final + "\n"
+
+
+def test_generate_with_structured_outputs_and_bad_words(tmp_path, capfd):
+    """--json-schema (a file or JSON text), --choice (repeatable), --bad-word; a bad constraint is one
+    error line and status 2."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                                  "required": ["city"], "additionalProperties": False}))
+    common = ["--max-model-len", "128", "--num-kv-blocks", "32", "--temperature", "0", "--max-tokens", "24", "--chat"]
+    assert cli_main(["generate", *common, "--json-schema", str(schema), "The capital of France, as JSON"]) == 0
+    out = capfd.readouterr().out
+    assert set(json.loads(out)) == {"city"}
+    assert cli_main(["generate", *common, "--choice", "yes", "--choice", "no", "Is the sky blue?"]) == 0
+    assert capfd.readouterr().out.strip() in ("yes", "no")
+    assert cli_main(["generate", *common, "--bad-word", "Paris", "The capital of France is"]) == 0
+    assert "Paris" not in capfd.readouterr().out
+    rc, err = run(capfd, ["generate", *common, "--regex", "[a-", "x"])
+    assert rc == 2 and "regex" in err
+    rc, err = run(capfd, ["generate", *common, "--json-schema", "{oops", "x"])
+    assert rc == 2 and "--json-schema" in err
