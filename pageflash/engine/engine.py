@@ -215,7 +215,6 @@ class LLMEngine:
         self._inflight: Optional[_Inflight] = None  # a launched step whose sampled tokens are not processed
         self._structured: Optional[StructuredOutputs] = None  # built at the first structured request
         self._structured_lock = threading.Lock()  # (the server compiles constraints on another thread)
-        self._premasks: Optional[tuple[list[Request], Any]] = None  # masks started by _resolve for _launch
         self.groups: dict[str, list[Request]] = {}  # user request id -> its sequences (n of them)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -433,12 +432,10 @@ class LLMEngine:
         result = self.runner.execute(sched, [self.kv.block_ids(s.request.request_id) for s in sched.seqs], **extra)
         if result.prompt_rows is not None:
             touched += self._prompt_logprobs(sched, result)
-        guided = {s.request.request_id for s in sched.seqs if s.request.grammar is not None}
-        if prev is not None and guided:
+        if prev is not None and any(s.request.grammar is not None for s in sched.seqs):
             # A grammar's mask for this step's sampling needs the previous step's token on the host:
-            # read it now, while the device runs this step's forward (launched above); the masks are
-            # built on a background thread while the rest of those tokens' processing goes on.
-            touched += self._resolve(prev, premask=guided)
+            # read it now, while the device runs this step's forward (launched above).
+            touched += self._resolve(prev)
             prev = None
         launched = self._launch(sched, result.logits, result.rows, result.greedy)
         self._inflight = None
@@ -468,7 +465,6 @@ class LLMEngine:
         """Advance computed counts and launch sampling where a step reached a request's end (no sync:
         the tokens are copied to the host asynchronously and read by _resolve). greedy: the argmax of
         every logits row, where the step computed it (decode graphs)."""
-        premasks = self._take_premasks()  # (first: whatever happens below, the mask thread is done)
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
         for s, (start, count) in zip(sched.seqs, rows):
@@ -488,7 +484,8 @@ class LLMEngine:
         # instead of a copy of their outputs (O(length) per row per step otherwise).
         # (a request that finished by the previous step's token samples once more, for nothing: no mask)
         guided = [r.grammar is not None and not r.is_finished for r in sample_reqs]
-        masks = iter(self._bitmasks([r for r, g in zip(sample_reqs, guided) if g], premasks) if any(guided) else ())
+        masks = iter(self._structured.bitmasks([r.grammar for r, g in zip(sample_reqs, guided) if g])
+                     if any(guided) else ())  # fmt: skip
         batch = SamplingBatch.build(
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids if r.params.reads_outputs() else (),
                          r.generator, next(masks) if g else None, r.bad_words) for r, g in zip(sample_reqs, guided)],
@@ -507,22 +504,6 @@ class LLMEngine:
         # forward: step() reads the token after launching that forward.
         may_overlap = not any(r.params.reads_outputs(r.num_output_tokens) for r in sample_reqs)
         return _Inflight(sample_reqs, out, may_overlap)
-
-    def _take_premasks(self) -> dict[str, Any]:
-        """The masks _resolve started (request id -> row), waited for: after this no other thread
-        touches a matcher."""
-        pre, self._premasks = self._premasks, None
-        if pre is None:
-            return {}
-        return {r.request_id: row for r, row in zip(pre[0], pre[1].result())}
-
-    def _bitmasks(self, reqs: list[Request], done: dict[str, Any]) -> Any:
-        """The grammar masks of reqs (rows in order): done (started by _resolve) or, for the others
-        (new prefills, forked siblings), computed here."""
-        rest = [r for r in reqs if r.request_id not in done]
-        if rest:
-            done = {**done, **dict(zip((r.request_id for r in rest), self._structured.bitmasks([r.grammar for r in rest])))}
-        return [done[r.request_id] for r in reqs]
 
     def _prompt_logprobs(self, sched: SchedulerOutput, result: Any) -> list[str]:
         """Append the prompt logprobs this step's rows scored (raw logits' log-softmax, as for
@@ -557,24 +538,9 @@ class LLMEngine:
                 row += 1
         return [r.group_id for r, _, _ in seqs]
 
-    def _resolve(self, inf: _Inflight, premask: Optional[set[str]] = None) -> list[str]:
-        """Read a launched step's sampled tokens and apply them: append, stops, finish.
-
-        premask: ids of requests about to sample again with a grammar: their tokens are fed to their
-        matchers first, and their next masks start on a background thread (taken by _launch) while
-        the tokens are appended, detokenized and checked for stops."""
+    def _resolve(self, inf: _Inflight) -> list[str]:
+        """Read a launched step's sampled tokens and apply them: append, stops, finish."""
         token_ids, lp = inf.fetch()
-        consumed: dict[int, tuple[bool, bool]] = {}  # row -> (the grammar took the token, it is complete)
-        if premask:
-            ready = []
-            for i, (req, tok) in enumerate(zip(inf.reqs, token_ids)):
-                if req.grammar is not None and not req.is_finished:
-                    ok = req.grammar.consume_token(tok)
-                    consumed[i] = (ok, ok and req.grammar.is_stopped())
-                    if ok and not consumed[i][1] and req.request_id in premask:
-                        ready.append(req)
-            if ready:
-                self._premasks = (ready, self._structured.start_bitmasks([r.grammar for r in ready]))
         touched: dict[str, None] = {}
         now = time.monotonic()
         for i, (req, tok) in enumerate(zip(inf.reqs, token_ids)):
@@ -582,7 +548,7 @@ class LLMEngine:
             if req.is_finished:  # stopped (or aborted) while this step ran: its extra token is dropped
                 continue
             rlp = None if lp is None or req.logprobs is None else (lp[0][i], lp[1][i], lp[2][i])
-            self._append_token(req, tok, rlp, now, consumed.get(i))
+            self._append_token(req, tok, rlp, now)
             touched[req.group_id] = None
         return list(touched)
 
@@ -617,14 +583,8 @@ class LLMEngine:
             prev = child
         return family
 
-    def _append_token(self, req: Request, tok: int, lp: Optional[tuple], now: float,
-                      consumed: Optional[tuple[bool, bool]] = None) -> None:
-        """consumed: (ok, complete) when tok was already fed to the request's grammar (_resolve's
-        premask pass; the matcher may be busy on the mask thread and is not touched here)."""
-        if req.grammar is not None and consumed is None:
-            ok = req.grammar.consume_token(tok)
-            consumed = (ok, ok and req.grammar.is_stopped())
-        if consumed is not None and not consumed[0]:
+    def _append_token(self, req: Request, tok: int, lp: Optional[tuple], now: float) -> None:
+        if req.grammar is not None and not req.grammar.consume_token(tok):
             # Only when the step's masks left no token (allowed_token_ids or bad_words outside the
             # grammar) or the grammar hit one of llguidance's limits: the token is not appended.
             logger.warning("request %s: structured-outputs constraint failed at token %d (%s); aborted",
@@ -646,7 +606,7 @@ class LLMEngine:
             req.text_offsets.append(len(req.output_text))
         self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
         self._check_stop(req, tok)
-        if req.finish_reason is None and consumed is not None and consumed[1]:
+        if req.finish_reason is None and req.grammar is not None and req.grammar.is_stopped():
             req.finish_reason = "stop"  # the constrained text is complete: nothing may follow
         if req.finish_reason is not None:
             self._finish_output(req, now)

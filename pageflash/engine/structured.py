@@ -20,7 +20,6 @@ requests are not drafted by speculative decoding.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import json
 import logging
 import os
@@ -73,7 +72,6 @@ class StructuredOutputs:
         # schema compiles it once; the server compiles off the engine thread, the engine then copies)
         self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._jobs = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pageflash-grammar")
 
     def _new_matcher(self, grammar: str) -> Any:
         return self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
@@ -119,12 +117,6 @@ class StructuredOutputs:
             while len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
         return m.deep_copy()
-
-    def start_bitmasks(self, matchers: Sequence[Any]) -> "concurrent.futures.Future[np.ndarray]":
-        """bitmasks(matchers) on a background thread (llguidance releases the GIL): the engine builds
-        the next step's masks while it processes the previous step's tokens. The matchers must not be
-        used elsewhere until the result is taken."""
-        return self._jobs.submit(self.bitmasks, list(matchers))
 
     def bitmasks(self, matchers: Sequence[Any]) -> np.ndarray:
         """int32 [len(matchers), words]: bit t of row i (word t // 32, bit t % 32) set where matcher i
