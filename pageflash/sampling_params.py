@@ -57,6 +57,9 @@ class StructuredOutputsParams:
 
     disable_any_whitespace: JSON without whitespace between tokens (vLLM's option); by default any
         JSON whitespace is allowed there.
+    disable_additional_properties: an object schema with "properties" but no "additionalProperties"
+        takes only its properties (as vLLM's default xgrammar backend does; JSON Schema itself would
+        allow any others, and small models then invent some). False keeps JSON Schema's rule.
 
     The engine compiles the constraint when the request is added (an invalid schema, regex or grammar
     is a ValueError naming it) and masks, at every step, the tokens that cannot continue a matching
@@ -70,6 +73,7 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = True
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -92,6 +96,7 @@ class StructuredOutputsParams:
         if self.json_object is not None:
             _check_bool("json_object", self.json_object)
         _check_bool("disable_any_whitespace", self.disable_any_whitespace)
+        _check_bool("disable_additional_properties", self.disable_additional_properties)
 
     def _asked(self) -> list[str]:
         """The kinds set (json_object: False asks for nothing; json: False is a bad schema)."""
@@ -103,7 +108,8 @@ class StructuredOutputsParams:
 
     @classmethod
     def from_dict(cls, d: dict) -> "StructuredOutputsParams":
-        known = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+        known = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+                 "disable_additional_properties"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"structured_outputs: unknown or unsupported key(s) {', '.join(unknown)}; "

@@ -328,3 +328,22 @@ def test_the_cache_keeps_property_order_apart(llm):
     so.matcher(StructuredOutputsParams(json=s1))
     m = so.matcher(StructuredOutputsParams(json=s2))
     assert m.consume_tokens(tok.encode('{"b": 1, "a": 2}', add_special_tokens=False))
+
+
+def test_objects_take_only_their_properties_unless_asked(llm):
+    """As vLLM's default (xgrammar) backend: an object schema that lists properties and says nothing
+    of additionalProperties takes no others; disable_additional_properties=False keeps JSON Schema's
+    rule. Nested objects too; an object without "properties" stays open."""
+    so = llm.llm_engine.structured_outputs()
+    tok = llm.get_tokenizer()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "o": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "free": {"type": "object"}}}
+
+    def takes(text, **kw):
+        m = so.matcher(StructuredOutputsParams(json=schema, **kw))
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False))
+
+    assert takes('{"a": 1, "o": {"b": 2}, "free": {"x": 3}}')
+    assert not takes('{"a": 1, "z": 2}') and not takes('{"o": {"b": 2, "z": 3}}')
+    assert takes('{"a": 1, "z": 2}', disable_additional_properties=False)

@@ -87,6 +87,8 @@ class StructuredOutputs:
                     schema = json.loads(schema)
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("a JSON schema must be an object")
+                if so.disable_additional_properties:
+                    schema = _closed_objects(schema)
                 options = {"whitespace_flexible": not so.disable_any_whitespace}
                 return LLMatcher.grammar_from_json_schema(schema, defaults=options)
             if kind == "regex":
@@ -103,7 +105,7 @@ class StructuredOutputs:
         """A new matcher for a request; ValueError naming the problem if the constraint is invalid.
         Thread-safe; compiled constraints are cached (CACHE_SIZE, least recently used dropped)."""
         # (not sort_keys: a schema's property order is the order of the output's properties)
-        key = json.dumps([so.kind, getattr(so, so.kind), so.disable_any_whitespace])
+        key = json.dumps([so.kind, getattr(so, so.kind), so.disable_any_whitespace, so.disable_additional_properties])
         with self._lock:
             m = self._cache.get(key)
             if m is not None:
@@ -126,6 +128,20 @@ class StructuredOutputs:
             [(m, i) for i, m in enumerate(matchers)], out.ctypes.data, self.words * 4, len(matchers)
         )
         return out
+
+
+def _closed_objects(schema: Any) -> Any:
+    """A copy of a JSON schema in which every object schema that lists "properties" but says nothing
+    of "additionalProperties" (or "patternProperties") allows no others."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed_objects(v) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def _regex_literal(text: str) -> str:
