@@ -602,6 +602,30 @@ def _tool_args_ok(name: str, args: str) -> bool:
     return name == "get_time" and set(a) == {"zone"}
 
 
+def test_openai_sdk_parse_with_pydantic_models(srv: Srv) -> None:
+    """The openai SDK's structured-output helpers: parse(response_format=Model) sends a strict
+    json_schema and reads message.parsed; pydantic_function_tool reads the call's parsed_arguments."""
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+
+    class Answer(pydantic.BaseModel):
+        city: City
+        reason: str
+
+    msgs = [{"role": "user", "content": "Name the biggest city in Japan."}]
+    r = srv.client.beta.chat.completions.parse(model=MODEL, messages=msgs, response_format=Answer, max_tokens=120,
+                                               temperature=0)  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Answer)
+    r = srv.client.beta.chat.completions.parse(model=MODEL, messages=msgs, max_tokens=80, temperature=0,
+                                               tools=[openai.pydantic_function_tool(City, name="lookup")],
+                                               tool_choice="required", parallel_tool_calls=False)  # fmt: skip
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "lookup" and isinstance(call.function.parsed_arguments, City)
+
+
 def test_constraints_compile_off_the_engine_thread(srv: Srv, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server compiles a request's constraint on its worker thread; the engine thread only copies
     the cached matcher (a large schema does not stall the other streams)."""
