@@ -117,8 +117,6 @@ class StructuredOutputsParams:
         return cls(**d)
 
 
-GuidedDecodingParams = StructuredOutputsParams  # vLLM's earlier name
-
 
 @dataclass
 class SamplingParams:

@@ -97,6 +97,15 @@ def _flat_token_index(rows: Sequence[Sequence[Sequence[int]]], vocab_size: int) 
     return torch.from_numpy(row_ids * vocab_size + tokens)
 
 
+def _token_mask(rows: Sequence[Sequence[Sequence[int]]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """bool [len(rows), vocab_size], True at every token of row i's sequences (as _flat_token_index);
+    built on the device, so that only the token ids travel."""
+    index = to_device(_flat_token_index(rows, vocab_size), device)
+    mask = torch.zeros(len(rows) * vocab_size, dtype=torch.bool, device=device)
+    mask.index_fill_(0, index, True)
+    return mask.view(len(rows), vocab_size)
+
+
 @dataclass
 class SamplingBatch:
     """One step's sampling parameters as device tensors (B = number of logits rows).
@@ -144,8 +153,8 @@ class SamplingBatch:
     output_counts: Optional[torch.Tensor] = None
     repetition_mask: Optional[torch.Tensor] = None
     min_tokens_index: Optional[torch.Tensor] = None
-    # bool [B, V], True where a row's allowed_token_ids or structured-outputs mask leave a token
-    # out; None when no row has either
+    # bool [B, V], True where a row's bad_words, allowed_token_ids or structured-outputs mask leave
+    # a token out; None when no row has any
     banned_mask: Optional[torch.Tensor] = None
     generators: list[tuple[int, torch.Generator]] = field(default_factory=list)
     max_num_logprobs: Optional[int] = None
@@ -251,10 +260,7 @@ class SamplingBatch:
                 else ()
                 for r in rows
             ]
-            index = to_device(_flat_token_index(seen, vocab_size), device)
-            repetition_mask = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
-            repetition_mask.index_fill_(0, index, True)
-            repetition_mask = repetition_mask.view(n, vocab_size)
+            repetition_mask = _token_mask(seen, vocab_size, device)
 
         masked = [
             i * vocab_size + t
@@ -268,19 +274,14 @@ class SamplingBatch:
             min_tokens_index = to_device(torch.tensor(masked, dtype=torch.int64), device)
 
         banned_mask = None
-        bad = [_bad_word_tokens(r, vocab_size) for r in rows]
-        if any(bad):
-            index = to_device(_flat_token_index([(b,) for b in bad], vocab_size), device)
-            banned_mask = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
-            banned_mask.index_fill_(0, index, True)
-            banned_mask = banned_mask.view(n, vocab_size)
+        if any(r.bad_words for r in rows):  # (checked first: a plain decode step pays one any())
+            bad = [(_bad_word_tokens(r, vocab_size),) for r in rows]
+            if any(b for (b,) in bad):
+                banned_mask = _token_mask(bad, vocab_size, device)
         limited = [p.allowed_token_ids is not None for p in ps]
         if any(limited):  # built on the device, as the repetition mask: only the allowed ids travel
-            index = to_device(_flat_token_index([(p.allowed_token_ids,) if p.allowed_token_ids else () for p in ps],
-                                                vocab_size), device)  # fmt: skip
-            allowed = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
-            allowed.index_fill_(0, index, True)
-            outside = to_device(torch.tensor(limited), device)[:, None] & ~allowed.view(n, vocab_size)
+            allowed = _token_mask([(p.allowed_token_ids,) if p.allowed_token_ids else () for p in ps], vocab_size, device)
+            outside = to_device(torch.tensor(limited), device)[:, None] & ~allowed
             banned_mask = outside if banned_mask is None else banned_mask | outside
         if any(r.grammar_bitmask is not None for r in rows):
             words = next(r.grammar_bitmask for r in rows if r.grammar_bitmask is not None).shape[0]

@@ -65,7 +65,6 @@ class StructuredOutputs:
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         except Exception as e:  # a slow (Python) tokenizer, or one larger than the logits
             raise ValueError(f"structured_outputs cannot use this tokenizer: {e}") from None
-        self.vocab_size = vocab_size
         self.words = (self.tokenizer.vocab_size + 31) // 32  # int32 words per mask row
         self._executor = llguidance.LLExecutor(num_threads=grammar_threads())
         # compiled constraints, never advanced: a request gets a copy (a batch of prompts with one

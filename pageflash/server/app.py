@@ -877,26 +877,34 @@ class OpenAIServing:
         return Response(body.model_dump_json(), media_type="application/json")
 
 
-class _ToolCalls:
-    """A chat request whose tool_choice calls tools ("required" or a named function): its output is
-    constrained to JSON (ChatCompletionRequest.tool_schema) and answered as tool_calls, as vLLM does.
+def _call_deltas(calls: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Whole tool calls as one streamed delta's tool_calls entries."""
+    return [{"index": i, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+             "function": {"name": name, "arguments": args}} for i, (name, args) in enumerate(calls)]  # fmt: skip
 
-    Named: the text is the function's arguments; streamed as they come (the first delta carries the
-    call's id and name), finish_reason as generated ("stop"). Required: the text is a list of
-    {"name", "parameters"}; streamed whole once the choice ends (a list cannot be split into calls
-    before it is complete), finish_reason "tool_calls". Output cut by max_tokens that does not parse
-    stays text (content), with finish_reason "length"."""
+
+def _tool_calls(calls: list[tuple[str, str]]) -> list[P.ToolCall]:
+    """Whole tool calls as a message's tool_calls."""
+    return [P.ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=P.FunctionCall(name=name, arguments=args))
+            for name, args in calls]  # fmt: skip
+
+
+class _ToolCalls:
+    """A chat request whose tool_choice calls tools, answered as tool_calls, as vLLM does.
+
+    Named: the output is constrained to the function's arguments (ChatCompletionRequest.tool_schema);
+    streamed as they come (the first delta carries the call's id and name), finish_reason as
+    generated ("stop"). Required: constrained to a list of {"name", "parameters"}; streamed whole once
+    the choice ends (a list cannot be split into calls before it is complete), finish_reason
+    "tool_calls". Auto: free text read by the server's tool-call parser (tool_parsers.py). Output cut
+    by max_tokens that does not parse stays text (content), with finish_reason "length"."""
 
     def __init__(self, req: P.ChatCompletionRequest, parser: Any = None) -> None:
         self.mode = req.calls_tools
         self.name = req.tool_choice_name
         self.parser = parser  # auto: the server's tool-call parser (tool_parsers.py)
-        self.ids: dict[int, str] = {}
         self.held: dict[int, tuple[list[int], list[Any] | None]] = {}  # streamed: ids, logprobs not yet sent
         self.content_sent: dict[int, int] = {}  # auto, streamed: characters sent as content
-
-    def call_id(self, index: int) -> str:
-        return self.ids.setdefault(index, f"chatcmpl-tool-{uuid.uuid4().hex}")
 
     def parse(self, text: str) -> list[tuple[str, str]] | None:
         """(name, arguments JSON) per call, or None when the text is not a complete list of calls."""
@@ -916,26 +924,33 @@ class _ToolCalls:
         if self.mode == "named":
             call: dict[str, Any] = {"index": 0, "function": {"arguments": delta}}
             if not ch.started:
-                call = {"index": 0, "id": self.call_id(ch.index), "type": "function",
+                call = {"index": 0, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
                         "function": {"name": self.name, "arguments": delta}}  # fmt: skip
             return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(tool_calls=[call]), logprobs=logprobs(ids, lps),
                                       finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
-        held_ids, held_lps = self.held.setdefault(ch.index, ([], [] if lps is not None else None))
-        held_ids += ids
-        if held_lps is not None and lps is not None:
-            held_lps += lps
+        self._hold(ch.index, ids, lps)
         if ch.finish_reason is None:
             return None
         calls = self.parse(ch.text)
-        lp = logprobs(held_ids, held_lps)
+        lp = self._release(ch.index, logprobs)
         if calls is None:
             return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(content=ch.text), logprobs=lp,
                                       finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
-        out = [{"index": i, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-                "function": {"name": name, "arguments": args}} for i, (name, args) in enumerate(calls)]  # fmt: skip
         reason = "tool_calls" if ch.finish_reason == "stop" else ch.finish_reason
-        return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(tool_calls=out), logprobs=lp,
+        return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(tool_calls=_call_deltas(calls)), logprobs=lp,
                                   finish_reason=reason, stop_reason=ch.stop_reason)  # fmt: skip
+
+    def _hold(self, index: int, ids: list[int], lps: Any) -> None:
+        """Keep a choice's tokens (and logprobs) until its next chunk goes out."""
+        held_ids, held_lps = self.held.setdefault(index, ([], [] if lps is not None else None))
+        held_ids += ids
+        if held_lps is not None and lps is not None:
+            held_lps += lps
+
+    def _release(self, index: int, logprobs: Callable[[list[int], Any], Any]) -> Any:
+        """The held tokens' logprobs for the chunk going out now; nothing is held after."""
+        held_ids, held_lps = self.held.pop(index, ([], None))
+        return logprobs(held_ids, held_lps)
 
     def _auto_delta(self, ch: _Choice, ids: list[int], lps: Any,
                     logprobs: Callable[[list[int], Any], Any]) -> P.ChatStreamChoice | None:
@@ -951,21 +966,13 @@ class _ToolCalls:
             upto = self.parser.safe_prefix(text) if calls else len(text)  # calls: the content before them
         delta = text[sent:max(sent, upto)]
         self.content_sent[ch.index] = max(sent, upto)
-        held_ids, held_lps = self.held.setdefault(ch.index, ([], [] if lps is not None else None))
-        held_ids += ids
-        if held_lps is not None and lps is not None:
-            held_lps += lps
+        self._hold(ch.index, ids, lps)
         if not delta and ch.finish_reason is None:
             return None  # nothing to say yet (tokens of a possible call): their logprobs wait too
-        msg = P.DeltaMessage(content=delta or None, tool_calls=[
-            {"index": i, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-             "function": {"name": name, "arguments": args}} for i, (name, args) in enumerate(calls)] or None)
+        msg = P.DeltaMessage(content=delta or None, tool_calls=_call_deltas(calls) or None)
         if msg.content is None and msg.tool_calls is None:
             msg.content = ""
-        lp = logprobs(list(held_ids), list(held_lps) if held_lps is not None else None)
-        held_ids.clear()
-        if held_lps is not None:
-            held_lps.clear()
+        lp = self._release(ch.index, logprobs)
         reason = "tool_calls" if calls else ch.finish_reason
         return P.ChatStreamChoice(index=ch.index, delta=msg, logprobs=lp, finish_reason=reason,
                                   stop_reason=ch.stop_reason)  # fmt: skip
@@ -977,9 +984,7 @@ class _ToolCalls:
             content, calls = self.parser.parse(text)
             if calls:
                 c.message.content = content
-                c.message.tool_calls = [P.ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}",
-                                                   function=P.FunctionCall(name=name, arguments=args))
-                                        for name, args in calls]  # fmt: skip
+                c.message.tool_calls = _tool_calls(calls)
                 c.finish_reason = "tool_calls"
             return
         if self.mode == "named":
@@ -991,9 +996,7 @@ class _ToolCalls:
             if c.finish_reason == "stop":
                 c.finish_reason = "tool_calls"
         c.message.content = None
-        c.message.tool_calls = [P.ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}",
-                                           function=P.FunctionCall(name=name, arguments=args))
-                                for name, args in calls]  # fmt: skip
+        c.message.tool_calls = _tool_calls(calls)
 
 
 async def _run_request(request: Request, work: Awaitable[Any]) -> Any:
