@@ -6,12 +6,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# architecture -> HF model_type
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shapes and constants of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2)."""
+    """The shapes and constants of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2)."""
 
     vocab_size: int
     hidden_size: int
@@ -26,6 +29,7 @@ class ModelConfig:
     rope_scaling: Optional[dict[str, Any]] = field(default=None, hash=False)
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope
     architecture: str = "LlamaForCausalLM"
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
@@ -61,6 +65,7 @@ class ModelConfig:
     def num_params(self, include_embedding: bool = True) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        per_layer += 2 * self.head_dim if self.qk_norm else 0
         n = L * per_layer + h
         emb = self.vocab_size * h
         n += emb if not self.tie_word_embeddings else 0  # lm_head
@@ -68,7 +73,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """From a HF config.json dict (LlamaConfig / MistralConfig / Qwen2Config keys)."""
+        """From a HF config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config keys)."""
         archs = d.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         model_type = d.get("model_type", "llama")
@@ -95,17 +100,16 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            qk_norm=arch == "Qwen3ForCausalLM",
             architecture=arch,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None,
+            sliding_window=_sliding_window(d, model_type),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict that transformers accepts (used by tests to build the HF reference)."""
-        model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}[
-            self.architecture
-        ]
+        model_type = _MODEL_TYPES[self.architecture]
         d = dict(
             architectures=[self.architecture], model_type=model_type, vocab_size=self.vocab_size,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -116,9 +120,26 @@ class ModelConfig:
             tie_word_embeddings=self.tie_word_embeddings, hidden_act="silu",
             bos_token_id=self.bos_token_id, eos_token_id=list(self.eos_token_ids) or None,
         )
-        if model_type == "llama":
+        if model_type in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
+        if self.sliding_window is not None:
+            d["sliding_window"] = self.sliding_window
+            d["use_sliding_window"] = True
         return d
+
+
+def _sliding_window(d: dict[str, Any], model_type: str) -> Optional[int]:
+    """The attention window of a config whose layers slide (Mistral v0.1; Qwen2/3 with
+    use_sliding_window, from layer max_window_layers on), else None."""
+    w = d.get("sliding_window")
+    if not w or not d.get("use_sliding_window", model_type == "mistral"):
+        return None
+    types = d.get("layer_types")
+    if isinstance(types, list) and "sliding_attention" not in types:
+        return None
+    if model_type in ("qwen2", "qwen3") and d.get("max_window_layers", d["num_hidden_layers"]) >= d["num_hidden_layers"]:
+        return None  # transformers slides only layers from max_window_layers on
+    return int(w)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> "Any":

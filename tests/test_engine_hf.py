@@ -1,7 +1,7 @@
 """Greedy output of the engine equals HF transformers token for token, on the same weights.
 
 The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized by both sides) on raw and chat
-prompts in one batch; small random Llama / Qwen2 / MQA / GQA models in float32; again with a KV
+prompts in one batch; small random Llama / Qwen2 / Qwen3 / MQA / GQA models in float32; again with a KV
 pool so small that preemption must happen, and with prefix-cache hits.
 """
 
@@ -103,6 +103,9 @@ CONFIGS = {
                                                      high_freq_factor=4.0, original_max_position_embeddings=64)),
     "qwen2-bias": dict(BASE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_attention_heads=4,
                        num_key_value_heads=2, rope_theta=1000000.0),
+    # head_dim 32 with hidden 64 / 4 heads: q is wider than the hidden state
+    "qwen3-qk-norm": dict(BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, rope_theta=1000000.0, attention_bias=False),
     "mistral": dict(BASE, model_type="mistral", architectures=["MistralForCausalLM"], num_attention_heads=4,
                     num_key_value_heads=2, rope_theta=1000000.0, sliding_window=None),
 }

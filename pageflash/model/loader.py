@@ -134,10 +134,15 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return v
 
 
+# GGUF general.architecture -> ours
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+
+
 def _gguf_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, mistral)")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCHS)})")
     a = arch
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
@@ -160,7 +165,8 @@ def _gguf_config(reader) -> ModelConfig:
         rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        architecture="Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM",
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        architecture=_GGUF_ARCHS[arch],
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
@@ -172,6 +178,7 @@ _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 
 
