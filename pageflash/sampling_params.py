@@ -145,6 +145,10 @@ class SamplingParams:
         anything else, so logprobs still report the model's own distribution); None = any. The
         engine refuses a set of stop / EOS tokens only together with min_tokens (nothing could
         be generated).
+    logit_bias: {token id: bias} added to the logits before penalties and sampling (OpenAI's:
+        each bias in [-100, 100]; -100 in effect bans a token, +100 in effect forces it; keys may be
+        ints or strings of ints, as JSON sends them). Logprobs still report the model's own
+        distribution. None = no bias.
     bad_words: words that must not be generated (vLLM's): each is tokenized as written and with a
         leading space; a one-token word is masked always, a longer one's last token is masked where
         the output so far ends with its other tokens. Needs the model's tokenizer.
@@ -172,6 +176,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
     allowed_token_ids: Optional[list[int]] = None
+    logit_bias: Optional[dict[int, float]] = None
     bad_words: Optional[list[str]] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
     skip_special_tokens: bool = True
@@ -243,6 +248,8 @@ class SamplingParams:
                                                                                "allowed_token_ids")))
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if self.logit_bias is not None:
+            self.logit_bias = self._normalize_logit_bias(self.logit_bias) or None
         if self.bad_words is not None:
             if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)):
                 raise TypeError(f"bad_words must be a list of str or None, got {type(self.bad_words).__name__}")
@@ -288,6 +295,29 @@ class SamplingParams:
                 raise ValueError(f"{name} must be >= 0, got {t}")
         return list(ids)
 
+    @staticmethod
+    def _normalize_logit_bias(bias: Any) -> dict[int, float]:
+        if not isinstance(bias, dict):
+            raise TypeError(f"logit_bias must be a dict of token id -> float or None, got {type(bias).__name__}")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            tok = key
+            if isinstance(key, str):
+                try:
+                    tok = int(key.strip())
+                except ValueError:
+                    raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}") from None
+            if isinstance(tok, bool) or not isinstance(tok, int):
+                raise TypeError(f"logit_bias keys must be token ids (integers), got {type(key).__name__} {key!r}")
+            if tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
+            v = _check_float(f"logit_bias[{key!r}]", value)
+            if not -100.0 <= v <= 100.0:
+                raise ValueError(f"logit_bias[{key!r}] must be in [-100, 100], got {v}")
+            if v != 0.0:
+                out[tok] = v
+        return out
+
     def truncate_prompt(self, ids: list[int]) -> list[int]:
         """The prompt token ids this request runs on (truncate_prompt_tokens keeps the last k)."""
         k = self.truncate_prompt_tokens
@@ -316,10 +346,10 @@ class SamplingParams:
 
     def changes_logits(self, num_output: Optional[int] = None) -> bool:
         """Whether the logits are processed before the argmax: reads_outputs (penalties, min_tokens)
-        or allowed_token_ids or structured outputs; a greedy request then takes the processed argmax,
-        not the raw one."""
+        or allowed_token_ids, logit_bias or structured outputs; a greedy request then takes the
+        processed argmax, not the raw one."""
         return (self.reads_outputs(num_output) or self.allowed_token_ids is not None
-                or self.structured_outputs is not None)
+                or self.logit_bias is not None or self.structured_outputs is not None)
 
     def all_stop_token_ids(self, eos_token_id: Union[int, list[int], None]) -> set[int]:
         """Token ids that end this request: stop_token_ids, plus EOS unless ignore_eos.

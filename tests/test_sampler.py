@@ -282,6 +282,42 @@ def test_allowed_token_ids_restrict_greedy_and_sampled_rows():
     assert SamplingParams(allowed_token_ids=(7, 1, 7)).allowed_token_ids == [1, 7]
 
 
+def test_logit_bias_shifts_greedy_and_sampled_rows():
+    """logit_bias: added to the logits before sampling (greedy takes argmax(logits + bias), sampling
+    follows softmax((logits + bias) / T)); rows without one are untouched; logprobs stay raw; biases
+    past the vocabulary of a smaller draft model are skipped, not an index error."""
+    vocab = 10
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, vocab, generator=g) * 2
+    bias = {3: 5.0, 7: -100.0, int(logits[0].argmax()): -4.0}
+    params = [SamplingParams(temperature=0.0, logit_bias=bias, logprobs=1),
+              SamplingParams(temperature=0.7, logit_bias={str(k): v for k, v in bias.items()}, seed=3),
+              SamplingParams(temperature=0.0)]
+    assert params[1].logit_bias == bias
+    batch = build(params, vocab, gens=[None, gen(3), None])
+    assert batch.needs_logits_processing and params[0].changes_logits()
+    biased = logits.clone()
+    for t, b in bias.items():
+        biased[:2, t] += b
+    out = Sampler()(logits, batch)
+    assert out.token_ids[0].item() == biased[0].argmax().item()
+    assert out.token_ids[2].item() == logits[2].argmax().item()
+    probs = compute_probs(logits, batch)
+    torch.testing.assert_close(probs[1], torch.softmax(biased[1] / 0.7, -1))
+    assert probs[1, 7].item() < 1e-30  # -100 in effect bans
+    raw = torch.log_softmax(logits[0], -1)
+    assert out.logprobs[0, 0].item() == pytest.approx(raw[out.token_ids[0]].item(), abs=1e-5)
+    small = build([SamplingParams(temperature=0.0, logit_bias={12: 100.0, 2: 100.0})], vocab)
+    assert small.logit_bias[0].nonzero().flatten().tolist() == [2]
+    assert build([SamplingParams(temperature=0.0, logit_bias={4: 0.0})], vocab).logit_bias is None  # 0 = no bias
+    for bad, err, match in (({"x": 1}, ValueError, "token ids"), ({5: 100.5}, ValueError, r"\[-100, 100\]"),
+                            ({5: float("nan")}, ValueError, "NaN"), ({-1: 1.0}, ValueError, ">= 0"),
+                            ({True: 1.0}, TypeError, "token ids"), ({5: "1"}, TypeError, "number"),
+                            ([5], TypeError, "dict")):
+        with pytest.raises(err, match=match):
+            SamplingParams(logit_bias=bad)
+
+
 def test_penalties_only_build_what_is_used():
     b = build([SamplingParams(), SamplingParams(temperature=0)], 10, outputs=[[1], [2]])
     assert b.output_counts is None and b.repetition_mask is None and not b.needs_logits_processing

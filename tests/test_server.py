@@ -363,7 +363,11 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "stop": [""]}, "stop", ()),
     ({"prompt": "hi", "stream": "yes"}, "stream", ()),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, ("stream",)),
-    ({"prompt": "hi", "logit_bias": {"5": 10}}, None, ("logit_bias",)),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", ("[-100, 100]",)),
+    ({"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias", ("token ids",)),
+    ({"prompt": "hi", "logit_bias": {"5": "x"}}, "logit_bias", ("number",)),
+    ({"prompt": "hi", "logit_bias": {"999999999": 1}}, "logit_bias", ("outside the vocabulary",)),
+    ({"prompt": "hi", "logit_bias": [5]}, "logit_bias", ()),
     ({"prompt": "hi", "suffix": "x"}, None, ("suffix",)),
     ({"prompt": "hi", "max_tokens": 400}, "max_tokens", ("400", str(MAX_MODEL_LEN))),
     ({"prompt": "hi " * 300, "max_tokens": 1}, "prompt", (str(MAX_MODEL_LEN),)),
@@ -582,6 +586,26 @@ def test_structured_outputs_through_the_openai_client(srv: Srv) -> None:
     text, _, _ = _collect_completion(srv, False, prompt=PROMPT, max_tokens=12, temperature=0,
                                      extra_body={"guided_grammar": grammar})
     assert text in ("The answer is yes.", "The answer is no."), text
+    assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
+
+
+def test_logit_bias_through_the_openai_client(srv: Srv) -> None:
+    """OpenAI's logit_bias (string keys, as JSON sends them), completions and chat, streamed and not: a
+    +100 bias forces its token, a -100 bias keeps the reference's first token out."""
+    tok = srv.aeng.engine.tokenizer
+    t = tok.encode(" banana", add_special_tokens=False)[0]
+    r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.8, seed=2, n=2,
+                                      logit_bias={str(t): 100})  # fmt: skip
+    assert all(tok.encode(ch.text, add_special_tokens=False) == [t] * 4 for ch in r.choices), [c.text for c in r.choices]
+    ref = srv.refs["chat"].outputs[0]
+    banned = {str(ref.token_ids[0]): -100}
+    for stream in (False, True):
+        c = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                               logit_bias=banned, stream=stream)  # fmt: skip
+        text = c.choices[0].message.content if not stream else "".join(
+            ch.choices[0].delta.content or "" for ch in c if ch.choices)
+        assert text
+        assert tok.encode(text, add_special_tokens=False)[:1] != ref.token_ids[:1]
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 

@@ -303,6 +303,10 @@ class LLMEngine:
             if params.min_tokens and set(allowed) <= params.all_stop_token_ids(sorted(self.eos_token_ids)):
                 raise ValueError(f"allowed_token_ids holds only stop / EOS tokens, which min_tokens="
                                  f"{params.min_tokens} forbids for the first tokens: no token could be generated")
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+            if bad:
+                raise ValueError(f"logit_bias has token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         if compile_constraints and params.structured_outputs is not None:
             self.structured_outputs().matcher(params.structured_outputs)
         if compile_constraints and params.bad_words:

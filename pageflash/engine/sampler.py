@@ -156,6 +156,8 @@ class SamplingBatch:
     # bool [B, V], True where a row's bad_words, allowed_token_ids or structured-outputs mask leave
     # a token out; None when no row has any
     banned_mask: Optional[torch.Tensor] = None
+    # float32 [B, V], the rows' logit_bias (zeros elsewhere); None when no row has one
+    logit_bias: Optional[torch.Tensor] = None
     generators: list[tuple[int, torch.Generator]] = field(default_factory=list)
     max_num_logprobs: Optional[int] = None
 
@@ -171,6 +173,7 @@ class SamplingBatch:
             or self.repetition_mask is not None
             or self.min_tokens_index is not None
             or self.banned_mask is not None
+            or self.logit_bias is not None
         )
 
     @classmethod
@@ -294,6 +297,15 @@ class SamplingBatch:
             grammar_banned = ~unpack_bitmask(to_device(torch.from_numpy(packed_bits), device), vocab_size)
             banned_mask = grammar_banned if banned_mask is None else banned_mask | grammar_banned
 
+        logit_bias = None
+        if any(p.logit_bias for p in ps):  # only the biased entries travel
+            index = [i * vocab_size + t for i, p in enumerate(ps) for t in (p.logit_bias or ()) if t < vocab_size]
+            values = [b for p in ps for t, b in (p.logit_bias or {}).items() if t < vocab_size]
+            logit_bias = torch.zeros(n * vocab_size, dtype=torch.float32, device=device)
+            logit_bias.index_copy_(0, to_device(torch.tensor(index, dtype=torch.int64), device),
+                                   to_device(torch.tensor(values, dtype=torch.float32), device))
+            logit_bias = logit_bias.view(n, vocab_size)
+
         asked = [p.logprobs for p in ps if p.logprobs is not None]
         return cls(
             rows=rows,
@@ -317,6 +329,7 @@ class SamplingBatch:
             repetition_mask=repetition_mask,
             min_tokens_index=min_tokens_index,
             banned_mask=banned_mask,
+            logit_bias=logit_bias,
             generators=[
                 (i, r.generator)
                 for i, (r, g) in enumerate(zip(rows, greedy))
@@ -499,11 +512,14 @@ _PENALIZED_MAX = 1e30  # / a temperature >= SAMPLING_EPS stays below float32's 3
 
 
 def apply_penalties_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalties, then the min_tokens mask. logits [B, V] any float -> new float32 [B, V]."""
+    """Masks (bad_words, allowed_token_ids, structured outputs), logit_bias, penalties, then the
+    min_tokens mask. logits [B, V] any float -> new float32 [B, V]."""
     # float32 copy: processing happens in place on it, never on the model's buffer.
     x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if batch.banned_mask is not None:
         x.masked_fill_(batch.banned_mask, float("-inf"))
+    if batch.logit_bias is not None:
+        x += batch.logit_bias
     if batch.repetition_mask is not None:
         pen = batch.repetition_penalty[:, None]
         # HF/CTRL: divide positive logits, multiply negative ones, so > 1 always discourages.

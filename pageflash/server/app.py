@@ -119,7 +119,7 @@ def _validation_error(e: pydantic.ValidationError) -> APIError:
 _REQUEST_FIELDS = frozenset(P.CompletionRequest.model_fields) | frozenset(P.ChatCompletionRequest.model_fields)
 
 # request fields that LLMEngine.validate_request's errors may name (else the prompt is to blame)
-_PARAMS_FIELDS = ("max_tokens", "allowed_token_ids", "logprobs", "structured_outputs")
+_PARAMS_FIELDS = ("max_tokens", "allowed_token_ids", "logprobs", "structured_outputs", "logit_bias")
 
 
 def _value_error(e: Exception, fields: Sequence[str] = ()) -> APIError:

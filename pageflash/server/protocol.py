@@ -87,7 +87,7 @@ class _SamplingFields(_Strict):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    # Accepted so that setting them is a clear 400, not silently ignored.
+    # OpenAI's: {"token id": bias in [-100, 100]} (checked by SamplingParams, token ids against the vocabulary by the engine)
     logit_bias: dict[str, Any] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
     # earlier guided_* fields (at most one of them per request).
@@ -162,8 +162,6 @@ class _SamplingFields(_Strict):
             raise ValueError("stream_options can only be set when stream is true")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -172,7 +170,7 @@ class _SamplingFields(_Strict):
             "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens",
             "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
-            "allowed_token_ids", "bad_words", "prompt_logprobs",
+            "allowed_token_ids", "bad_words", "prompt_logprobs", "logit_bias",
         )  # fmt: skip
         kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self._structured is not None:
