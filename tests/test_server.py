@@ -756,6 +756,62 @@ def test_auto_tool_choice_with_the_hermes_parser(srv: Srv) -> None:
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 
+def _stream_events(base: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_reasoning_parsers_split_the_thought(srv: Srv) -> None:
+    """--reasoning-parser: the thought comes back as `reasoning` (and `reasoning_content`), the answer
+    as content, streamed and not, with every token's logprob once; include_reasoning false drops the
+    thought; auto tool calls are read from the content after it. A regex makes the 135M model think."""
+    body = {"messages": CHAT, "max_tokens": 40, "temperature": 0}
+    forced = {"guided_regex": r"<think>I should greet\.</think>Hello there!"}
+    with serve(build_app(srv.aeng, MODEL, reasoning_parser="qwen3", tool_call_parser="hermes")) as base:
+        def post(**kw: Any) -> Any:
+            return httpx.post(f"{base}/v1/chat/completions", json={**body, **kw}, timeout=120).json()
+
+        m = post(**forced)["choices"][0]["message"]
+        assert (m["reasoning"], m["reasoning_content"], m["content"]) == ("I should greet.",) * 2 + ("Hello there!",)
+        events = _stream_events(base, {**body, **forced, "logprobs": True})
+        deltas = [e["choices"][0] for e in events if e["choices"]]
+        assert "".join(d["delta"].get("reasoning") or "" for d in deltas) == "I should greet."
+        assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == "I should greet."
+        assert "".join(d["delta"].get("content") or "" for d in deltas) == "Hello there!"
+        assert not any("</think>" in (d["delta"].get("content") or "") + (d["delta"].get("reasoning") or "")
+                       for d in deltas)  # fmt: skip
+        n_lp = sum(len((d.get("logprobs") or {}).get("content") or []) for d in deltas)
+        assert n_lp == post(**forced)["usage"]["completion_tokens"]
+        hidden = post(**forced, include_reasoning=False)["choices"][0]["message"]
+        assert "reasoning" not in hidden and hidden["content"] == "Hello there!"
+        # qwen3: an output without <think> (the model's own free text) is all content
+        free = post()["choices"][0]["message"]
+        assert "reasoning" not in free and free["content"] == post()["choices"][0]["message"]["content"]
+        # auto tools: the calls are read from the content after the thought
+        call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+        tools = {"tools": [WEATHER, TIME], "guided_regex": "<think>Time\\?</think>" + re.escape(call), "max_tokens": 60}
+        c = post(**tools)["choices"][0]
+        assert c["message"]["reasoning"] == "Time?" and c["finish_reason"] == "tool_calls"
+        assert [t["function"]["name"] for t in c["message"]["tool_calls"]] == ["get_time"]
+        deltas = [e["choices"][0] for e in _stream_events(base, {**body, **tools}) if e["choices"]]
+        assert "".join(d["delta"].get("reasoning") or "" for d in deltas) == "Time?"
+        assert [t["function"]["name"] for d in deltas for t in d["delta"].get("tool_calls") or []] == ["get_time"]
+    with serve(build_app(srv.aeng, MODEL, reasoning_parser="deepseek_r1")) as base:
+        # deepseek_r1: the output is a thought until </think>; the model never closes one here
+        plain = srv.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+        assert r["reasoning"] == plain and r["content"] is None
+        deltas = [e["choices"][0] for e in _stream_events(base, body) if e["choices"]]
+        assert "".join(d["delta"].get("reasoning") or "" for d in deltas) == plain
+        # a constrained output is a thought only where it opens one: JSON stays content
+        j = httpx.post(f"{base}/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}},
+                       timeout=120).json()["choices"][0]["message"]  # fmt: skip
+        assert "reasoning" not in j and j["content"].startswith("{")
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        build_app(srv.aeng, MODEL, reasoning_parser="nope")
+    assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
+
+
 def test_continue_final_message_echo_and_template_kwargs(srv: Srv) -> None:
     """continue_final_message leaves the assistant's last message open and the reply continues it (the
     same tokens as a completion of the rendered text); echo puts that message in front of the reply,
@@ -933,6 +989,9 @@ def test_cors_flags() -> None:
     for bad in ("http://a.example", '"*"', "[1]"):
         with pytest.raises(SystemExit):
             p.parse_args(["--allowed-origins", bad])
+    assert p.parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--reasoning-parser", "nope"])
 
 
 # --------------------------------------------------------------------------- disconnects

@@ -42,6 +42,7 @@ from pageflash.engine.async_engine import AsyncLLMEngine, EngineError, RequestSt
 from pageflash.engine.detokenizer import IncrementalDetokenizer, stop_holdback
 from pageflash.server import protocol as P
 from pageflash.server.metrics import CONTENT_TYPE_LATEST, RequestTimer, ServerMetrics
+from pageflash.server.reasoning_parsers import REASONING_PARSERS
 from pageflash.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pageflash.server")
@@ -450,6 +451,7 @@ class OpenAIServing:
         self.chat_template = chat_template  # replaces the tokenizer's (--chat-template)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser: Any = None  # set by build_app (--enable-auto-tool-choice --tool-call-parser)
+        self.reasoning_parser: Any = None  # set by build_app (--reasoning-parser)
         self.metrics = ServerMetrics(engine, model_names[0])
         self.tokenizer = TokenizerWorker(engine)
         self.token_bytes = TokenBytes(engine.tokenizer)
@@ -783,6 +785,7 @@ class OpenAIServing:
                                 '--enable-auto-tool-choice --tool-call-parser NAME; or send tool_choice "required", '
                                 'a named function, or "none"', param="tool_choice")  # fmt: skip
         echo = "" if req.calls_tools else req.echo_prefix
+        rendered: list[str] = []
 
         def render(tok: Any) -> list[int]:
             if tok is None:
@@ -791,6 +794,7 @@ class OpenAIServing:
                                            add_generation_prompt=req.add_generation_prompt,
                                            continue_final_message=bool(req.continue_final_message), tokenize=False,
                                            **(req.chat_template_kwargs or {}))  # fmt: skip
+            rendered.append(text)
             # The template writes its own special tokens (BOS etc.): do not add them twice.
             return list(tok.encode(text, add_special_tokens=False))
 
@@ -815,8 +819,18 @@ class OpenAIServing:
         created = int(time.time())
 
         tools = _ToolCalls(req, self.tool_parser) if req.calls_tools else None
+        # The thought is split off free text (and text that may hold auto tool calls). Named / required
+        # tools are JSON from the first token. Under structured outputs the constraint starts at the first
+        # token too, so the output holds a thought only where it opens one with <think> itself.
+        thinking = None
+        if self.reasoning_parser is not None and req.calls_tools in (None, "auto"):
+            opened = params.structured_outputs is None and self.reasoning_parser.starts_in_thought(rendered[-1])
+            thinking = _Reasoning(self.reasoning_parser, opened, req.include_reasoning)
 
         def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any, _offs: Any) -> P.ChatStreamChoice | None:
+            if thinking is not None and req.stream:
+                return thinking.stream_delta(ch, ids, lps, lambda i, l: self.chat_logprobs(i, l, k) if req.logprobs else None,
+                                             tools)  # fmt: skip
             if tools is not None and req.stream:
                 return tools.stream_delta(ch, delta, ids, lps, lambda i, l: self.chat_logprobs(i, l, k) if req.logprobs else None)
             lp = self.chat_logprobs(ids, lps, k) if req.logprobs else None
@@ -859,6 +873,8 @@ class OpenAIServing:
                 if prev.logprobs is not None and c.logprobs is not None:
                     prev.logprobs.content = [*(prev.logprobs.content or []), *(c.logprobs.content or [])]
             for c in merged.values():
+                if thinking is not None:
+                    thinking.finish_message(c)
                 if tools is not None:
                     tools.finish_message(c)
                 elif echo:
@@ -889,6 +905,25 @@ def _tool_calls(calls: list[tuple[str, str]]) -> list[P.ToolCall]:
             for name, args in calls]  # fmt: skip
 
 
+class _Held:
+    """Tokens (and logprobs) of streamed choices that no chunk has carried yet: they go with the
+    choice's next chunk."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, tuple[list[int], list[Any] | None]] = {}
+
+    def hold(self, index: int, ids: list[int], lps: Any) -> None:
+        held_ids, held_lps = self.held.setdefault(index, ([], [] if lps is not None else None))
+        held_ids += ids
+        if held_lps is not None and lps is not None:
+            held_lps += lps
+
+    def release(self, index: int, logprobs: Callable[[list[int], Any], Any]) -> Any:
+        """The held tokens' logprobs for the chunk going out now; nothing is held after."""
+        held_ids, held_lps = self.held.pop(index, ([], None))
+        return logprobs(held_ids, held_lps)
+
+
 class _ToolCalls:
     """A chat request whose tool_choice calls tools, answered as tool_calls, as vLLM does.
 
@@ -903,7 +938,7 @@ class _ToolCalls:
         self.mode = req.calls_tools
         self.name = req.tool_choice_name
         self.parser = parser  # auto: the server's tool-call parser (tool_parsers.py)
-        self.held: dict[int, tuple[list[int], list[Any] | None]] = {}  # streamed: ids, logprobs not yet sent
+        self.held = _Held()  # streamed: ids, logprobs not yet sent
         self.content_sent: dict[int, int] = {}  # auto, streamed: characters sent as content
 
     def parse(self, text: str) -> list[tuple[str, str]] | None:
@@ -918,9 +953,12 @@ class _ToolCalls:
         return [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in calls]
 
     def stream_delta(self, ch: _Choice, delta: str, ids: list[int], lps: Any,
-                     logprobs: Callable[[list[int], Any], Any]) -> P.ChatStreamChoice | None:
+                     logprobs: Callable[[list[int], Any], Any], text: str | None = None) -> P.ChatStreamChoice | None:
+        """The chunk for a choice's new tokens, or None while they are held. text: the choice's text
+        to read calls from (auto; default ch.text, the output so far; the content after the thought
+        with a reasoning parser)."""
         if self.mode == "auto":
-            return self._auto_delta(ch, ids, lps, logprobs)
+            return self._auto_delta(ch, ids, lps, logprobs, ch.text if text is None else text)
         if self.mode == "named":
             call: dict[str, Any] = {"index": 0, "function": {"arguments": delta}}
             if not ch.started:
@@ -928,11 +966,11 @@ class _ToolCalls:
                         "function": {"name": self.name, "arguments": delta}}  # fmt: skip
             return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(tool_calls=[call]), logprobs=logprobs(ids, lps),
                                       finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
-        self._hold(ch.index, ids, lps)
+        self.held.hold(ch.index, ids, lps)
         if ch.finish_reason is None:
             return None
         calls = self.parse(ch.text)
-        lp = self._release(ch.index, logprobs)
+        lp = self.held.release(ch.index, logprobs)
         if calls is None:
             return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(content=ch.text), logprobs=lp,
                                       finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
@@ -940,24 +978,11 @@ class _ToolCalls:
         return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(tool_calls=_call_deltas(calls)), logprobs=lp,
                                   finish_reason=reason, stop_reason=ch.stop_reason)  # fmt: skip
 
-    def _hold(self, index: int, ids: list[int], lps: Any) -> None:
-        """Keep a choice's tokens (and logprobs) until its next chunk goes out."""
-        held_ids, held_lps = self.held.setdefault(index, ([], [] if lps is not None else None))
-        held_ids += ids
-        if held_lps is not None and lps is not None:
-            held_lps += lps
-
-    def _release(self, index: int, logprobs: Callable[[list[int], Any], Any]) -> Any:
-        """The held tokens' logprobs for the chunk going out now; nothing is held after."""
-        held_ids, held_lps = self.held.pop(index, ([], None))
-        return logprobs(held_ids, held_lps)
-
-    def _auto_delta(self, ch: _Choice, ids: list[int], lps: Any,
-                    logprobs: Callable[[list[int], Any], Any]) -> P.ChatStreamChoice | None:
+    def _auto_delta(self, ch: _Choice, ids: list[int], lps: Any, logprobs: Callable[[list[int], Any], Any],
+                    text: str) -> P.ChatStreamChoice | None:
         """Auto: content is streamed up to where a call may start; once the choice ends, the calls
         found come in one delta (finish_reason "tool_calls"), or the held text as content."""
         sent = self.content_sent.get(ch.index, 0)
-        text = ch.text
         calls: list[tuple[str, str]] = []
         if ch.finish_reason is None:
             upto = self.parser.safe_prefix(text)
@@ -966,13 +991,13 @@ class _ToolCalls:
             upto = self.parser.safe_prefix(text) if calls else len(text)  # calls: the content before them
         delta = text[sent:max(sent, upto)]
         self.content_sent[ch.index] = max(sent, upto)
-        self._hold(ch.index, ids, lps)
+        self.held.hold(ch.index, ids, lps)
         if not delta and ch.finish_reason is None:
             return None  # nothing to say yet (tokens of a possible call): their logprobs wait too
         msg = P.DeltaMessage(content=delta or None, tool_calls=_call_deltas(calls) or None)
         if msg.content is None and msg.tool_calls is None:
             msg.content = ""
-        lp = self._release(ch.index, logprobs)
+        lp = self.held.release(ch.index, logprobs)
         reason = "tool_calls" if calls else ch.finish_reason
         return P.ChatStreamChoice(index=ch.index, delta=msg, logprobs=lp, finish_reason=reason,
                                   stop_reason=ch.stop_reason)  # fmt: skip
@@ -999,6 +1024,53 @@ class _ToolCalls:
         c.message.tool_calls = _tool_calls(calls)
 
 
+class _Reasoning:
+    """A chat request whose output a reasoning parser (reasoning_parsers.py) splits into the thought
+    (the message's `reasoning` and `reasoning_content`; left out with include_reasoning false) and
+    the content. Streamed, each chunk carries what the split settled since the last one; tokens of a
+    held-back tail (a possible </think>) send their logprobs with the next chunk. With tool_choice
+    auto, the content part is what the tool-call parser reads."""
+
+    def __init__(self, parser: Any, opened: bool, include: bool) -> None:
+        self.parser = parser
+        self.opened = opened  # the output starts inside a thought (see ThinkReasoningParser.split)
+        self.include = include
+        self.sent: dict[int, tuple[int, int]] = {}  # choice -> characters of reasoning, content sent
+        self.held = _Held()
+
+    def stream_delta(self, ch: _Choice, ids: list[int], lps: Any, logprobs: Callable[[list[int], Any], Any],
+                     tools: _ToolCalls | None) -> P.ChatStreamChoice | None:
+        split = self.parser.split(ch.text, ch.finish_reason is not None, self.opened)
+        reasoning, content = split.reasoning or "", split.content or ""
+        r_sent, c_sent = self.sent.get(ch.index, (0, 0))
+        thought = reasoning[r_sent:] if self.include else ""
+        self.sent[ch.index] = (len(reasoning), len(content))
+        if tools is not None:  # auto: the content goes through the tool-call parser (which holds its tokens)
+            out = tools.stream_delta(ch, "", ids, lps, logprobs, text=content)
+            if thought:
+                if out is None:
+                    out = P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage())
+                elif out.delta.content == "":
+                    out.delta.content = None
+                out.delta.reasoning = out.delta.reasoning_content = thought
+            return out
+        new = content[c_sent:]
+        self.held.hold(ch.index, ids, lps)
+        if not thought and not new and ch.finish_reason is None:
+            return None
+        msg = P.DeltaMessage(content=new or (None if thought else ""), reasoning=thought or None,
+                             reasoning_content=thought or None)  # fmt: skip
+        return P.ChatStreamChoice(index=ch.index, delta=msg, logprobs=self.held.release(ch.index, logprobs),
+                                  finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
+
+    def finish_message(self, c: P.ChatChoice) -> None:
+        """A whole (non-streamed) choice: its text split into thought and content."""
+        split = self.parser.split(c.message.content or "", True, self.opened)
+        c.message.content = split.content
+        if self.include and split.reasoning is not None:
+            c.message.reasoning = c.message.reasoning_content = split.reasoning
+
+
 async def _run_request(request: Request, work: Awaitable[Any]) -> Any:
     try:
         return await _until_disconnect(request, work)
@@ -1011,7 +1083,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins: Sequence[str] = ("*",),
               allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
               allow_credentials: bool = False, chat_template: str | None = None,
-              trust_request_chat_template: bool = False, tool_call_parser: str | None = None) -> FastAPI:  # fmt: skip
+              trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:  # fmt: skip
     """The FastAPI app serving `engine` under the given model name(s) (the first is the default).
 
     `api_key`: if set, /v1/* require `Authorization: Bearer <api_key>` (401 otherwise); /health and
@@ -1020,7 +1093,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     origin, no credentials). `chat_template`: a Jinja chat template used instead of the tokenizer's;
     `trust_request_chat_template`: let requests bring their own (`chat_template`), as vLLM's flag.
     `tool_call_parser`: the name of the parser (tool_parsers.TOOL_PARSERS) that reads tool calls out of
-    free text for tool_choice "auto"; None refuses "auto".
+    free text for tool_choice "auto"; None refuses "auto". `reasoning_parser`: the name of the parser
+    (reasoning_parsers.REASONING_PARSERS) that splits a thinking model's chat output into `reasoning`
+    and `content`; None returns the output as content.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
@@ -1030,6 +1105,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
         if tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
         serving.tool_parser = TOOL_PARSERS[tool_call_parser]()
+    if reasoning_parser is not None:
+        if reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
+        serving.reasoning_parser = REASONING_PARSERS[reasoning_parser]()
     metrics = serving.metrics
 
     @contextlib.asynccontextmanager
@@ -1143,6 +1222,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help='tool_choice "auto": read tool calls out of the output with --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format (with --enable-auto-tool-choice)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a thinking model's <think>...</think> off the chat content into `reasoning`")
     add_engine_args(p)
     return p
 
@@ -1207,7 +1288,8 @@ def main(argv: list[str] | None = None) -> int:
                     allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                     allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                     chat_template=template, trust_request_chat_template=args.trust_request_chat_template,
-                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    reasoning_parser=args.reasoning_parser)
     logger.info("serving %s as %s on http://%s:%d/v1", args.model, ", ".join(names), args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,

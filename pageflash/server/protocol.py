@@ -417,6 +417,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: Any = None  # not implemented: a 400 unless null / []
+    # vLLM's: with a --reasoning-parser, false leaves the reasoning out of the response
+    include_reasoning: StrictBool = True
 
     RESERVED_TEMPLATE_KWARGS: ClassVar[tuple[str, ...]] = (
         "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -568,6 +570,14 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # with a --reasoning-parser: the model's thought (vLLM's `reasoning`; `reasoning_content`, its
+    # earlier name, for the clients that read that); left out otherwise
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_reasoning(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k not in ("reasoning", "reasoning_content")}
 
 
 class ChatChoice(BaseModel):
@@ -592,6 +602,8 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # (and reasoning_content: the same text, see ChatResponseMessage)
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # {"index", "id"?, "type"?, "function": {"name"?, "arguments"}}
 
     @model_serializer(mode="wrap")
