@@ -11,7 +11,7 @@ import torch
 
 from pageflash.config import ModelConfig
 from pageflash.kernels.activation import silu_and_mul, silu_and_mul_ref
-from pageflash.kernels.rms_norm import rms_norm, rms_norm_fused_ref, rms_norm_ref
+from pageflash.kernels.rms_norm import qk_rms_norm_, qk_rms_norm_ref, rms_norm, rms_norm_fused_ref, rms_norm_ref
 from pageflash.kernels.rotary import apply_rotary, apply_rotary_ref
 from pageflash.layers import activation as activation_layer
 from pageflash.layers import norm as norm_layer
@@ -98,6 +98,28 @@ def test_rms_norm_fp32_weight_promotes():
     x, w = rnd(3, 80, dtype=torch.float16, g=g), rnd(80, dtype=torch.float32, g=g)
     out = rms_norm(x, w, 1e-5)
     assert out.dtype == torch.float32 and rel_err(out, rms_norm_ref(x, w, 1e-5)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 2, 16), (5, 8, 1, 32), (3, 2, 2, 24)])
+def test_qk_rms_norm_in_place(t, hq, hkv, d, dtype):
+    """Qwen3's per-head q / k norm in the QKV output, in place: q heads with q_weight, k heads with
+    k_weight, v untouched (bitwise), over strided rows too."""
+    g = torch.Generator().manual_seed(t * 100 + d)
+    width = (hq + 2 * hkv) * d
+    buf = rnd(t, width + 7, dtype=dtype, g=g, scale=3.0)  # rows strided: a wider buffer's first columns
+    qkv = buf[:, :width]
+    qw, kw = rnd(d, dtype=dtype, g=g, scale=0.3) + 1, rnd(d, dtype=dtype, g=g, scale=0.3) + 1
+    ref = qk_rms_norm_ref(qkv.clone(), qw, kw, 1e-6, hq, hkv, d)
+    tail = buf[:, width:].clone()
+    out = qk_rms_norm_(qkv, qw, kw, 1e-6, hq, hkv, d)
+    assert out.data_ptr() == qkv.data_ptr()
+    assert rel_err(qkv, ref) < TOL[dtype]
+    assert torch.equal(qkv[:, (hq + hkv) * d:], ref[:, (hq + hkv) * d:]) and torch.equal(buf[:, width:], tail)
+    with pytest.raises(ValueError, match="qkv must be"):
+        qk_rms_norm_(qkv[:, :-1], qw, kw, 1e-6, hq, hkv, d)
+    with pytest.raises(ValueError, match="k_weight"):
+        qk_rms_norm_(qkv, qw, kw[:-1], 1e-6, hq, hkv, d)
 
 
 def test_rms_norm_empty_and_bad_inputs():

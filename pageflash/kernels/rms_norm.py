@@ -30,7 +30,7 @@ from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.norm import rms_norm_ref
 
-__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_fused_ref"]
+__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_fused_ref", "qk_rms_norm_", "qk_rms_norm_ref"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 65536  # the whole row lives in registers
@@ -149,3 +149,69 @@ def rms_norm(
             num_warps=num_warps or _num_warps(block), enable_fp_fusion=False,
         )
     return out if residual is None else (out, residual_out)
+
+
+# ---- Qwen3's per-head q / k norm, in place in the QKV projection's output ----------------------------
+@triton.jit
+def _qk_norm_kernel(
+    X, QW, KW, stride_t, num_q_heads, inv_d, eps,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    """One program per (token, head) of the q and k heads: the head's vector is normed in place with
+    q_weight (heads < num_q_heads) or k_weight, with _rms_norm_kernel's arithmetic."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HEAD_DIM
+    ptr = X + t * stride_t + h * HEAD_DIM + cols
+    x = tl.load(ptr, mask=mask, other=0.0)
+    w = tl.where(h < num_q_heads, tl.load(QW + cols, mask=mask, other=0.0), tl.load(KW + cols, mask=mask, other=0.0))
+    xf = x.to(tl.float32)
+    ms = tl.sum(xf * xf, axis=0) * inv_d + eps
+    if LIBDEVICE:
+        rstd = libdevice.rsqrt(ms)
+    else:  # interpreter (no libdevice)
+        rstd = tl.math.rsqrt(ms)
+    xn = (xf * rstd).to(X.dtype.element_ty)
+    tl.store(ptr, (xn.to(tl.float32) * w.to(tl.float32)).to(X.dtype.element_ty), mask=mask)
+
+
+_qk_norm_kernel = fast_launch(_qk_norm_kernel)
+
+
+def qk_rms_norm_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                    num_q_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """A new [T, (Hq + 2 Hkv) * D] tensor: qkv with each q head normed by q_weight and each k head by
+    k_weight (rms_norm_ref over head_dim); v as it was."""
+    t = qkv.shape[0]
+    heads = qkv.reshape(t, num_q_heads + 2 * num_kv_heads, head_dim)
+    q = rms_norm_ref(heads[:, :num_q_heads], q_weight, eps)
+    k = rms_norm_ref(heads[:, num_q_heads:num_q_heads + num_kv_heads], k_weight, eps)
+    return torch.cat([q, k, heads[:, num_q_heads + num_kv_heads:]], dim=1).reshape(qkv.shape)
+
+
+def qk_rms_norm_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 num_q_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """In place: norm each q head of qkv [T, (Hq + 2 Hkv) * D] (rows may be strided, the rest
+    contiguous) with q_weight [D] and each k head with k_weight [D], in one launch (instead of two
+    copies out of the projection and two norms). The weights must have qkv's dtype (the product is
+    rounded once, in that dtype). Returns qkv. No host synchronisation (CUDA-graph safe)."""
+    if qkv.dim() != 2 or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qk_rms_norm_: qkv must be [T, {(num_q_heads + 2 * num_kv_heads) * head_dim}], "
+                         f"got {tuple(qkv.shape)}")
+    if qkv.dtype not in _DTYPES or qkv.stride(1) != 1:
+        raise ValueError(f"qk_rms_norm_: qkv must be float16/bfloat16/float32 and contiguous per row, "
+                         f"got {qkv.dtype} strides {qkv.stride()}")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (head_dim,) or w.stride(0) != 1 or w.dtype != qkv.dtype or w.device != qkv.device:
+            raise ValueError(f"qk_rms_norm_: {name} must be contiguous [{head_dim}] {qkv.dtype} on {qkv.device}, "
+                             f"got {tuple(w.shape)} {w.dtype} on {w.device}")
+    t = qkv.shape[0]
+    if t > 0:
+        block = next_pow2(head_dim)
+        _qk_norm_kernel[(t, num_q_heads + num_kv_heads)](
+            qkv, q_weight, k_weight, qkv.stride(0), num_q_heads, 1.0 / head_dim, eps,
+            HEAD_DIM=head_dim, BLOCK=block, LIBDEVICE=qkv.is_cuda, num_warps=1 if block <= 128 else 2,
+            enable_fp_fusion=False,
+        )
+    return qkv

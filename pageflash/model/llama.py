@@ -7,8 +7,9 @@ draft tokens share one forward.
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -32,6 +33,23 @@ class _Prefetching:
             self.prefetcher.fork(kind, w)
 
 
+@functools.lru_cache(maxsize=None)
+def _qk_norm_kernel() -> Optional[Callable]:
+    """kernels.rms_norm.qk_rms_norm_, imported on first use (None where triton is missing)."""
+    try:
+        from pageflash.kernels.rms_norm import qk_rms_norm_
+    except ImportError:
+        return None
+    return qk_rms_norm_
+
+
+def _fused_qk_norm(qkv: torch.Tensor, weight: torch.Tensor) -> Optional[Callable]:
+    """The in-place q/k norm kernel where it applies (CUDA, the weights in qkv's dtype), else None."""
+    if qkv.is_cuda and qkv.dim() == 2 and qkv.stride(-1) == 1 and weight.dtype == qkv.dtype:
+        return _qk_norm_kernel()
+    return None
+
+
 class LlamaAttention(_Prefetching, nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -53,12 +71,17 @@ class LlamaAttention(_Prefetching, nn.Module):
         plan: Any,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qkv = self.qkv_proj(x)
+        fused_qk_norm = _fused_qk_norm(qkv, self.q_norm.weight) if self.q_norm is not None else None
+        if fused_qk_norm is not None:  # one launch, in place, instead of two copies and two norms
+            fused_qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads,
+                          self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(qkv)
         self._prefetch("o", self.o_proj.weight)  # while attention runs
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and fused_qk_norm is None:
             q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         if getattr(backend, "fuses_rope", False) and rotary.fusable(q, k):

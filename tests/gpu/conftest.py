@@ -19,3 +19,16 @@ def poison_outputs(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+
+
+@pytest.fixture(autouse=True)
+def _free_cuda_memory():
+    """After each test: collect the engines it made (their CUDA graph pools and KV caches) and hand
+    the cached blocks back, so that a later engine in the same process sizes its pool from a clean
+    GPU rather than failing on memory the caching allocator still holds."""
+    yield
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

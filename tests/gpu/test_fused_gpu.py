@@ -85,6 +85,23 @@ def test_rms_norm_bf16(t, with_residual):
     assert ulps <= 2 and frac < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_qk_rms_norm_bf16_and_others(dtype):
+    """Qwen3's in-place per-head q / k norm (qwen3-8b heads) against the reference, v bitwise."""
+    from pageflash.kernels.rms_norm import qk_rms_norm_, qk_rms_norm_ref
+
+    hq, hkv, d = 32, 8, 128
+    for t in TOKENS:
+        torch.manual_seed(t)
+        qkv, qw, kw = rnd(t, (hq + 2 * hkv) * d, dtype=dtype, scale=2.0), rnd(d, dtype=dtype) + 1, rnd(d, dtype=dtype) + 1
+        ref = qk_rms_norm_ref(qkv, qw, kw, 1e-6, hq, hkv, d)
+        qk_rms_norm_(qkv, qw, kw, 1e-6, hq, hkv, d)
+        assert rel_err(qkv, ref) < TOL[dtype]
+        assert_bitwise(qkv[:, (hq + hkv) * d:], ref[:, (hq + hkv) * d:], "v")
+        frac, ulps = ulp_report(qkv, ref)
+        assert ulps <= 2 and frac < 1e-2, (t, frac, ulps)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_rms_norm_other_dtypes(dtype):
     x, w, r = rnd(300, H, dtype=dtype), rnd(H, dtype=dtype), rnd(300, H, dtype=dtype)
