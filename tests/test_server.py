@@ -756,6 +756,29 @@ def test_auto_tool_choice_with_the_hermes_parser(srv: Srv) -> None:
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 
+def test_return_tokens_as_token_ids(srv: Srv) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:ID" (the ids decode to the
+    text; top entries too; chat bytes stay the tokens' own), per request or server-wide."""
+    tok = srv.aeng.tokenizer
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True}
+    plain = srv.post("/v1/completions", body).json()["choices"][0]
+    c = srv.post("/v1/completions", {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    ids = [int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]]
+    assert all(t.startswith("token_id:") for t in c["logprobs"]["tokens"])
+    assert tok.decode(ids) == c["text"] == plain["text"]
+    assert c["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    assert all(k.startswith("token_id:") for top in c["logprobs"]["top_logprobs"] if top for k in top)
+    chat = {"messages": CHAT, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    ref = srv.post("/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    with serve(build_app(srv.aeng, MODEL, return_tokens_as_token_ids=True)) as base:
+        got = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]["logprobs"]["content"]
+    assert [tok.decode([int(e["token"].removeprefix("token_id:"))]) for e in got] == [e["token"] for e in ref]
+    assert [e["bytes"] for e in got] == [e["bytes"] for e in ref]
+    assert all(t["token"].startswith("token_id:") for e in got for t in e["top_logprobs"])
+    assert_error(srv.post("/v1/completions", {**body, "return_tokens_as_token_ids": "yes"}), 400,
+                 param="return_tokens_as_token_ids")
+
+
 def _stream_events(base: str, body: dict) -> list[dict]:
     with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]

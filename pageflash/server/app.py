@@ -452,6 +452,7 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser: Any = None  # set by build_app (--enable-auto-tool-choice --tool-call-parser)
         self.reasoning_parser: Any = None  # set by build_app (--reasoning-parser)
+        self.return_tokens_as_token_ids = False  # set by build_app (--return-tokens-as-token-ids)
         self.metrics = ServerMetrics(engine, model_names[0])
         self.tokenizer = TokenizerWorker(engine)
         self.token_bytes = TokenBytes(engine.tokenizer)
@@ -563,7 +564,10 @@ class OpenAIServing:
         return streams
 
     # ---- logprobs
-    def decoded(self, token_id: int, lp: Any) -> str:
+    def decoded(self, token_id: int, lp: Any, as_id: bool = False) -> str:
+        """A token's text for logprobs; as_id: "token_id:ID" (vLLM's return_tokens_as_token_ids)."""
+        if as_id:
+            return f"token_id:{token_id}"
         tok = getattr(lp, "decoded_token", None)
         if tok is not None:
             return tok
@@ -577,7 +581,8 @@ class OpenAIServing:
         return sorted((d or {}).items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
 
     def completion_logprobs(self, ch: _Choice, ids: list[int], lps: list[dict[int, Any]] | None,
-                            offsets: list[int] | None, sent: int, final: bool) -> P.CompletionLogprobs | None:  # fmt: skip
+                            offsets: list[int] | None, sent: int, final: bool,
+                            as_ids: bool = False) -> P.CompletionLogprobs | None:  # fmt: skip
         """The delta's tokens for the logprobs; offsets: where each one's text starts (the engine's
         CompletionOutput.text_offsets). sent: characters of generated text sent once this delta is
         (text held back for a possible stop string is not). A token whose text starts in the held-back
@@ -592,13 +597,13 @@ class OpenAIServing:
         for tid, d, off in pending:
             if not final and off >= sent:
                 break
-            self._add_token(out, tid, d, None, min(off, sent))
+            self._add_token(out, tid, d, None, min(off, sent), as_ids)
             done += 1
         del pending[:done]
         return out
 
     def prompt_logprob_part(self, ids: list[int], plp: list[Any] | None, first: str | None,
-                            offsets: list[int], k: int) -> P.CompletionLogprobs:  # fmt: skip
+                            offsets: list[int], k: int, as_ids: bool = False) -> P.CompletionLogprobs:  # fmt: skip
         """Completions logprobs of the echoed prompt: the first token (text `first`) has none (null),
         as in vLLM; offsets: where each token's text starts (`_prompt_offsets`); k: top entries kept."""
         out = P.CompletionLogprobs()
@@ -606,7 +611,7 @@ class OpenAIServing:
             d = plp[j] if plp is not None and j < len(plp) else None
             if d is not None:
                 d = {t: v for t, v in d.items() if t == tid or (v.rank is not None and v.rank <= k)}
-            self._add_token(out, tid, d, first if j == 0 else None, offsets[j])
+            self._add_token(out, tid, d, first if j == 0 and not as_ids else None, offsets[j], as_ids)
         return out
 
     def prompt_logprobs_field(self, plp: list[Any] | None, ids: list[int], k: int) -> P.PromptLogprobs | None:
@@ -624,17 +629,20 @@ class OpenAIServing:
         return out
 
     def _add_token(self, out: P.CompletionLogprobs, tid: int, d: dict[int, Any] | None, text: str | None,
-                   offset: int) -> None:  # fmt: skip
+                   offset: int, as_ids: bool = False) -> None:  # fmt: skip
         """One token of completions logprobs: its text (decoded unless given), logprob, top ones and
         offset; no logprobs (null) when d is None (an echoed prompt's first token)."""
         lp = (d or {}).get(tid)
-        out.tokens.append(text if text is not None else self.decoded(tid, lp))
+        out.tokens.append(text if text is not None else self.decoded(tid, lp, as_ids))
         out.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
-        top = {self.decoded(t, v): _clamp(v.logprob) for t, v in self._ranked(d)} if d is not None else None
+        top = {self.decoded(t, v, as_ids): _clamp(v.logprob) for t, v in self._ranked(d)} if d is not None else None
         out.top_logprobs.append(top or None)
         out.text_offset.append(offset)
 
-    def chat_logprobs(self, ids: list[int], lps: list[dict[int, Any]] | None, k: int) -> P.ChatLogprobs | None:
+    def chat_logprobs(self, ids: list[int], lps: list[dict[int, Any]] | None, k: int,
+                      as_ids: bool = False) -> P.ChatLogprobs | None:  # fmt: skip
+        """as_ids: tokens as "token_id:ID" (bytes stay the token's own, so joining them still rebuilds
+        the text)."""
         if lps is None:
             return None
         content = []
@@ -644,8 +652,10 @@ class OpenAIServing:
             top = []
             for t, v in [(t, v) for t, v in self._ranked(d) if v.rank is not None][:k]:
                 s = self.decoded(t, v)
-                top.append(P.ChatTopLogprob(token=s, logprob=_clamp(v.logprob), bytes=self.token_bytes(t, s)))
-            content.append(P.ChatTokenLogprob(token=tok, logprob=_clamp(lp.logprob) if lp is not None else LOGPROB_FLOOR,
+                top.append(P.ChatTopLogprob(token=self.decoded(t, v, as_ids), logprob=_clamp(v.logprob),
+                                            bytes=self.token_bytes(t, s)))  # fmt: skip
+            content.append(P.ChatTokenLogprob(token=self.decoded(tid, lp, as_ids),
+                                              logprob=_clamp(lp.logprob) if lp is not None else LOGPROB_FLOOR,
                                               bytes=self.token_bytes(tid, tok), top_logprobs=top))  # fmt: skip
         return P.ChatLogprobs(content=content)
 
@@ -707,19 +717,22 @@ class OpenAIServing:
         gen.echo_only = echo_only
         created = int(time.time())
 
+        as_ids = bool(req.return_tokens_as_token_ids or self.return_tokens_as_token_ids)
+
         def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any, offs: Any) -> P.CompletionChoice:
             if echo_only:  # the prompt alone: the generated token is dropped
                 delta, ids, lps, offs = "", [], ([] if lps is not None else None), []
             lp = None
             if req.logprobs is not None:
-                lp = self.completion_logprobs(ch, ids, lps, offs, ch.text_len + len(delta), ch.finish_reason is not None)
+                lp = self.completion_logprobs(ch, ids, lps, offs, ch.text_len + len(delta), ch.finish_reason is not None,
+                                              as_ids)  # fmt: skip
             if req.echo and lp is not None:  # generated text follows the echoed prompt's
                 lp.text_offset = [o + len(echo[ch.prompt_idx]) for o in lp.text_offset]
             if req.echo and not ch.started:
                 if lp is not None:  # the prompt's tokens come first
                     i = ch.prompt_idx
                     head = self.prompt_logprob_part(gen.prompt_ids[i], gen.prompt_logprobs[i], first_tokens[i],
-                                                    prompt_offsets[i], req.logprobs)  # fmt: skip
+                                                    prompt_offsets[i], req.logprobs, as_ids)  # fmt: skip
                     lp = P.CompletionLogprobs(
                         tokens=head.tokens + lp.tokens, token_logprobs=head.token_logprobs + lp.token_logprobs,
                         top_logprobs=head.top_logprobs + lp.top_logprobs, text_offset=head.text_offset + lp.text_offset)
@@ -827,13 +840,17 @@ class OpenAIServing:
             opened = params.structured_outputs is None and self.reasoning_parser.starts_in_thought(rendered[-1])
             thinking = _Reasoning(self.reasoning_parser, opened, req.include_reasoning)
 
+        as_ids = bool(req.return_tokens_as_token_ids or self.return_tokens_as_token_ids)
+
+        def chat_lps(ids: list[int], lps: Any) -> P.ChatLogprobs | None:
+            return self.chat_logprobs(ids, lps, k, as_ids) if req.logprobs else None
+
         def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any, _offs: Any) -> P.ChatStreamChoice | None:
             if thinking is not None and req.stream:
-                return thinking.stream_delta(ch, ids, lps, lambda i, l: self.chat_logprobs(i, l, k) if req.logprobs else None,
-                                             tools)  # fmt: skip
+                return thinking.stream_delta(ch, ids, lps, chat_lps, tools)
             if tools is not None and req.stream:
-                return tools.stream_delta(ch, delta, ids, lps, lambda i, l: self.chat_logprobs(i, l, k) if req.logprobs else None)
-            lp = self.chat_logprobs(ids, lps, k) if req.logprobs else None
+                return tools.stream_delta(ch, delta, ids, lps, chat_lps)
+            lp = chat_lps(ids, lps)
             return P.ChatStreamChoice(index=ch.index, delta=P.DeltaMessage(content=delta), logprobs=lp,
                                       finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)  # fmt: skip
 
@@ -1084,7 +1101,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
               allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
               allow_credentials: bool = False, chat_template: str | None = None,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:  # fmt: skip
+              reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False) -> FastAPI:  # fmt: skip
     """The FastAPI app serving `engine` under the given model name(s) (the first is the default).
 
     `api_key`: if set, /v1/* require `Authorization: Bearer <api_key>` (401 otherwise); /health and
@@ -1095,7 +1112,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     `tool_call_parser`: the name of the parser (tool_parsers.TOOL_PARSERS) that reads tool calls out of
     free text for tool_choice "auto"; None refuses "auto". `reasoning_parser`: the name of the parser
     (reasoning_parsers.REASONING_PARSERS) that splits a thinking model's chat output into `reasoning`
-    and `content`; None returns the output as content.
+    and `content`; None returns the output as content. `return_tokens_as_token_ids`: logprobs name
+    tokens "token_id:ID" for every request (a request can ask for it alone).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
@@ -1109,6 +1127,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
         if reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
         serving.reasoning_parser = REASONING_PARSERS[reasoning_parser]()
+    serving.return_tokens_as_token_ids = return_tokens_as_token_ids
     metrics = serving.metrics
 
     @contextlib.asynccontextmanager
@@ -1222,6 +1241,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help='tool_choice "auto": read tool calls out of the output with --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format (with --enable-auto-tool-choice)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name each token "token_id:ID" (for tokens that are not valid text alone)')
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a thinking model's <think>...</think> off the chat content into `reasoning`")
     add_engine_args(p)
@@ -1289,7 +1310,8 @@ def main(argv: list[str] | None = None) -> int:
                     allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                     chat_template=template, trust_request_chat_template=args.trust_request_chat_template,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     logger.info("serving %s as %s on http://%s:%d/v1", args.model, ", ".join(names), args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,

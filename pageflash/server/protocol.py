@@ -109,10 +109,10 @@ class _SamplingFields(_Strict):
     # for one (anything but null / false) is a 400 naming it, not a silently different result.
     logits_processors: Any = None
     use_beam_search: Any = None
-    return_tokens_as_token_ids: Any = None
+    # vLLM's: logprobs name each token "token_id:ID" (tokens that are not valid text alone stay apart)
+    return_tokens_as_token_ids: StrictBool | None = None
 
-    @field_validator("guided_whitespace_pattern",
-                     "logits_processors", "use_beam_search", "return_tokens_as_token_ids")
+    @field_validator("guided_whitespace_pattern", "logits_processors", "use_beam_search")
     @classmethod
     def _not_implemented(cls, v: Any) -> Any:
         return _unless_asked(v)
