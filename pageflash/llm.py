@@ -152,6 +152,16 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: Any,
+                    use_tqdm: bool = False) -> list:  # fmt: skip
+        """vLLM's beam search (pageflash.beam_search): params a BeamSearchParams; one BeamSearchOutput
+        (its .sequences, best first) per prompt."""
+        from pageflash.beam_search import beam_search
+
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
+            prompts = [prompts]
+        return beam_search(self, list(prompts), params, use_tqdm)
+
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         eng = self.llm_engine
         ids = []

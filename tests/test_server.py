@@ -389,6 +389,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format", ("json_schema.schema",)),
     ({"prompt": "hi", "response_format": {"type": "structural_tag"}}, None, ("structural_tag",)),
     ({"prompt": "hi", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", ("not supported",)),
+    ({"prompt": "hi", "use_beam_search": True, "n": 2}, "use_beam_search", ("LLM.beam_search",)),
     # vLLM extras that would change the result: refused by name, never silently ignored
     ({"prompt": "hi", "allowed_token_ids": [1, "x"]}, "allowed_token_ids[1]", ()),
     ({"prompt": "hi", "allowed_token_ids": [10**9]}, "allowed_token_ids", ("outside the vocabulary",)),

@@ -112,10 +112,18 @@ class _SamplingFields(_Strict):
     # vLLM's: logprobs name each token "token_id:ID" (tokens that are not valid text alone stay apart)
     return_tokens_as_token_ids: StrictBool | None = None
 
-    @field_validator("guided_whitespace_pattern", "logits_processors", "use_beam_search")
+    @field_validator("guided_whitespace_pattern", "logits_processors")
     @classmethod
     def _not_implemented(cls, v: Any) -> Any:
         return _unless_asked(v)
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _beam_search_offline(cls, v: Any) -> Any:
+        if v is None or v is False:
+            return v
+        raise ValueError("beam search is not served over HTTP by this server; it runs offline "
+                         "(LLM.beam_search with BeamSearchParams)")
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "_SamplingFields":

@@ -1,0 +1,164 @@
+"""Beam search over the engine (vLLM's ``LLM.beam_search``): keep the beam_width most likely
+continuations of each prompt, one token at a time.
+
+Each round hands every live beam to the engine as a prompt (its tokens so far) for one token with the
+top 2 x beam_width log-probabilities; a beam's blocks are found again through the prefix cache, so a
+round computes only the tail of each beam past its last full block. Every candidate ending with EOS
+is set aside as finished; of the others, the beam_width with the largest cumulative log-probability
+live on. At the end the
+finished and the live beams are ranked by ``cum_logprob / len(tokens) ** length_penalty`` (the prompt
+counted, a final EOS not, as vLLM) and the best beam_width returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from pageflash.sampling_params import MAX_LOGPROBS, SamplingParams, _check_bool, _check_float, _check_int
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pageflash.llm import LLM
+
+__all__ = ["BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput", "beam_search"]
+
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each round reads the top 2 x beam_width logprobs
+
+
+@dataclass
+class BeamSearchParams:
+    """beam_width: beams kept per prompt (1..10; each round reads the top 2 x beam_width tokens).
+    max_tokens: most tokens generated per beam (also capped by the context).
+    ignore_eos: keep extending beams past EOS instead of finishing them.
+    temperature: must be 0: beams are ranked by the model's own log-probabilities (vLLM accepts other
+        values and ignores them).
+    length_penalty: the exponent of the length the final scores are divided by (1.0: per-token mean;
+        0.0: the plain sum, which favours short beams).
+    include_stop_str_in_output: accepted for vLLM's signature; an EOS ends a beam and, like every
+        special token, is left out of the text."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width)
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if _check_float("temperature", self.temperature) != 0.0:
+            raise ValueError("beam search ranks beams by the model's log-probabilities: temperature must be 0 "
+                             f"(got {self.temperature}); use SamplingParams(n=...) to sample")
+        self.length_penalty = _check_float("length_penalty", self.length_penalty)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: tokens (the prompt's, then the generated ones, as vLLM), cum_logprob (the sum of the
+    generated tokens' log-probabilities), logprobs (per generated token: {token id: log-probability}
+    of the candidates that round read), text (the whole sequence decoded, special tokens skipped, as
+    vLLM's; ``output_text`` is the generated part alone), finish_reason ("stop": EOS; "length")."""
+
+    tokens: list[int]
+    cum_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    text: Optional[str] = None
+    output_text: Optional[str] = None
+    finish_reason: Optional[str] = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def score(seq: BeamSearchSequence, eos: frozenset, length_penalty: float) -> float:
+    """vLLM's length-normalized score: cum_logprob / len ** length_penalty, a final EOS not counted."""
+    n = len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos else 0)
+    return seq.cum_logprob / max(n, 1) ** length_penalty
+
+
+def beam_search(llm: "LLM", prompts: Sequence[Any], params: BeamSearchParams,
+                use_tqdm: bool = False) -> list[BeamSearchOutput]:  # fmt: skip
+    """Beam search for each prompt (as LLM.generate takes them); one BeamSearchOutput per prompt."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    eng = llm.llm_engine
+    eos = frozenset() if params.ignore_eos else eng.eos_token_ids
+    width = params.beam_width
+    if 2 * width > eng.vocab_size:
+        raise ValueError(f"beam_width={width} needs 2 x {width} candidates per round, more than the vocabulary "
+                         f"of {eng.vocab_size}")
+    step = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2 * width, skip_special_tokens=True)
+    live: list[list[BeamSearchSequence]] = []
+    for i, p in enumerate(prompts):
+        try:
+            _, ids = eng.tokenize_prompt(p)
+            eng.validate_request(ids, step)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"prompt {i}: {e}") from e
+        live.append([BeamSearchSequence(tokens=list(ids), num_prompt_tokens=len(ids))])
+    done: list[list[BeamSearchSequence]] = [[] for _ in live]
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True)
+    try:
+        for _ in range(params.max_tokens):
+            flat = [(i, b) for i, beams in enumerate(live) for b in beams]
+            if not flat:
+                break
+            outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in flat], step, use_tqdm=False)
+            cands: list[list[BeamSearchSequence]] = [[] for _ in live]
+            for (i, beam), out in zip(flat, outs):
+                top = out.outputs[0].logprobs[0]
+                for tok, lp in sorted(top.items(), key=lambda kv: -kv[1].logprob)[: 2 * width]:
+                    cands[i].append(BeamSearchSequence(
+                        tokens=beam.tokens + [tok], cum_logprob=beam.cum_logprob + lp.logprob,
+                        logprobs=beam.logprobs + [{t: v.logprob for t, v in top.items()}],
+                        num_prompt_tokens=beam.num_prompt_tokens))  # fmt: skip
+            for i, cs in enumerate(cands):
+                for c in cs:
+                    if c.tokens[-1] in eos:  # every candidate ending with EOS is a finished beam (as vLLM)
+                        c.finish_reason = "stop"
+                        done[i].append(c)
+                rest = sorted((c for c in cs if c.finish_reason is None), key=lambda c: -c.cum_logprob)[:width]
+                live[i] = []
+                for c in rest:  # (sorted is stable: ties keep the engine's order)
+                    if len(c.tokens) >= eng.max_model_len:  # no room for another token
+                        c.finish_reason = "length"
+                        done[i].append(c)
+                    else:
+                        live[i].append(c)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    tok = eng.tokenizer
+    results = []
+    for i, beams in enumerate(live):
+        for b in beams:
+            b.finish_reason = b.finish_reason or "length"
+        ranked = sorted(done[i] + beams, key=lambda s: -score(s, eos, params.length_penalty))[:width]
+        for s in ranked:
+            if tok is not None:
+                s.text = tok.decode(s.tokens, skip_special_tokens=True)
+                s.output_text = tok.decode(s.output_token_ids, skip_special_tokens=True)
+        results.append(BeamSearchOutput(sequences=ranked))
+    return results
