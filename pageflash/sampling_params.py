@@ -303,19 +303,21 @@ class SamplingParams:
         for key, value in bias.items():
             tok = key
             if isinstance(key, str):
-                try:
-                    tok = int(key.strip())
-                except ValueError:
-                    raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}") from None
+                # decimal ASCII digits only: int() would also take " 5", "+5", "1_0" and other scripts'
+                # digits, and two spellings of one id would silently merge
+                if not (key.isascii() and key.lstrip("-").isdigit() and key.count("-") <= 1):
+                    raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}")
+                tok = int(key)
             if isinstance(tok, bool) or not isinstance(tok, int):
                 raise TypeError(f"logit_bias keys must be token ids (integers), got {type(key).__name__} {key!r}")
             if tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
+            if tok in out:
+                raise ValueError(f"logit_bias names token id {tok} twice")
             v = _check_float(f"logit_bias[{key!r}]", value)
             if not -100.0 <= v <= 100.0:
                 raise ValueError(f"logit_bias[{key!r}] must be in [-100, 100], got {v}")
-            if v != 0.0:
-                out[tok] = v
+            out[tok] = v  # (zeros kept: their ids are still checked against the vocabulary)
         return out
 
     def truncate_prompt(self, ids: list[int]) -> list[int]:

@@ -309,8 +309,12 @@ def test_logit_bias_shifts_greedy_and_sampled_rows():
     assert out.logprobs[0, 0].item() == pytest.approx(raw[out.token_ids[0]].item(), abs=1e-5)
     small = build([SamplingParams(temperature=0.0, logit_bias={12: 100.0, 2: 100.0})], vocab)
     assert small.logit_bias[0].nonzero().flatten().tolist() == [2]
-    assert build([SamplingParams(temperature=0.0, logit_bias={4: 0.0})], vocab).logit_bias is None  # 0 = no bias
+    zero = build([SamplingParams(temperature=0.0, logit_bias={4: 0.0})], vocab)
+    assert not zero.logit_bias.any()  # a zero bias changes nothing (its id is still checked by the engine)
     for bad, err, match in (({"x": 1}, ValueError, "token ids"), ({5: 100.5}, ValueError, r"\[-100, 100\]"),
+                            ({" 5": 1}, ValueError, "token ids"), ({"+5": 1}, ValueError, "token ids"),
+                            ({"1_0": 1}, ValueError, "token ids"), ({"\u0661": 1}, ValueError, "token ids"),
+                            ({"5": 1, 5: 2}, ValueError, "twice"), ({"-": 1}, ValueError, "token ids"),
                             ({5: float("nan")}, ValueError, "NaN"), ({-1: 1.0}, ValueError, ">= 0"),
                             ({True: 1.0}, TypeError, "token ids"), ({5: "1"}, TypeError, "number"),
                             ([5], TypeError, "dict")):

@@ -367,6 +367,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias", ("token ids",)),
     ({"prompt": "hi", "logit_bias": {"5": "x"}}, "logit_bias", ("number",)),
     ({"prompt": "hi", "logit_bias": {"999999999": 1}}, "logit_bias", ("outside the vocabulary",)),
+    ({"prompt": "hi", "logit_bias": {"999999999": 0}}, "logit_bias", ("outside the vocabulary",)),
+    ({"prompt": "hi", "logit_bias": {"1_0": 1}}, "logit_bias", ("token ids",)),
     ({"prompt": "hi", "logit_bias": [5]}, "logit_bias", ()),
     ({"prompt": "hi", "suffix": "x"}, None, ("suffix",)),
     ({"prompt": "hi", "max_tokens": 400}, "max_tokens", ("400", str(MAX_MODEL_LEN))),
@@ -780,6 +782,29 @@ def test_return_tokens_as_token_ids(srv: Srv) -> None:
                  param="return_tokens_as_token_ids")
 
 
+def test_tokenize_and_detokenize(srv: Srv) -> None:
+    """vLLM's /tokenize (a prompt, or messages through the chat template: the very ids a chat request
+    runs on) and /detokenize; bad input is a 400 naming the field."""
+    tok = srv.aeng.tokenizer
+    r = srv.post("/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode(PROMPT) and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_MODEL_LEN
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    assert srv.post("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"] == tok.encode(
+        PROMPT, add_special_tokens=False)
+    chat = srv.post("/tokenize", {"messages": CHAT}).json()
+    text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tok.encode(text, add_special_tokens=False) and chat["token_strs"] is None
+    usage = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == chat["count"]  # what a chat request counts
+    assert srv.post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == tok.decode(r["tokens"])
+    assert_error(srv.post("/tokenize", {"prompt": "x", "messages": CHAT}), 400, contains=("exactly one",))
+    assert_error(srv.post("/tokenize", {}), 400, contains=("exactly one",))
+    assert_error(srv.post("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}), 400, param="messages[0]")
+    assert_error(srv.post("/tokenize", {"prompt": "x", "model": "gpt-4"}), 404, param="model")
+    assert_error(srv.post("/detokenize", {"tokens": [1, 10**9]}), 400, param="tokens", contains=("outside",))
+    assert_error(srv.post("/detokenize", {"tokens": "abc"}), 400, param="tokens")
+
+
 def _stream_events(base: str, body: dict) -> list[dict]:
     with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
@@ -806,6 +831,20 @@ def test_reasoning_parsers_split_the_thought(srv: Srv) -> None:
                        for d in deltas)  # fmt: skip
         n_lp = sum(len((d.get("logprobs") or {}).get("content") or []) for d in deltas)
         assert n_lp == post(**forced)["usage"]["completion_tokens"]
+        # a stop string's held-back tail is not split off early: streamed == whole, for both fields
+        for stop in (["should gX", "should g"], ["thereX", "there"]):
+            whole = post(**forced, stop=stop)["choices"][0]["message"]
+            ds = [e["choices"][0]["delta"] for e in _stream_events(base, {**body, **forced, "stop": stop}) if e["choices"]]
+            assert "".join(d.get("reasoning") or "" for d in ds) == (whole.get("reasoning") or "")
+            assert "".join(d.get("content") or "" for d in ds) == (whole["content"] or ""), stop
+        # echo of an open assistant message that starts a thought: the echoed part is split too
+        cont = {"messages": [*CHAT, {"role": "assistant", "content": "<think>I"}], "add_generation_prompt": False,
+                "continue_final_message": True, "echo": True, "max_tokens": 12, "temperature": 0}
+        e = httpx.post(f"{base}/v1/chat/completions", json=cont, timeout=120).json()["choices"][0]["message"]
+        assert e["reasoning"].startswith("I") and "<think>" not in (e["content"] or "") + e["reasoning"]
+        ds = [x["choices"][0]["delta"] for x in _stream_events(base, cont) if x["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in ds) == e["reasoning"]
+        assert ("".join(d.get("content") or "" for d in ds) or None) == e["content"]
         hidden = post(**forced, include_reasoning=False)["choices"][0]["message"]
         assert "reasoning" not in hidden and hidden["content"] == "Hello there!"
         # qwen3: an output without <think> (the model's own free text) is all content
@@ -819,6 +858,12 @@ def test_reasoning_parsers_split_the_thought(srv: Srv) -> None:
         assert [t["function"]["name"] for t in c["message"]["tool_calls"]] == ["get_time"]
         deltas = [e["choices"][0] for e in _stream_events(base, {**body, **tools}) if e["choices"]]
         assert "".join(d["delta"].get("reasoning") or "" for d in deltas) == "Time?"
+        # auto tools with a stop string: streamed content == whole content
+        cut = {"tools": [WEATHER, TIME], "guided_regex": "Well, well, I should greet\\. Hello there!",
+               "stop": ["should gX", "should g"]}
+        whole = post(**cut)["choices"][0]["message"]["content"]
+        ds = [e["choices"][0]["delta"] for e in _stream_events(base, {**body, **cut}) if e["choices"]]
+        assert "".join(d.get("content") or "" for d in ds) == whole == "Well, well, I "
         assert [t["function"]["name"] for d in deltas for t in d["delta"].get("tool_calls") or []] == ["get_time"]
     with serve(build_app(srv.aeng, MODEL, reasoning_parser="deepseek_r1")) as base:
         # deepseek_r1: the output is a thought until </think>; the model never closes one here

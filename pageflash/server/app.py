@@ -215,7 +215,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_generated: int = 0
-    text: str = ""  # the latest cumulative text (the final one at the end)
+    text: str = ""  # the cumulative text that may be sent so far (the final text at the end)
 
 
 def _clamp(x: float) -> float:
@@ -360,7 +360,6 @@ class _Generation:
                     if ch.finish_reason is not None:
                         continue
                     ch.num_generated = len(comp.token_ids)
-                    ch.text = comp.text
                     if comp.finish_reason is not None:
                         ch.finish_reason, ch.stop_reason = comp.finish_reason, comp.stop_reason
                         sendable = len(comp.text)
@@ -368,6 +367,8 @@ class _Generation:
                         sendable = len(comp.text) - self.holdback
                         if sendable <= ch.text_len:
                             continue
+                    # what may be sent: a held-back tail (a possible stop string) is not the choice's text yet
+                    ch.text = comp.text[:sendable]
                     delta = comp.text[ch.text_len : sendable]
                     new_ids = list(comp.token_ids[ch.num_tokens :])
                     new_lps = list(comp.logprobs[ch.num_tokens :]) if comp.logprobs is not None else None
@@ -659,6 +660,68 @@ class OpenAIServing:
                                               bytes=self.token_bytes(tid, tok), top_logprobs=top))  # fmt: skip
         return P.ChatLogprobs(content=content)
 
+    async def render_chat(self, req: P.ChatCompletionRequest, add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        """The chat prompt's text and token ids (on the worker thread): the messages, tools and
+        template options through the chat template (checked against the server's trust first)."""
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request needs a server started with --trust-request-chat-template",
+                           param="chat_template")  # fmt: skip
+        template = req.chat_template if req.chat_template is not None else self.chat_template
+        messages = req.template_messages()
+
+        def render(tok: Any) -> tuple[str, list[int]]:
+            if tok is None:
+                raise ValueError("this model has no tokenizer (dummy weights)")
+            text = tok.apply_chat_template(messages, tools=req.template_tools(), chat_template=template,
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=bool(req.continue_final_message), tokenize=False,
+                                           **(req.chat_template_kwargs or {}))  # fmt: skip
+            # The template writes its own special tokens (BOS etc.): do not add them twice.
+            return text, list(tok.encode(text, add_special_tokens=add_special_tokens))
+
+        return await self.tokenizer.run(render, "Cannot apply the chat template", "messages")
+
+    # ---- /tokenize, /detokenize (vLLM's)
+    async def tokenize(self, request: Request) -> Response:
+        body = await self.read_json(request, P.TokenizeRequest)
+        self.response_model_name(body.model)
+        if body.messages is not None:
+            try:
+                chat = P.ChatCompletionRequest.model_validate(body.chat_fields())
+            except pydantic.ValidationError as e:
+                raise _validation_error(e) from None
+            _, ids = await self.render_chat(chat, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            def encode(tok: Any) -> list[int]:
+                if tok is None:
+                    raise ValueError("this model has no tokenizer (dummy weights)")
+                add = True if body.add_special_tokens is None else body.add_special_tokens
+                return list(tok.encode(body.prompt, add_special_tokens=add))
+
+            ids = await self.tokenizer.run(encode, "Cannot tokenize the prompt", "prompt")
+        strs = None
+        if body.return_token_strs:
+            strs = await self.tokenizer.run(lambda tok: [str(t) for t in tok.convert_ids_to_tokens(ids)],
+                                            "Cannot name the tokens", "prompt")  # fmt: skip
+        out = P.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
+        return Response(out.model_dump_json(), media_type="application/json")
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self.read_json(request, P.DetokenizeRequest)
+        self.response_model_name(body.model)
+        vocab = self.vocab_size
+        bad = next((t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+
+        def decode(tok: Any) -> str:
+            if tok is None:
+                raise ValueError("this model has no tokenizer (dummy weights)")
+            return tok.decode(body.tokens)
+
+        text = await self.tokenizer.run(decode, "Cannot decode the tokens", "tokens")
+        return Response(P.DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
+
     # ---- /v1/completions
     async def completions(self, request: Request) -> Response:
         req: P.CompletionRequest = await self.read_json(request, P.CompletionRequest)
@@ -787,31 +850,12 @@ class OpenAIServing:
         model = self.response_model_name(req.model)
         if req.n > MAX_CHOICES:
             raise APIError(400, f"n = {req.n} is over the limit of {MAX_CHOICES}", param="n")
-        messages = req.template_messages()
-        if req.chat_template is not None and not self.trust_request_chat_template:
-            raise APIError(400, "chat_template in a request needs a server started with --trust-request-chat-template",
-                           param="chat_template")  # fmt: skip
-        if req.chat_template is None and self.chat_template is not None:
-            req.chat_template = self.chat_template
         if req.calls_tools == "auto" and self.tool_parser is None:
             raise APIError(400, 'tool_choice "auto" (the default with tools) needs a server started with '
                                 '--enable-auto-tool-choice --tool-call-parser NAME; or send tool_choice "required", '
                                 'a named function, or "none"', param="tool_choice")  # fmt: skip
         echo = "" if req.calls_tools else req.echo_prefix
-        rendered: list[str] = []
-
-        def render(tok: Any) -> list[int]:
-            if tok is None:
-                raise ValueError("this model has no tokenizer (dummy weights)")
-            text = tok.apply_chat_template(messages, tools=req.template_tools(), chat_template=req.chat_template,
-                                           add_generation_prompt=req.add_generation_prompt,
-                                           continue_final_message=bool(req.continue_final_message), tokenize=False,
-                                           **(req.chat_template_kwargs or {}))  # fmt: skip
-            rendered.append(text)
-            # The template writes its own special tokens (BOS etc.): do not add them twice.
-            return list(tok.encode(text, add_special_tokens=False))
-
-        prompt_ids = await self.tokenizer.run(render, "Cannot apply the chat template", "messages")
+        rendered, prompt_ids = await self.render_chat(req)
         if not prompt_ids:
             raise APIError(400, "messages: the chat template produced an empty prompt", param="messages")
         kw = req.sampling_kwargs()
@@ -835,10 +879,14 @@ class OpenAIServing:
         # The thought is split off free text (and text that may hold auto tool calls). Named / required
         # tools are JSON from the first token. Under structured outputs the constraint starts at the first
         # token too, so the output holds a thought only where it opens one with <think> itself.
+        # With echo, the echoed message (continue_final_message's open one, which the rendered prompt ends
+        # with) is the start of the text the parser splits.
         thinking = None
         if self.reasoning_parser is not None and req.calls_tools in (None, "auto"):
-            opened = params.structured_outputs is None and self.reasoning_parser.starts_in_thought(rendered[-1])
-            thinking = _Reasoning(self.reasoning_parser, opened, req.include_reasoning)
+            before = rendered[: len(rendered) - len(echo)] if echo and rendered.endswith(echo) else rendered
+            opened = params.structured_outputs is None and self.reasoning_parser.starts_in_thought(before)
+            thinking = _Reasoning(self.reasoning_parser, opened, req.include_reasoning, prefix=echo)
+            echo = ""
 
         as_ids = bool(req.return_tokens_as_token_ids or self.return_tokens_as_token_ids)
 
@@ -1048,16 +1096,17 @@ class _Reasoning:
     held-back tail (a possible </think>) send their logprobs with the next chunk. With tool_choice
     auto, the content part is what the tool-call parser reads."""
 
-    def __init__(self, parser: Any, opened: bool, include: bool) -> None:
+    def __init__(self, parser: Any, opened: bool, include: bool, prefix: str = "") -> None:
         self.parser = parser
-        self.opened = opened  # the output starts inside a thought (see ThinkReasoningParser.split)
+        self.opened = opened  # the text starts inside a thought (see ThinkReasoningParser.split)
+        self.prefix = prefix  # echo: the echoed message, which the output continues
         self.include = include
         self.sent: dict[int, tuple[int, int]] = {}  # choice -> characters of reasoning, content sent
         self.held = _Held()
 
     def stream_delta(self, ch: _Choice, ids: list[int], lps: Any, logprobs: Callable[[list[int], Any], Any],
                      tools: _ToolCalls | None) -> P.ChatStreamChoice | None:
-        split = self.parser.split(ch.text, ch.finish_reason is not None, self.opened)
+        split = self.parser.split(self.prefix + ch.text, ch.finish_reason is not None, self.opened)
         reasoning, content = split.reasoning or "", split.content or ""
         r_sent, c_sent = self.sent.get(ch.index, (0, 0))
         thought = reasoning[r_sent:] if self.include else ""
@@ -1082,7 +1131,7 @@ class _Reasoning:
 
     def finish_message(self, c: P.ChatChoice) -> None:
         """A whole (non-streamed) choice: its text split into thought and content."""
-        split = self.parser.split(c.message.content or "", True, self.opened)
+        split = self.parser.split(self.prefix + (c.message.content or ""), True, self.opened)
         c.message.content = split.content
         if self.include and split.reasoning is not None:
             c.message.reasoning = c.message.reasoning_content = split.reasoning
@@ -1189,6 +1238,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_auth)])
+
+    # vLLM's tokenizer endpoints: outside /v1 and, as there, without the API key
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await serving.detokenize(request)
 
     @v1.get("/models")
     async def models() -> Response:

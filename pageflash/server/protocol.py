@@ -636,6 +636,51 @@ class ChatCompletionStreamResponse(BaseModel):
     usage: Usage | None = None
 
 
+# --------------------------------------------------------------------------- /tokenize, /detokenize
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt (add_special_tokens default true), or chat messages through the chat
+    template (add_special_tokens default false: the template writes them), never both."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The fields a ChatCompletionRequest takes from this request."""
+        names = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                 "chat_template_kwargs", "tools")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 # --------------------------------------------------------------------------- models, errors
 class ModelCard(BaseModel):
     id: str
