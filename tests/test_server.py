@@ -782,6 +782,51 @@ def test_return_tokens_as_token_ids(srv: Srv) -> None:
                  param="return_tokens_as_token_ids")
 
 
+def test_responses_api_through_the_openai_client(srv: Srv) -> None:
+    """/v1/responses (OpenAI's Responses API, stateless text): the SDK's responses.create, streamed and
+    not, gives the chat endpoint's reply to the same messages; instructions become a system message;
+    max_output_tokens makes the response incomplete; text.format constrains the output; what this
+    server does not serve is a 400 naming the field."""
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+    ref = srv.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0}).json()
+    r = srv.client.responses.create(model=MODEL, instructions="You are terse.", input="Name a color.",
+                                    max_output_tokens=12, temperature=0)  # fmt: skip
+    assert r.output_text == ref["choices"][0]["message"]["content"]
+    assert r.status == ("incomplete" if ref["choices"][0]["finish_reason"] == "length" else "completed")
+    assert r.usage.input_tokens == ref["usage"]["prompt_tokens"] and r.usage.output_tokens == ref["usage"]["completion_tokens"]
+    items = srv.client.responses.create(model=MODEL, input=[{"role": "system", "content": "You are terse."},
+                                                            {"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]}],
+                                        max_output_tokens=12, temperature=0)  # fmt: skip
+    assert items.output_text == r.output_text
+    short = srv.client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=3, temperature=0)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    events = list(srv.client.responses.create(model=MODEL, instructions="You are terse.", input="Name a color.",
+                                              max_output_tokens=12, temperature=0, stream=True))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] == f"response.{r.status}" and [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    j = srv.client.responses.create(model=MODEL, input="A person as JSON.", max_output_tokens=60, temperature=0,
+                                    text={"format": {"type": "json_schema", "name": "person", "schema": person}})
+    assert set(json.loads(j.output_text)) == {"name", "age"}
+    assert_error(srv.post("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}), 400, param="tools")
+    assert_error(srv.post("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}), 400,
+                 param="previous_response_id")
+    assert_error(srv.post("/v1/responses", {"input": [{"type": "input_image", "image_url": "x"}]}), 400, param="input")
+    assert_error(srv.post("/v1/responses", {"input": ""}), 400, param="input")
+    assert_error(srv.post("/v1/responses", {"input": "hi", "max_output_tokens": 0}), 400, param="max_output_tokens")
+    assert_error(srv.post("/v1/responses", {"input": "hi", "text": {"format": {"type": "xml"}}}), 400, param="text")
+    assert_error(srv.post("/v1/responses", {"input": [{"role": "wizard", "content": "x"}]}), 400, param="input")
+    assert_error(srv.post("/v1/responses", {"input": "hi", "max_output_tokens": 10**6}), 400,
+                 param="max_output_tokens")
+    assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
+
+
 def test_tokenize_and_detokenize(srv: Srv) -> None:
     """vLLM's /tokenize (a prompt, or messages through the chat template: the very ids a chat request
     runs on) and /detokenize; bad input is a 400 naming the field."""

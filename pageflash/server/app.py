@@ -681,6 +681,117 @@ class OpenAIServing:
 
         return await self.tokenizer.run(render, "Cannot apply the chat template", "messages")
 
+    # ---- /v1/responses (OpenAI's Responses API, the stateless text subset)
+    async def responses(self, request: Request) -> Response:
+        """A Responses API request run as the equivalent chat request: one assistant message item with
+        one output_text part; streamed as Responses events (created, in_progress, output_item.added,
+        content_part.added, output_text.delta..., output_text.done, content_part.done,
+        output_item.done, then completed, or incomplete when max_output_tokens cut it)."""
+        body: P.ResponsesRequest = await self.read_json(request, P.ResponsesRequest)
+        model = self.response_model_name(body.model)
+        try:
+            chat = P.ChatCompletionRequest.model_validate(body.chat_request())
+        except ValueError as e:  # (pydantic's ValidationError is a ValueError)
+            err = _validation_error(e) if isinstance(e, pydantic.ValidationError) else APIError(400, str(e), param="text")
+            if err.param is not None:  # the chat request's field names, in this request's terms
+                err.param = {"messages": "input", "max_tokens": "max_output_tokens",
+                             "response_format": "text"}.get(err.param.split("[")[0].split(".")[0], err.param)
+            raise err from None
+        _, prompt_ids = await self.render_chat(chat)
+        if not prompt_ids:
+            raise APIError(400, "input: the chat template produced an empty prompt", param="input")
+        kw = chat.sampling_kwargs()
+        kw["max_tokens"] = chat.max_new_tokens
+        params = self.sampling_params(kw, "text")
+        await self.compile_constraint(params, "text")
+        try:
+            self.validate(prompt_ids, params, "input", "the prompt (input after the chat template)")
+        except APIError as e:
+            if e.param == "max_tokens":  # in this request's terms
+                e.param, e.message = "max_output_tokens", e.message.replace("max_tokens", "max_output_tokens")
+            raise
+        rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "input"),
+                          params, self.metrics.timer())  # fmt: skip
+        created = time.time()
+
+        def response(status: str, text: str | None = None, reason: str | None = None) -> dict[str, Any]:
+            output = []
+            if text is not None:
+                output = [{"type": "message", "id": msg_id, "status": "completed" if status == "completed" else "incomplete",
+                           "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": [],
+                                                              "logprobs": []}]}]  # fmt: skip
+            usage = None
+            if status != "in_progress":
+                u = gen.usage()
+                usage = {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+                         "total_tokens": u.total_tokens,
+                         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                         "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
+            return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
+                    "output": output, "usage": usage, "error": None,
+                    "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
+                    "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+                    "temperature": body.temperature, "top_p": body.top_p, "text": body.text or {"format": {"type": "text"}},
+                    "tool_choice": "none" if body.tool_choice is None else body.tool_choice, "tools": [],
+                    "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
+                    "reasoning": None, "store": False, "truncation": body.truncation, "metadata": body.metadata or {},
+                    "user": body.user}  # fmt: skip
+
+        def status_of(reason: str | None) -> str:
+            return "incomplete" if reason == "length" else "completed"
+
+        def on_delta(ch: _Choice, delta: str, ids: list[int], lps: Any, _offs: Any) -> tuple[str, str | None]:
+            return delta, ch.finish_reason
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                seq = 0
+
+                def event(kind: str, **fields: Any) -> str:
+                    nonlocal seq
+                    seq += 1
+                    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
+
+                where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+                item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []}
+                yield event("response.created", response=response("in_progress"))
+                yield event("response.in_progress", response=response("in_progress"))
+                yield event("response.output_item.added", output_index=0, item=item)
+                yield event("response.content_part.added", **where,
+                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                text, reason = "", None
+                try:
+                    async for delta, reason in gen.deltas(on_delta):
+                        if delta:
+                            text += delta
+                            yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
+                except EngineError as e:
+                    yield event("response.failed", response={**response("failed"),
+                                                             "error": {"code": "server_error", "message": str(e)}})
+                    return
+                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                status = status_of(reason)
+                yield event("response.output_text.done", **where, text=text, logprobs=[])
+                yield event("response.content_part.done", **where, part=part)
+                done_item = {**item, "status": "completed" if status == "completed" else "incomplete", "content": [part]}
+                yield event("response.output_item.done", output_index=0, item=done_item)
+                yield event(f"response.{status}", response=response(status, text, reason))
+
+            return SSEResponse(events(), on_close=gen.close)
+
+        async def collect() -> tuple[str, str | None]:
+            text, reason = "", None
+            async for delta, reason in gen.deltas(on_delta):
+                text += delta
+            return text, reason
+
+        try:
+            text, reason = await _run_request(request, collect())
+        finally:
+            gen.close()
+        return JSONResponse(response(status_of(reason), text, reason))
+
     # ---- /tokenize, /detokenize (vLLM's)
     async def tokenize(self, request: Request) -> Response:
         body = await self.read_json(request, P.TokenizeRequest)
@@ -1262,6 +1373,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
+
+    @v1.post("/responses")
+    async def responses(request: Request) -> Response:
+        return await serving.responses(request)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -636,6 +636,109 @@ class ChatCompletionStreamResponse(BaseModel):
     usage: Usage | None = None
 
 
+# --------------------------------------------------------------------------- /v1/responses
+class ResponsesRequest(_Strict):
+    """OpenAI's Responses API, the stateless text subset: `input` (a string, or message items whose
+    content is a string or input_text / output_text parts), `instructions` (a system message first),
+    `max_output_tokens`, `temperature`, `top_p`, `text.format` (text, json_object, json_schema),
+    `stream`, and the sampling extras both generation endpoints take. Nothing is stored."""
+
+    NULL_IS_DEFAULT = ("store", "parallel_tool_calls", "truncation")
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Float | None = Field(None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    text: dict[str, Any] | None = None
+    stream: StrictBool | None = False
+    store: StrictBool = True  # accepted; responses are never stored here
+    metadata: dict[str, Any] | None = None
+    user: StrictStr | None = None
+    parallel_tool_calls: StrictBool = True
+    truncation: Literal["disabled", "auto"] = "disabled"
+    tool_choice: Any = None
+    # not served here: a 400 naming the field unless left empty / null
+    tools: list[Any] | None = None
+    previous_response_id: StrictStr | None = None
+    background: StrictBool | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[Any] | None = None
+    top_logprobs: StrictInt | None = None
+    # vLLM's sampling extras, as on the other endpoints
+    top_k: StrictInt | None = None
+    min_p: Float | None = Field(None, ge=0.0, le=1.0)
+    seed: StrictInt | None = None
+    repetition_penalty: Float | None = Field(None, gt=0.0)
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    stop: StrictStr | list[StrictStr] | None = None
+
+    @field_validator("tools", "include")
+    @classmethod
+    def _no_tools(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("not supported on /v1/responses by this server (use /v1/chat/completions for tools)")
+        return v
+
+    @field_validator("previous_response_id", "background", "reasoning", "top_logprobs")
+    @classmethod
+    def _stateless(cls, v: Any) -> Any:
+        if v is None or v is False or v == {} or v == 0:
+            return v
+        raise ValueError("not supported by this server's /v1/responses (it is stateless and stores nothing)")
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("must not be empty")
+            return v
+        if not v:
+            raise ValueError("must hold at least one item")
+        for i, item in enumerate(v):
+            kind = item.get("type", "message")
+            if kind != "message":
+                raise ValueError(f"item {i}: type {kind!r} is not supported; this server takes message items")
+            if not isinstance(item.get("role"), str):
+                raise ValueError(f"item {i}: a message needs a role")
+            content = item.get("content")
+            if isinstance(content, list):
+                for part in content:
+                    ptype = part.get("type") if isinstance(part, dict) else None
+                    if ptype not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+                        raise ValueError(f"item {i}: content part type {ptype!r} is not supported; this server "
+                                         "takes input_text and output_text parts")  # fmt: skip
+            elif not isinstance(content, str):
+                raise ValueError(f"item {i}: content must be a string or a list of text parts")
+        return v
+
+    def chat_request(self) -> dict[str, Any]:
+        """The equivalent chat completions request (as a dict for ChatCompletionRequest)."""
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        for item in items:
+            content = item["content"]
+            if isinstance(content, list):
+                content = "".join(part["text"] for part in content)
+            messages.append({"role": item["role"], "content": content})
+        out: dict[str, Any] = {"messages": messages, "max_tokens": self.max_output_tokens}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "stop"):
+            out[name] = getattr(self, name)
+        fmt = (self.text or {}).get("format")
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+                raise ValueError("text.format.type must be text, json_object or json_schema")
+            if fmt["type"] == "json_schema":
+                out["response_format"] = {"type": "json_schema", "json_schema": {
+                    k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}  # fmt: skip
+            else:
+                out["response_format"] = {"type": fmt["type"]}
+        return {k: v for k, v in out.items() if v is not None}
+
+
 # --------------------------------------------------------------------------- /tokenize, /detokenize
 class TokenizeRequest(_Strict):
     """vLLM's /tokenize: a prompt (add_special_tokens default true), or chat messages through the chat
