@@ -74,6 +74,11 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """From a HF config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config keys)."""
+        qc = d.get("quantization_config")
+        if qc:  # weights stored as AWQ / GPTQ / FP8 / bitsandbytes ...: loading them as dense ones would fail late
+            method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
+            raise ValueError(f"model config: quantized checkpoints ({method}) are not supported; load the "
+                             "unquantized (bf16/fp16/fp32) weights, or a GGUF file (dequantized on load)")
         archs = d.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         model_type = d.get("model_type", "llama")

@@ -201,3 +201,9 @@ def test_sliding_window_caps_the_context(tmp_path):
     assert llm.llm_engine.max_model_len == 32
     with pytest.raises(ValueError, match="sliding attention window of 32"):
         LLM(folder, max_model_len=64, num_kv_blocks=32, block_size=4)
+
+
+def test_quantized_checkpoint_is_refused_by_name():
+    d = dict(NAMED_CONFIGS["smollm2-135m"], quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(ValueError, match=r"quantized checkpoints \(awq\) are not supported"):
+        ModelConfig.from_hf_dict(d)
