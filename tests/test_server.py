@@ -926,6 +926,28 @@ def test_reasoning_parsers_split_the_thought(srv: Srv) -> None:
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 
+@pytest.mark.parametrize("parser,written", [
+    ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
+    ("mistral", 'Checking. [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]'),
+])
+def test_auto_tool_choice_with_llama3_json_and_mistral_parsers(srv: Srv, parser: str, written: str) -> None:
+    """The llama3_json and mistral parsers read the calls a model writes in their formats (a regex makes
+    the 135M model write one), streamed and not."""
+    body = {"messages": [{"role": "user", "content": "What time is it in UTC?"}], "tools": [WEATHER, TIME],
+            "max_tokens": 60, "temperature": 0, "guided_regex": re.escape(written)}
+    content = "Checking. " if parser == "mistral" else None
+    with serve(build_app(srv.aeng, MODEL, tool_call_parser=parser)) as base:
+        c = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == content
+        assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in c["message"]["tool_calls"]] == [
+            ("get_time", {"zone": "UTC"})]
+        deltas = [e["choices"][0] for e in _stream_events(base, body) if e["choices"]]
+        assert ("".join(d["delta"].get("content") or "" for d in deltas) or None) == content
+        assert [t["function"]["name"] for d in deltas for t in d["delta"].get("tool_calls") or []] == ["get_time"]
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+    assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
+
+
 def test_continue_final_message_echo_and_template_kwargs(srv: Srv) -> None:
     """continue_final_message leaves the assistant's last message open and the reply continues it (the
     same tokens as a completion of the rendered text); echo puts that message in front of the reply,
