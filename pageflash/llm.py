@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence, Union
 from pageflash.engine.engine import EngineConfig, LLMEngine, PromptType, is_array
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import RequestOutput
-from pageflash.sampling_params import SamplingParams
+from pageflash.sampling_params import PoolingParams, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -70,16 +70,7 @@ class LLM:
         Every prompt is validated before any is queued, so a bad one raises (naming its index)
         without leaving half a batch behind.
         """
-        if is_array(prompts):
-            prompts = prompts.tolist()  # numpy / torch token ids: one prompt (1-D) or a batch (2-D)
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])
-        ):
-            prompts = [prompts]  # one prompt
-        elif isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
-            raise TypeError("prompts must be a str, a prompt dict, a list of token ids, or a list of these; got "
-                            f"{type(prompts).__name__}")  # fmt: skip
-        prompts = list(prompts)
+        prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
@@ -95,15 +86,31 @@ class LLM:
         encoded = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                if not isinstance(sp, SamplingParams):
+                if not isinstance(sp, (SamplingParams, PoolingParams)):
                     raise TypeError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
                 text, ids = eng.tokenize_prompt(p)
-                ids = sp.truncate_prompt(ids)
-                eng.validate_request(ids, sp)
+                check = sp if isinstance(sp, SamplingParams) else SamplingParams(
+                    max_tokens=1, truncate_prompt_tokens=sp.truncate_prompt_tokens)
+                ids = check.truncate_prompt(ids)
+                eng.validate_request(ids, check)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e
             encoded.append(({"prompt": text, "prompt_token_ids": ids} if text is not None else ids, sp))
         return self._run(encoded, use_tqdm)
+
+    @staticmethod
+    def _as_prompt_list(prompts: Any) -> list:
+        """One prompt or a batch of them, as a list of prompts."""
+        if is_array(prompts):
+            prompts = prompts.tolist()  # numpy / torch token ids: one prompt (1-D) or a batch (2-D)
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])
+        ):
+            return [prompts]  # one prompt
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise TypeError("prompts must be a str, a prompt dict, a list of token ids, or a list of these; got "
+                            f"{type(prompts).__name__}")  # fmt: skip
+        return list(prompts)
 
     def chat(
         self,
@@ -152,15 +159,31 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[Any] = None,
+        use_tqdm: bool = True,
+    ) -> list:
+        """vLLM's LLM.embed: one EmbeddingRequestOutput per prompt (``.outputs.embedding``), the final
+        hidden state at the prompt's last token, normalized (PoolingParams: normalize, dimensions,
+        truncate_prompt_tokens). Runs in the same engine as generation (prefix cache included)."""
+        from pageflash.outputs import EmbeddingOutput, EmbeddingRequestOutput
+        from pageflash.sampling_params import PoolingParams
+
+        pooling_params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        outs = self.generate(prompts, [pooling_params] * len(self._as_prompt_list(prompts)), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids) for o in outs]
+
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: Any,
                     use_tqdm: bool = False) -> list:  # fmt: skip
         """vLLM's beam search (pageflash.beam_search): params a BeamSearchParams; one BeamSearchOutput
         (its .sequences, best first) per prompt."""
         from pageflash.beam_search import beam_search
 
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
-            prompts = [prompts]
-        return beam_search(self, list(prompts), params, use_tqdm)
+        return beam_search(self, self._as_prompt_list(prompts), params, use_tqdm)
 
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         eng = self.llm_engine

@@ -58,9 +58,28 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then per token a dict holding
     # its own logprob and the top ones (vLLM's format); filled as the prompt's chunks are computed
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    # an embedding request (PoolingParams): its vector; outputs is then empty
+    embedding: Optional[list[float]] = None
 
     def __repr__(self) -> str:
         return (
             f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
             f"num_prompt_tokens={len(self.prompt_token_ids)}, outputs={self.outputs!r}, finished={self.finished})"
         )
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's)."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's shape): ``outputs.embedding``."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -362,3 +362,29 @@ class SamplingParams:
         if not self.ignore_eos and eos_token_id is not None:
             ids.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         return ids
+
+
+@dataclass
+class PoolingParams:
+    """An embedding request (vLLM's PoolingParams for ``LLM.embed`` and /v1/embeddings): the final
+    hidden state (after the model's last norm) at the prompt's last token, as vLLM pools decoder
+    models (and Qwen3-Embedding is trained to be read).
+
+    normalize: scale the vector to unit L2 norm (vLLM's default for embeddings).
+    dimensions: keep only the first d components (Matryoshka-style truncation), before normalizing;
+        None = all of hidden_size.
+    truncate_prompt_tokens: keep only the prompt's last k tokens; None = all.
+    """
+
+    normalize: bool = True
+    dimensions: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check_bool("normalize", self.normalize)
+        _check_int("dimensions", self.dimensions, allow_none=True)
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be at least 1 (or None), got {self.dimensions}")
+        _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allow_none=True)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be at least 1 (or None), got {self.truncate_prompt_tokens}")

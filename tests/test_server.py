@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import httpx
 import openai
+import torch
 import pytest
 import uvicorn
 
@@ -821,9 +822,53 @@ def test_responses_api_through_the_openai_client(srv: Srv) -> None:
     assert_error(srv.post("/v1/responses", {"input": ""}), 400, param="input")
     assert_error(srv.post("/v1/responses", {"input": "hi", "max_output_tokens": 0}), 400, param="max_output_tokens")
     assert_error(srv.post("/v1/responses", {"input": "hi", "text": {"format": {"type": "xml"}}}), 400, param="text")
-    assert_error(srv.post("/v1/responses", {"input": [{"role": "wizard", "content": "x"}]}), 400, param="input")
+    assert_error(srv.post("/v1/responses", {"input": [{"role": "wizard", "content": "x"}]}), 400, param="input[0]")
     assert_error(srv.post("/v1/responses", {"input": "hi", "max_output_tokens": 10**6}), 400,
-                 param="max_output_tokens")
+                 param="max_output_tokens", contains=("max_output_tokens",))
+    for field, value in (("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"}), ("tool_choice", "required"),
+                         ("tool_choice", 5)):
+        assert_error(srv.post("/v1/responses", {"input": "hi", field: value}), 400, param=field)
+    # errors name this request's fields: input items counted without the instructions' system message
+    e = assert_error(srv.post("/v1/responses", {"input": [{"role": "bot", "content": "hi"}], "instructions": "x"}), 400)
+    assert e["param"].startswith("input[0]") and "input[0]" in e["message"] and "messages" not in e["message"]
+    e = assert_error(srv.post("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema"}}}), 400)
+    assert e["param"] == "text" and "response_format" not in e["message"]
+    assert_error(srv.post("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}),
+                 400, param="input", contains=("must be a string",))
+    # truncation "auto" drops the oldest items until the prompt fits; "disabled" is a 400
+    long = [{"role": "user", "content": "hello " * 300}, {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "Name a color."}]
+    assert_error(srv.post("/v1/responses", {"input": long, "max_output_tokens": 4}), 400, param="input")
+    cut = srv.post("/v1/responses", {"input": long, "max_output_tokens": 4, "truncation": "auto", "temperature": 0})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["input_tokens"] < 100
+    assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
+
+
+def test_embeddings_through_the_openai_client(srv: Srv) -> None:
+    """/v1/embeddings: the openai SDK (base64 by default) and float JSON agree; unit vectors; text and
+    its token ids give the same vector; dimensions truncates; bad input is a 400 naming the field."""
+    tok = srv.aeng.tokenizer
+    texts = ["The cat sat on the mat.", "Quantum chromodynamics", "The cat sat on the mat."]
+    r = srv.client.embeddings.create(model=MODEL, input=texts)
+    vecs = [torch.tensor(d.embedding) for d in r.data]
+    assert [d.index for d in r.data] == [0, 1, 2] and all(v.shape == (576,) for v in vecs)
+    assert all(abs(v.norm().item() - 1) < 1e-3 for v in vecs)
+    assert torch.allclose(vecs[0], vecs[2], atol=1e-3) and not torch.allclose(vecs[0], vecs[1], atol=1e-2)
+    assert r.usage.prompt_tokens == sum(len(tok.encode(t)) for t in texts)
+    f = srv.post("/v1/embeddings", {"input": texts[0], "encoding_format": "float"}).json()
+    torch.testing.assert_close(torch.tensor(f["data"][0]["embedding"]), vecs[0], atol=1e-3, rtol=0)
+    ids = srv.post("/v1/embeddings", {"input": tok.encode(texts[0]), "encoding_format": "float"}).json()
+    assert ids["data"][0]["embedding"] == f["data"][0]["embedding"]
+    d = srv.client.embeddings.create(model=MODEL, input=texts[0], dimensions=32, encoding_format="float").data[0]
+    assert len(d.embedding) == 32 and abs(torch.tensor(d.embedding).norm().item() - 1) < 1e-3
+    assert_error(srv.post("/v1/embeddings", {"input": ""}), 400, param="input")
+    assert_error(srv.post("/v1/embeddings", {"input": []}), 400, param="input")
+    assert_error(srv.post("/v1/embeddings", {"input": ["ok", ""]}), 400, param="input[1]")
+    assert_error(srv.post("/v1/embeddings", {"input": [10**9]}), 400, param="input")
+    assert_error(srv.post("/v1/embeddings", {"input": "x", "dimensions": 10**4}), 400, param="dimensions")
+    assert_error(srv.post("/v1/embeddings", {"input": "x", "encoding_format": "int8"}), 400, param="encoding_format")
+    assert_error(srv.post("/v1/embeddings", {"input": "x " * 400}), 400, param="input")
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 

@@ -29,7 +29,7 @@ from pageflash.engine.structured import StructuredOutputs
 from pageflash.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import CompletionOutput, Logprob, RequestOutput
-from pageflash.sampling_params import SamplingParams
+from pageflash.sampling_params import PoolingParams, SamplingParams
 from pageflash.spec.config import SpeculativeConfig
 from pageflash.spec.decoding import SpecDecoder
 
@@ -222,6 +222,7 @@ class LLMEngine:
             self.device.type == "cuda" if config.async_scheduling is None else bool(config.async_scheduling)
         )
         self._inflight: Optional[_Inflight] = None  # a launched step whose sampled tokens are not processed
+        self._pooled: list[tuple[Request, int]] = []  # embedding requests _launch found complete: (req, hidden row)
         self._structured: Optional[StructuredOutputs] = None  # built at the first structured request
         self._structured_lock = threading.Lock()  # (the server compiles constraints on another thread)
         self.groups: dict[str, list[Request]] = {}  # user request id -> its sequences (n of them)
@@ -329,8 +330,16 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
     ) -> str:
         """Validate and queue one request; returns its id. Raises ValueError/TypeError on bad input,
-        leaving the engine and every other request untouched."""
+        leaving the engine and every other request untouched. params: a SamplingParams, or a
+        PoolingParams for an embedding request (RequestOutput.embedding, no tokens generated)."""
         params = SamplingParams() if params is None else params
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling = params
+            if pooling.dimensions is not None and pooling.dimensions > self.model_config.hidden_size:
+                raise ValueError(f"dimensions={pooling.dimensions} exceeds the model's hidden size "
+                                 f"({self.model_config.hidden_size})")
+            params = SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=pooling.truncate_prompt_tokens)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -346,6 +355,7 @@ class LLMEngine:
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         req = Request(request_id, text, ids, params, arrival_time or time.monotonic(), generator=gen)
+        req.pooling = pooling
         req.grammar = grammar
         req.bad_words = self._bad_word_ids(params.bad_words)
         self._attach_detokenizer(req)
@@ -442,6 +452,8 @@ class LLMEngine:
         extra = spec.execute_kwargs(sched) if spec is not None else {}
         if prev is not None:
             extra["prev_tokens"] = prev.tokens
+        if any(s.request.pooling is not None for s in sched.seqs):
+            extra["need_hidden"] = True  # (not the decode graphs: a one-token tail of a cached prompt)
         result = self.runner.execute(sched, [self.kv.block_ids(s.request.request_id) for s in sched.seqs], **extra)
         if result.prompt_rows is not None:
             touched += self._prompt_logprobs(sched, result)
@@ -451,6 +463,8 @@ class LLMEngine:
             touched += self._resolve(prev)
             prev = None
         launched = self._launch(sched, result.logits, result.rows, result.greedy)
+        if self._pooled:
+            touched += self._finish_pooled(result.hidden)
         self._inflight = None
         if prev is not None:  # the device runs the step just launched meanwhile
             touched += self._resolve(prev)
@@ -487,6 +501,10 @@ class LLMEngine:
             req.num_computed_tokens += s.num_new_tokens
             if count == 0:  # a prefill chunk that does not reach the end yet
                 self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+                continue
+            if req.pooling is not None:  # an embedding: read off the hidden states, nothing sampled
+                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+                self._pooled.append((req, start))
                 continue
             for r in self._fork_if_needed(req):
                 sample_rows.append(start)
@@ -564,6 +582,25 @@ class LLMEngine:
             self._append_token(req, tok, rlp, now)
             touched[req.group_id] = None
         return list(touched)
+
+    def _finish_pooled(self, hidden: torch.Tensor) -> list[str]:
+        """Embedding requests whose prompt this step completed: the final hidden state at the last
+        prompt token (truncated to dimensions, normalized), then finished (blocks freed)."""
+        pooled, self._pooled = self._pooled, []
+        vecs = hidden[torch.tensor([row for _, row in pooled], device=hidden.device)].float()
+        now = time.monotonic()
+        out = []
+        for (req, _), v in zip(pooled, vecs.cpu()):
+            if req.pooling.dimensions is not None:
+                v = v[: req.pooling.dimensions]
+            if req.pooling.normalize:
+                v = torch.nn.functional.normalize(v, dim=0)
+            req.embedding = v.tolist()
+            req.finish_reason = "stop"
+            req.metrics.first_token_time = now
+            self._finish_output(req, now)
+            out.append(req.group_id)
+        return out
 
     def _fork_if_needed(self, req: Request) -> list[Request]:
         """At the first sample of an n > 1 request: n - 1 siblings share its blocks (copy on write)."""
@@ -693,6 +730,9 @@ class LLMEngine:
         if finished:
             del self.groups[group_id]
         plp = list(head.prompt_logprobs) if head.prompt_logprobs is not None else None
+        if head.pooling is not None:
+            return RequestOutput(group_id, head.prompt, head.prompt_token_ids, [], finished, head.metrics,
+                                 embedding=head.embedding)  # fmt: skip
         return RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished, head.metrics, plp)
 
     # -- introspection ----------------------------------------------------------------------------

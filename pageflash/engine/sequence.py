@@ -58,6 +58,8 @@ class Request:
         self.spec_state: Any = None  # proposer's per-request state
         self.grammar: Any = None  # structured outputs: the llguidance matcher of this sequence
         self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words tokenized (LLMEngine)
+        self.pooling: Any = None  # a PoolingParams: an embedding request, finished at its prompt's end
+        self.embedding: Optional[list[float]] = None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
         self.text_offsets: Optional[list[int]] = [] if params.logprobs is not None else None
         self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = (

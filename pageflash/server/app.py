@@ -689,27 +689,50 @@ class OpenAIServing:
         output_item.done, then completed, or incomplete when max_output_tokens cut it)."""
         body: P.ResponsesRequest = await self.read_json(request, P.ResponsesRequest)
         model = self.response_model_name(body.model)
-        try:
-            chat = P.ChatCompletionRequest.model_validate(body.chat_request())
-        except ValueError as e:  # (pydantic's ValidationError is a ValueError)
-            err = _validation_error(e) if isinstance(e, pydantic.ValidationError) else APIError(400, str(e), param="text")
-            if err.param is not None:  # the chat request's field names, in this request's terms
-                err.param = {"messages": "input", "max_tokens": "max_output_tokens",
-                             "response_format": "text"}.get(err.param.split("[")[0].split(".")[0], err.param)
-            raise err from None
-        _, prompt_ids = await self.render_chat(chat)
-        if not prompt_ids:
-            raise APIError(400, "input: the chat template produced an empty prompt", param="input")
-        kw = chat.sampling_kwargs()
-        kw["max_tokens"] = chat.max_new_tokens
-        params = self.sampling_params(kw, "text")
-        await self.compile_constraint(params, "text")
-        try:
-            self.validate(prompt_ids, params, "input", "the prompt (input after the chat template)")
-        except APIError as e:
-            if e.param == "max_tokens":  # in this request's terms
-                e.param, e.message = "max_output_tokens", e.message.replace("max_tokens", "max_output_tokens")
-            raise
+        shift = 1 if body.instructions else 0  # the system message instructions become comes first
+
+        def ours(e: APIError) -> APIError:
+            """An error about the equivalent chat request, in this request's terms."""
+            def item(m: re.Match) -> str:
+                return f"input[{int(m.group(1)) - shift}]"
+
+            for old, new in (("max_tokens", "max_output_tokens"), ("response_format json_schema", "text.format"),
+                             ("json_schema.schema", "text.format.schema"), ("response_format", "text.format")):
+                e.message = e.message.replace(old, new)
+            e.message = re.sub(r"messages\[(\d+)\]", item, e.message)
+            if e.param is not None:
+                e.param = re.sub(r"messages\[(\d+)\]", item, e.param)
+                e.param = {"messages": "input", "max_tokens": "max_output_tokens",
+                           "response_format": "text"}.get(e.param.split(".")[0], e.param)
+            return e
+
+        drop = 0
+        while True:
+            try:
+                chat = P.ChatCompletionRequest.model_validate(body.chat_request(drop))
+            except ValueError as e:  # (pydantic's ValidationError is a ValueError)
+                err = _validation_error(e) if isinstance(e, pydantic.ValidationError) else APIError(400, str(e), param="text")
+                raise ours(err) from None
+            _, prompt_ids = await self.render_chat(chat)
+            if not prompt_ids:
+                raise APIError(400, "input: the chat template produced an empty prompt", param="input")
+            kw = chat.sampling_kwargs()
+            kw["max_tokens"] = chat.max_new_tokens
+            try:
+                params = self.sampling_params(kw, "text")
+            except APIError as e:
+                raise ours(e) from None
+            await self.compile_constraint(params, "text")
+            try:
+                self.validate(prompt_ids, params, "input", "the prompt (input after the chat template)")
+                break
+            except APIError as e:
+                # truncation "auto" (OpenAI's): drop the oldest input items until the prompt fits
+                if (body.truncation == "auto" and e.param in ("input", "max_tokens") and isinstance(body.input, list)
+                        and drop + 1 < len(body.input)):
+                    drop += 1
+                    continue
+                raise ours(e) from None
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "input"),
                           params, self.metrics.timer())  # fmt: skip
@@ -791,6 +814,72 @@ class OpenAIServing:
         finally:
             gen.close()
         return JSONResponse(response(status_of(reason), text, reason))
+
+    # ---- /v1/embeddings
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings: per input the final hidden state at its last token, normalized
+        (PoolingParams; LLM.embed's), as floats or base64 of little-endian float32."""
+        from pageflash.sampling_params import PoolingParams
+
+        body: P.EmbeddingRequest = await self.read_json(request, P.EmbeddingRequest)
+        model = self.response_model_name(body.model)
+        try:
+            raw = body.inputs()
+            pooling = PoolingParams(dimensions=body.dimensions, truncate_prompt_tokens=body.truncate_prompt_tokens)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="input") from None
+        hidden = self.engine.engine.model_config.hidden_size
+        if body.dimensions is not None and body.dimensions > hidden:
+            raise APIError(400, f"dimensions={body.dimensions} exceeds the model's hidden size ({hidden})",
+                           param="dimensions")  # fmt: skip
+        check = self.sampling_params({"max_tokens": 1, "truncate_prompt_tokens": body.truncate_prompt_tokens})
+        prompts: list[Any] = []
+        for i, p in enumerate(raw):
+            name = "input" if len(raw) == 1 else f"input[{i}]"
+            if isinstance(p, list):
+                self.check_token_ids(p, name)
+                ids = p
+            elif not p:
+                raise APIError(400, f"{name} must not be empty", param=name)
+            else:
+                ids = await self.tokenizer.run(lambda t, p=p: list(t.encode(p, add_special_tokens=body.add_special_tokens)),
+                                               "Cannot tokenize the input", name)  # fmt: skip
+            ids = check.truncate_prompt(ids)
+            self.validate(ids, check, name)
+            prompts.append({"prompt_token_ids": ids})
+        streams = await self.add_all(f"embd-{uuid.uuid4().hex}", prompts, pooling, "input")
+
+        async def collect() -> list[Any]:
+            outs = []
+            for s in streams:
+                last = None
+                async for out in s:
+                    last = out
+                outs.append(last)
+            return outs
+
+        try:
+            outs = await _run_request(request, collect())
+        except EngineError as e:
+            raise APIError(500, f"Engine error: {e}") from None
+        finally:
+            for s in streams:
+                s.close()
+        data = []
+        for i, o in enumerate(outs):
+            if o is None or o.embedding is None:
+                raise APIError(500, f"input[{i}]: the engine returned no embedding (aborted)")
+            vec: Any = o.embedding
+            if body.encoding_format == "base64":
+                import base64
+
+                import numpy as np
+
+                vec = base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
+            data.append({"object": "embedding", "embedding": vec, "index": i})
+        n = sum(len(o.prompt_token_ids) for o in outs)
+        return JSONResponse({"object": "list", "data": data, "model": model,
+                             "usage": {"prompt_tokens": n, "total_tokens": n}})  # fmt: skip
 
     # ---- /tokenize, /detokenize (vLLM's)
     async def tokenize(self, request: Request) -> Response:
@@ -1373,6 +1462,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
+
+    @v1.post("/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await serving.embeddings(request)
 
     @v1.post("/responses")
     async def responses(request: Request) -> Response:

@@ -661,6 +661,8 @@ class ResponsesRequest(_Strict):
     # not served here: a 400 naming the field unless left empty / null
     tools: list[Any] | None = None
     previous_response_id: StrictStr | None = None
+    conversation: Any = None
+    prompt: Any = None  # a stored prompt template
     background: StrictBool | None = None
     reasoning: dict[str, Any] | None = None
     include: list[Any] | None = None
@@ -681,12 +683,19 @@ class ResponsesRequest(_Strict):
             raise ValueError("not supported on /v1/responses by this server (use /v1/chat/completions for tools)")
         return v
 
-    @field_validator("previous_response_id", "background", "reasoning", "top_logprobs")
+    @field_validator("previous_response_id", "conversation", "prompt", "background", "reasoning", "top_logprobs")
     @classmethod
     def _stateless(cls, v: Any) -> Any:
         if v is None or v is False or v == {} or v == 0:
             return v
         raise ValueError("not supported by this server's /v1/responses (it is stateless and stores nothing)")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if v is None or v in ("none", "auto"):
+            return v
+        raise ValueError('must be "none" or "auto": this server takes no tools on /v1/responses')
 
     @field_validator("input")
     @classmethod
@@ -707,16 +716,19 @@ class ResponsesRequest(_Strict):
             if isinstance(content, list):
                 for part in content:
                     ptype = part.get("type") if isinstance(part, dict) else None
-                    if ptype not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+                    if ptype not in ("input_text", "output_text"):
                         raise ValueError(f"item {i}: content part type {ptype!r} is not supported; this server "
                                          "takes input_text and output_text parts")  # fmt: skip
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"item {i}: an {ptype} part's text must be a string")
             elif not isinstance(content, str):
                 raise ValueError(f"item {i}: content must be a string or a list of text parts")
         return v
 
-    def chat_request(self) -> dict[str, Any]:
-        """The equivalent chat completions request (as a dict for ChatCompletionRequest)."""
-        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+    def chat_request(self, drop: int = 0) -> dict[str, Any]:
+        """The equivalent chat completions request (as a dict for ChatCompletionRequest); drop: leave
+        out that many of the oldest input items (truncation "auto")."""
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input[drop:]
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         for item in items:
             content = item["content"]
@@ -737,6 +749,34 @@ class ResponsesRequest(_Strict):
             else:
                 out["response_format"] = {"type": fmt["type"]}
         return {k: v for k, v in out.items() if v is not None}
+
+
+# --------------------------------------------------------------------------- /v1/embeddings
+MAX_EMBED_INPUTS = 2048  # OpenAI's limit per request
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request (and vLLM's truncate_prompt_tokens, add_special_tokens)."""
+
+    model: StrictStr | None = None
+    input: PromptType
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = Field(None, ge=1)
+    user: StrictStr | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    add_special_tokens: StrictBool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        p = self.input
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("input must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if len(p) > MAX_EMBED_INPUTS:
+            raise ValueError(f"at most {MAX_EMBED_INPUTS} inputs per request, got {len(p)}")
+        return list(p)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- /tokenize, /detokenize
