@@ -134,3 +134,27 @@ def test_weight_prefetch_leaves_decode_graphs_bitwise(monkeypatch, mode):
             outs[name] = g.full[b].logits.clone()
         assert torch.isfinite(outs["off"]).all()
         assert torch.equal(outs["on"], outs["off"]), b
+
+
+def test_embeddings_with_graphs_async_and_cached_prefixes_fp32():
+    """Embedding requests beside generation on CUDA (decode graphs, async scheduling): the same vectors
+    as eager synchronous steps, also when the prompt's blocks come from the prefix cache (a one-token
+    tail: a decode-shaped step, which must not take the decode graphs)."""
+    from pageflash import PoolingParams
+
+    def vecs(**kw):
+        llm = LLM("qwen3-0.6b", load_format="dummy", max_model_len=512, num_kv_blocks=512, dtype="float32", **kw)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        gen = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        first = llm.embed(prompts, use_tqdm=False)
+        mixed = llm.generate(prompts + prompts, [gen] * len(PROMPTS) + [PoolingParams()] * len(PROMPTS), use_tqdm=False)
+        eng = llm.llm_engine
+        assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+        return ([o.outputs.embedding for o in first], [o.embedding for o in mixed[len(PROMPTS):]],
+                [o.outputs[0].token_ids for o in mixed[:len(PROMPTS)]])
+
+    e1, e2, toks = vecs(enforce_eager=True, async_scheduling=False)
+    g1, g2, gtoks = vecs()
+    for a, b in zip(e1 + e2 + g2, g1 * 3):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+    assert gtoks == toks
