@@ -73,7 +73,7 @@ class LLM:
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * len(prompts)
-        elif isinstance(sampling_params, SamplingParams):
+        elif isinstance(sampling_params, (SamplingParams, PoolingParams)):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, dict):
             raise TypeError("sampling_params must be a SamplingParams or a list of them, got a dict: "
@@ -89,10 +89,11 @@ class LLM:
                 if not isinstance(sp, (SamplingParams, PoolingParams)):
                     raise TypeError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
                 text, ids = eng.tokenize_prompt(p)
-                check = sp if isinstance(sp, SamplingParams) else SamplingParams(
-                    max_tokens=1, truncate_prompt_tokens=sp.truncate_prompt_tokens)
-                ids = check.truncate_prompt(ids)
-                eng.validate_request(ids, check)
+                if isinstance(sp, PoolingParams) and sp.truncate_prompt_tokens is not None:
+                    ids = ids[-sp.truncate_prompt_tokens:]
+                elif isinstance(sp, SamplingParams):
+                    ids = sp.truncate_prompt(ids)
+                eng.validate_request(ids, sp)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e
             encoded.append(({"prompt": text, "prompt_token_ids": ids} if text is not None else ids, sp))
@@ -167,14 +168,18 @@ class LLM:
     ) -> list:
         """vLLM's LLM.embed: one EmbeddingRequestOutput per prompt (``.outputs.embedding``), the final
         hidden state at the prompt's last token, normalized (PoolingParams: normalize, dimensions,
-        truncate_prompt_tokens). Runs in the same engine as generation (prefix cache included)."""
+        truncate_prompt_tokens; one for all prompts or one per prompt). Runs in the same engine as
+        generation (prefix cache included); a prompt may fill max_model_len."""
         from pageflash.outputs import EmbeddingOutput, EmbeddingRequestOutput
-        from pageflash.sampling_params import PoolingParams
 
-        pooling_params = PoolingParams() if pooling_params is None else pooling_params
-        if not isinstance(pooling_params, PoolingParams):
-            raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
-        outs = self.generate(prompts, [pooling_params] * len(self._as_prompt_list(prompts)), use_tqdm)
+        n = len(self._as_prompt_list(prompts))
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * n
+        pooling_params = list(pooling_params) if isinstance(pooling_params, (list, tuple)) else [pooling_params]
+        for pp in pooling_params:
+            if not isinstance(pp, PoolingParams):
+                raise TypeError(f"pooling_params must be a PoolingParams or a list of them, got {type(pp).__name__}")
+        outs = self.generate(prompts, pooling_params, use_tqdm)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids) for o in outs]
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: Any,

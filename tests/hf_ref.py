@@ -52,3 +52,19 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         do_sample=False, pad_token_id=0, eos_token_id=None,
     )
     return out[0, len(prompt_ids):].tolist()
+
+
+@torch.no_grad()
+def hf_greedy_processed(model, prompt_ids: list[int], process, max_new_tokens: int, eos_ids) -> list[int]:
+    """A plain greedy reference with a logits processor: HF forward over the whole sequence each step,
+    process(logits [V] float32, outputs so far) changes the logits in place, argmax; stops at EOS."""
+    ids, out = list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        process(logits, out)
+        tok = int(logits.argmax())
+        out.append(tok)
+        ids.append(tok)
+        if tok in eos_ids:
+            break
+    return out

@@ -46,6 +46,20 @@ def test_embeddings_match_hf(models):
     short = llm.embed({"prompt_token_ids": PROMPTS[0]}, PoolingParams(dimensions=16), use_tqdm=False)[0]
     want = torch.nn.functional.normalize(hf_last_hidden(hf, PROMPTS[0])[:16], dim=0)
     torch.testing.assert_close(torch.tensor(short.outputs.embedding), want, rtol=1e-4, atol=1e-5)
+    # a prompt may fill max_model_len (nothing is generated); one PoolingParams per prompt; generate()
+    # takes a single PoolingParams for all prompts
+    full = [(7 * i) % 150 + 1 for i in range(128)]
+    both = llm.embed([{"prompt_token_ids": full}, {"prompt_token_ids": PROMPTS[0]}],
+                     [PoolingParams(), PoolingParams(dimensions=16)], use_tqdm=False)  # fmt: skip
+    torch.testing.assert_close(torch.tensor(both[0].outputs.embedding),
+                               torch.nn.functional.normalize(hf_last_hidden(hf, full), dim=0), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(both[1].outputs.embedding), torch.tensor(short.outputs.embedding),
+                               rtol=1e-4, atol=1e-5)  # (a batch of other shapes: rounding may differ)
+    gen = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], PoolingParams(), use_tqdm=False)
+    torch.testing.assert_close(torch.tensor([o.embedding for o in gen]),
+                               torch.tensor([o.outputs.embedding for o in outs[:2]]), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="prompt 0: prompt has 129 tokens, but max_model_len is 128"):
+        llm.embed({"prompt_token_ids": full + [1]}, use_tqdm=False)
     kv = llm.llm_engine.kv
     assert kv.num_free_blocks == kv.pool.num_blocks and not llm.llm_engine.has_unfinished_requests()
 
@@ -77,7 +91,7 @@ def test_bad_pooling_params(models):
                       ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
         with pytest.raises((ValueError, TypeError), match=match):
             PoolingParams(**kw)
-    with pytest.raises(ValueError, match="exceeds the model's hidden size"):
+    with pytest.raises(ValueError, match="prompt 0: dimensions=65 exceeds the model's hidden size"):
         llm.embed({"prompt_token_ids": [1, 2]}, PoolingParams(dimensions=65), use_tqdm=False)
     with pytest.raises(TypeError, match="PoolingParams"):
         llm.embed([[1, 2]], SamplingParams())

@@ -7,7 +7,7 @@ import torch
 
 from pageflash import LLM, SamplingParams
 
-from hf_ref import hf_model_from_gguf
+from hf_ref import hf_greedy_processed, hf_model_from_gguf
 
 
 @pytest.fixture(scope="module")
@@ -15,19 +15,12 @@ def llm():
     return LLM(max_model_len=256, num_kv_blocks=96, max_num_seqs=8, dtype="float32")
 
 
-@torch.no_grad()
 def hf_greedy_biased(model, prompt_ids, bias, max_new_tokens, eos_ids):
-    ids, out = list(prompt_ids), []
-    for _ in range(max_new_tokens):
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    def add_bias(logits, _out):
         for t, b in bias.items():
             logits[t] += b
-        tok = int(logits.argmax())
-        out.append(tok)
-        ids.append(tok)
-        if tok in eos_ids:
-            break
-    return out
+
+    return hf_greedy_processed(model, prompt_ids, add_bias, max_new_tokens, eos_ids)
 
 
 def test_logit_bias_greedy_matches_hf_and_spec(llm):

@@ -12,7 +12,7 @@ from pageflash import LLM, SamplingParams, StructuredOutputsParams
 from pageflash.engine.sampler import Sampler, SamplingBatch, SamplingRow, unpack_bitmask
 from pageflash.engine.structured import allowed_tokens
 
-from hf_ref import hf_model_from_gguf
+from hf_ref import hf_greedy_processed, hf_model_from_gguf
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -240,22 +240,15 @@ def test_bad_word_masks_follow_the_outputs():
     assert batch.banned_mask[0].nonzero().flatten().tolist() == [3, 7]
 
 
-@torch.no_grad()
 def hf_greedy_without(model, prompt_ids, seqs, max_new_tokens, eos_ids):
-    """The reference: HF forward, argmax after masking each bad sequence's last token where the output
-    ends with the rest of it."""
-    ids, out = list(prompt_ids), []
-    for _ in range(max_new_tokens):
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    """The reference: HF greedy after masking each bad sequence's last token where the output ends
+    with the rest of it."""
+    def mask(logits, out):
         for seq in seqs:
             if len(seq) == 1 or (len(out) >= len(seq) - 1 and tuple(out[len(out) - len(seq) + 1:]) == seq[:-1]):
                 logits[seq[-1]] = float("-inf")
-        tok = int(logits.argmax())
-        out.append(tok)
-        ids.append(tok)
-        if tok in eos_ids:
-            break
-    return out
+
+    return hf_greedy_processed(model, prompt_ids, mask, max_new_tokens, eos_ids)
 
 
 def test_bad_words_never_come_out(llm):

@@ -283,14 +283,23 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
         return list(ids)
 
-    def validate_request(self, prompt_ids: list[int], params: SamplingParams, compile_constraints: bool = True) -> None:
+    def validate_request(self, prompt_ids: list[int], params: Union[SamplingParams, PoolingParams],
+                         compile_constraints: bool = True) -> None:  # fmt: skip
         """Raise ValueError for a request this engine cannot run: lengths and ids against its limits;
         with compile_constraints, also an invalid output constraint (compiled and cached, so that
         add_request copies it) or bad_words without a tokenizer. The server passes False: it compiles
-        on its worker thread, and the engine thread tokenizes bad_words."""
+        on its worker thread, and the engine thread tokenizes bad_words. An embedding request
+        (PoolingParams) generates nothing: its prompt may fill max_model_len."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("prompt is empty: give at least one token")
+        if isinstance(params, PoolingParams):
+            if n > self.max_model_len:
+                raise ValueError(f"prompt has {n} tokens, but max_model_len is {self.max_model_len}")
+            if params.dimensions is not None and params.dimensions > self.model_config.hidden_size:
+                raise ValueError(f"dimensions={params.dimensions} exceeds the model's hidden size "
+                                 f"({self.model_config.hidden_size})")
+            return
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt has {n} tokens, but max_model_len is {self.max_model_len}: at most "
@@ -334,11 +343,8 @@ class LLMEngine:
         PoolingParams for an embedding request (RequestOutput.embedding, no tokens generated)."""
         params = SamplingParams() if params is None else params
         pooling = None
-        if isinstance(params, PoolingParams):
+        if isinstance(params, PoolingParams):  # the request runs as a one-token one that never samples
             pooling = params
-            if pooling.dimensions is not None and pooling.dimensions > self.model_config.hidden_size:
-                raise ValueError(f"dimensions={pooling.dimensions} exceeds the model's hidden size "
-                                 f"({self.model_config.hidden_size})")
             params = SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=pooling.truncate_prompt_tokens)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -347,7 +353,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         ids = params.truncate_prompt(ids)
-        self.validate_request(ids, params, compile_constraints=False)  # (compiled just below)
+        self.validate_request(ids, pooling or params, compile_constraints=False)  # (compiled just below)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured_outputs().matcher(params.structured_outputs)

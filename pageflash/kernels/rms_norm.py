@@ -37,6 +37,20 @@ MAX_HIDDEN = 65536  # the whole row lives in registers
 
 
 @triton.jit
+def _normed(x, w, inv_h, eps, LIBDEVICE: tl.constexpr):
+    """rms_norm_ref's arithmetic on one row x (the sum of squares aside): float32(x) * rsqrt(mean + eps)
+    rounded to x's dtype, times w in float32 (exact for 16-bit operands); the caller rounds once."""
+    xf = x.to(tl.float32)
+    ms = tl.sum(xf * xf, axis=0) * inv_h + eps
+    if LIBDEVICE:
+        rstd = libdevice.rsqrt(ms)
+    else:  # interpreter (no libdevice)
+        rstd = tl.math.rsqrt(ms)
+    xn = (xf * rstd).to(x.dtype)
+    return xn.to(tl.float32) * w.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     X, R, W, O, RO,
     stride_x, stride_r, stride_o, stride_ro,
@@ -54,14 +68,7 @@ def _rms_norm_kernel(
         r = tl.load(R + t * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(RO + t * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    ms = tl.sum(xf * xf, axis=0) * inv_h + eps
-    if LIBDEVICE:
-        rstd = libdevice.rsqrt(ms)
-    else:  # interpreter (no libdevice)
-        rstd = tl.math.rsqrt(ms)
-    xn = (xf * rstd).to(X.dtype.element_ty)
-    y = xn.to(tl.float32) * w.to(tl.float32)  # exact for 16-bit operands: one rounding below
+    y = _normed(x, w, inv_h, eps, LIBDEVICE)
     tl.store(O + t * stride_o + cols, y.to(O.dtype.element_ty), mask=mask)
 
 
@@ -166,14 +173,7 @@ def _qk_norm_kernel(
     ptr = X + t * stride_t + h * HEAD_DIM + cols
     x = tl.load(ptr, mask=mask, other=0.0)
     w = tl.where(h < num_q_heads, tl.load(QW + cols, mask=mask, other=0.0), tl.load(KW + cols, mask=mask, other=0.0))
-    xf = x.to(tl.float32)
-    ms = tl.sum(xf * xf, axis=0) * inv_d + eps
-    if LIBDEVICE:
-        rstd = libdevice.rsqrt(ms)
-    else:  # interpreter (no libdevice)
-        rstd = tl.math.rsqrt(ms)
-    xn = (xf * rstd).to(X.dtype.element_ty)
-    tl.store(ptr, (xn.to(tl.float32) * w.to(tl.float32)).to(X.dtype.element_ty), mask=mask)
+    tl.store(ptr, _normed(x, w, inv_d, eps, LIBDEVICE).to(X.dtype.element_ty), mask=mask)
 
 
 _qk_norm_kernel = fast_launch(_qk_norm_kernel)

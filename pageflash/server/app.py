@@ -832,7 +832,6 @@ class OpenAIServing:
         if body.dimensions is not None and body.dimensions > hidden:
             raise APIError(400, f"dimensions={body.dimensions} exceeds the model's hidden size ({hidden})",
                            param="dimensions")  # fmt: skip
-        check = self.sampling_params({"max_tokens": 1, "truncate_prompt_tokens": body.truncate_prompt_tokens})
         prompts: list[Any] = []
         for i, p in enumerate(raw):
             name = "input" if len(raw) == 1 else f"input[{i}]"
@@ -844,8 +843,9 @@ class OpenAIServing:
             else:
                 ids = await self.tokenizer.run(lambda t, p=p: list(t.encode(p, add_special_tokens=body.add_special_tokens)),
                                                "Cannot tokenize the input", name)  # fmt: skip
-            ids = check.truncate_prompt(ids)
-            self.validate(ids, check, name)
+            if body.truncate_prompt_tokens is not None:
+                ids = ids[-body.truncate_prompt_tokens:]
+            self.validate(ids, pooling, name)
             prompts.append({"prompt_token_ids": ids})
         streams = await self.add_all(f"embd-{uuid.uuid4().hex}", prompts, pooling, "input")
 
@@ -1440,13 +1440,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_auth)])
 
     # vLLM's tokenizer endpoints: outside /v1 and, as there, without the API key
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await serving.tokenize(request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await serving.detokenize(request)
+    app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
 
     @v1.get("/models")
     async def models() -> Response:
@@ -1459,21 +1454,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
         card = P.ModelCard(id=model_id, root=engine.model_name, max_model_len=engine.max_model_len)
         return Response(card.model_dump_json(), media_type="application/json")
 
-    @v1.post("/completions")
-    async def completions(request: Request) -> Response:
-        return await serving.completions(request)
-
-    @v1.post("/embeddings")
-    async def embeddings(request: Request) -> Response:
-        return await serving.embeddings(request)
-
-    @v1.post("/responses")
-    async def responses(request: Request) -> Response:
-        return await serving.responses(request)
-
-    @v1.post("/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serving.chat_completions(request)
+    for path, handler in (("/completions", serving.completions), ("/chat/completions", serving.chat_completions),
+                          ("/responses", serving.responses), ("/embeddings", serving.embeddings)):
+        v1.add_api_route(path, handler, methods=["POST"])
 
     app.include_router(v1)
     return app

@@ -200,6 +200,19 @@ class _SamplingFields(_Strict):
 PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
 
 
+def _prompt_list(p: Any, field: str, limit: int) -> list[str | list[int]]:
+    """A string, token ids, or a list of either, as a list of prompts (at most limit of them)."""
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise ValueError(f"{field} must not be empty")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    if len(p) > limit:
+        raise ValueError(f"at most {limit} {field}s per request, got {len(p)}")
+    return list(p)
+
+
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
     echo: StrictBool | None = False  # before max_tokens, whose check reads it
@@ -225,16 +238,7 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a list of token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise ValueError("prompt must not be empty")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        if len(p) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}")
-        return list(p)  # type: ignore[arg-type]
+        return _prompt_list(self.prompt, "prompt", MAX_PROMPTS)
 
 
 class Usage(BaseModel):
@@ -767,16 +771,7 @@ class EmbeddingRequest(_Strict):
     add_special_tokens: StrictBool = True
 
     def inputs(self) -> list[str | list[int]]:
-        p = self.input
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise ValueError("input must not be empty")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        if len(p) > MAX_EMBED_INPUTS:
-            raise ValueError(f"at most {MAX_EMBED_INPUTS} inputs per request, got {len(p)}")
-        return list(p)  # type: ignore[arg-type]
+        return _prompt_list(self.input, "input", MAX_EMBED_INPUTS)
 
 
 # --------------------------------------------------------------------------- /tokenize, /detokenize

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from pageflash.server.tool_parsers import partial_tail
+
 START, END = "<think>", "</think>"
 
 
@@ -25,14 +27,6 @@ class Split:
 
     reasoning: Optional[str]
     content: Optional[str]
-
-
-def _partial_tag_tail(text: str, tag: str) -> int:
-    """The length of the longest tail of text that is a proper prefix of tag (0 if none)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 class ThinkReasoningParser:
@@ -72,7 +66,7 @@ class ThinkReasoningParser:
         end = body.find(END)
         if end >= 0:
             return Split(body[:end], body[end + len(END):] or None)
-        keep = 0 if final else _partial_tag_tail(body, END)
+        keep = 0 if final else partial_tail(body, END)
         return Split(body[: len(body) - keep] or None, None)
 
 

@@ -47,7 +47,7 @@ class HermesToolParser:
         start = text.find(self.START)
         if start >= 0:
             return start
-        return len(text) - _partial_tail(text, self.START)
+        return len(text) - partial_tail(text, self.START)
 
 
 def _call_of(obj: object) -> Optional[tuple[str, str]]:
@@ -58,7 +58,7 @@ def _call_of(obj: object) -> Optional[tuple[str, str]]:
     return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """The length of the longest tail of text that is a proper prefix of tag."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-k:]):
@@ -151,7 +151,7 @@ class MistralToolParser:
         start = text.find(self.START)
         if start >= 0:
             return start
-        return len(text) - _partial_tail(text, self.START)
+        return len(text) - partial_tail(text, self.START)
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser}
