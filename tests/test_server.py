@@ -821,6 +821,9 @@ def test_responses_api_through_the_openai_client(srv: Srv) -> None:
     assert_error(srv.post("/v1/responses", {"input": [{"type": "input_image", "image_url": "x"}]}), 400, param="input")
     assert_error(srv.post("/v1/responses", {"input": ""}), 400, param="input")
     assert_error(srv.post("/v1/responses", {"input": "hi", "max_output_tokens": 0}), 400, param="max_output_tokens")
+    assert_error(srv.post("/v1/responses", {"input": "hi", "guided_regex": "[a-"}), 400, param="guided_regex")
+    g = srv.post("/v1/responses", {"input": "Pick one.", "guided_choice": ["red", "blue"], "temperature": 0}).json()
+    assert g["output"][0]["content"][0]["text"] in ("red", "blue")
     assert_error(srv.post("/v1/responses", {"input": "hi", "text": {"format": {"type": "xml"}}}), 400, param="text")
     assert_error(srv.post("/v1/responses", {"input": [{"role": "wizard", "content": "x"}]}), 400, param="input[0]")
     assert_error(srv.post("/v1/responses", {"input": "hi", "max_output_tokens": 10**6}), 400,
@@ -955,6 +958,26 @@ def test_reasoning_parsers_split_the_thought(srv: Srv) -> None:
         ds = [e["choices"][0]["delta"] for e in _stream_events(base, {**body, **cut}) if e["choices"]]
         assert "".join(d.get("content") or "" for d in ds) == whole == "Well, well, I "
         assert [t["function"]["name"] for d in deltas for t in d["delta"].get("tool_calls") or []] == ["get_time"]
+        # /v1/responses: the thought is a reasoning item before the message, streamed and not
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        rq = dict(model=MODEL, input="Hi", max_output_tokens=40, temperature=0, extra_body=forced)
+        r = client.responses.create(**rq)
+        assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "Hello there!"
+        assert r.output[0].content[0].text == "I should greet."
+        events = list(client.responses.create(**rq, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "I should greet."
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there!"
+        assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
+        assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]
+        assert events[-1].type == "response.completed" and events[-1].response.output_text == "Hello there!"
+        with client.responses.stream(**rq) as st:
+            assert st.get_final_response().output_text == "Hello there!"
+        cut = client.responses.create(**{**rq, "max_output_tokens": 4})  # cut inside the thought
+        assert cut.status == "incomplete" and [o.type for o in cut.output] == ["reasoning", "message"]
+        assert cut.output[0].status == "incomplete" and cut.output_text == ""
+        events = list(client.responses.create(**{**rq, "max_output_tokens": 4}, stream=True))
+        assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]
+        assert events[-1].type == "response.incomplete"
     with serve(build_app(srv.aeng, MODEL, reasoning_parser="deepseek_r1")) as base:
         # deepseek_r1: the output is a thought until </think>; the model never closes one here
         plain = srv.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]

@@ -28,7 +28,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 import pydantic
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -713,16 +713,17 @@ class OpenAIServing:
             except ValueError as e:  # (pydantic's ValidationError is a ValueError)
                 err = _validation_error(e) if isinstance(e, pydantic.ValidationError) else APIError(400, str(e), param="text")
                 raise ours(err) from None
-            _, prompt_ids = await self.render_chat(chat)
+            rendered, prompt_ids = await self.render_chat(chat)
             if not prompt_ids:
                 raise APIError(400, "input: the chat template produced an empty prompt", param="input")
             kw = chat.sampling_kwargs()
             kw["max_tokens"] = chat.max_new_tokens
+            field = "text" if chat.structured_from == "response_format" else chat.structured_from
             try:
-                params = self.sampling_params(kw, "text")
+                params = self.sampling_params(kw, field)
             except APIError as e:
                 raise ours(e) from None
-            await self.compile_constraint(params, "text")
+            await self.compile_constraint(params, field)
             try:
                 self.validate(prompt_ids, params, "input", "the prompt (input after the chat template)")
                 break
@@ -738,12 +739,31 @@ class OpenAIServing:
                           params, self.metrics.timer())  # fmt: skip
         created = time.time()
 
+        # With a --reasoning-parser the thought is a reasoning item before the message (the split as in
+        # chat: a constrained output holds a thought only where it opens one itself).
+        parser = self.reasoning_parser
+        opened = parser is not None and params.structured_outputs is None and parser.starts_in_thought(rendered)
+        rs_id = f"rs_{uuid.uuid4().hex}"
+
+        def split(text: str, final: bool) -> tuple[str | None, str]:
+            """(reasoning or None, content) settled so far."""
+            if parser is None:
+                return None, text
+            part = parser.split(text, final, opened)
+            return part.reasoning, part.content or ""
+
+        def items(status: str, text: str) -> list[dict[str, Any]]:
+            thought, content = split(text, True)
+            state = "completed" if status == "completed" else "incomplete"
+            out = []
+            if thought is not None:  # (a thought followed by content was complete, whatever cut the content)
+                out.append({"type": "reasoning", "id": rs_id, "summary": [], "status": "completed" if content else state,
+                            "content": [{"type": "reasoning_text", "text": thought}]})  # fmt: skip
+            out.append({"type": "message", "id": msg_id, "status": state, "role": "assistant",
+                        "content": [{"type": "output_text", "text": content, "annotations": [], "logprobs": []}]})
+            return out
+
         def response(status: str, text: str | None = None, reason: str | None = None) -> dict[str, Any]:
-            output = []
-            if text is not None:
-                output = [{"type": "message", "id": msg_id, "status": "completed" if status == "completed" else "incomplete",
-                           "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": [],
-                                                              "logprobs": []}]}]  # fmt: skip
             usage = None
             if status != "in_progress":
                 u = gen.usage()
@@ -752,7 +772,7 @@ class OpenAIServing:
                          "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                          "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
             return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
-                    "output": output, "usage": usage, "error": None,
+                    "output": items(status, text) if text is not None else [], "usage": usage, "error": None,
                     "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
                     "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                     "temperature": body.temperature, "top_p": body.top_p, "text": body.text or {"format": {"type": "text"}},
@@ -776,29 +796,74 @@ class OpenAIServing:
                     seq += 1
                     return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
 
-                where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
-                item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []}
+                # Items open as their text starts: the reasoning item (when a thought comes first), then
+                # the message; output_index counts them in that order. The thought closes when the
+                # content starts (or at the end); the message always comes, last.
+                index: dict[str, int] = {}
+                sent = {"reasoning": 0, "message": 0}
+                closed: set[str] = set()
+
+                def open_item(kind: str) -> Iterator[str]:
+                    if kind in index:
+                        return
+                    i = index[kind] = len(index)
+                    if kind == "reasoning":
+                        yield event("response.output_item.added", output_index=i, item={
+                            "type": "reasoning", "id": rs_id, "summary": [], "status": "in_progress", "content": []})
+                        return
+                    yield event("response.output_item.added", output_index=i, item={
+                        "type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []})
+                    yield event("response.content_part.added", item_id=msg_id, output_index=i, content_index=0,
+                                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+                def close_reasoning(thought: str, state: str) -> Iterator[str]:
+                    closed.add("reasoning")
+                    i = index["reasoning"]
+                    yield event("response.reasoning_text.done", item_id=rs_id, output_index=i, content_index=0, text=thought)
+                    yield event("response.output_item.done", output_index=i, item={
+                        "type": "reasoning", "id": rs_id, "summary": [], "status": state,
+                        "content": [{"type": "reasoning_text", "text": thought}]})
+
+                def send(text: str, final: bool, state: str = "completed") -> Iterator[str]:
+                    thought, content = split(text, final)
+                    if thought is not None and len(thought) > sent["reasoning"] and "reasoning" not in closed:
+                        yield from open_item("reasoning")
+                        yield event("response.reasoning_text.delta", item_id=rs_id, output_index=index["reasoning"],
+                                    content_index=0, delta=thought[sent["reasoning"]:])
+                        sent["reasoning"] = len(thought)
+                    if (content or final) and "reasoning" in index and "reasoning" not in closed:
+                        yield from close_reasoning(thought or "", state if final and not content else "completed")
+                    if content or final:
+                        yield from open_item("message")
+                    if len(content) > sent["message"]:
+                        yield event("response.output_text.delta", item_id=msg_id, output_index=index["message"],
+                                    content_index=0, delta=content[sent["message"]:], logprobs=[])
+                        sent["message"] = len(content)
+
                 yield event("response.created", response=response("in_progress"))
                 yield event("response.in_progress", response=response("in_progress"))
-                yield event("response.output_item.added", output_index=0, item=item)
-                yield event("response.content_part.added", **where,
-                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
                 text, reason = "", None
                 try:
                     async for delta, reason in gen.deltas(on_delta):
-                        if delta:
-                            text += delta
-                            yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
+                        text += delta
+                        for e in send(text, False):
+                            yield e
                 except EngineError as e:
                     yield event("response.failed", response={**response("failed"),
                                                              "error": {"code": "server_error", "message": str(e)}})
                     return
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
                 status = status_of(reason)
-                yield event("response.output_text.done", **where, text=text, logprobs=[])
-                yield event("response.content_part.done", **where, part=part)
-                done_item = {**item, "status": "completed" if status == "completed" else "incomplete", "content": [part]}
-                yield event("response.output_item.done", output_index=0, item=done_item)
+                state = "completed" if status == "completed" else "incomplete"
+                for e in send(text, True, state):
+                    yield e
+                content = split(text, True)[1]
+                i = index["message"]
+                part = {"type": "output_text", "text": content, "annotations": [], "logprobs": []}
+                yield event("response.output_text.done", item_id=msg_id, output_index=i, content_index=0, text=content,
+                            logprobs=[])  # fmt: skip
+                yield event("response.content_part.done", item_id=msg_id, output_index=i, content_index=0, part=part)
+                yield event("response.output_item.done", output_index=i, item={
+                    "type": "message", "id": msg_id, "status": state, "role": "assistant", "content": [part]})
                 yield event(f"response.{status}", response=response(status, text, reason))
 
             return SSEResponse(events(), on_close=gen.close)

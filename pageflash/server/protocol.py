@@ -679,6 +679,12 @@ class ResponsesRequest(_Strict):
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     stop: StrictStr | list[StrictStr] | None = None
+    # vLLM's output constraints, as on the other endpoints (at most one, text.format included)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: StrictStr | dict[str, Any] | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     @field_validator("tools", "include")
     @classmethod
@@ -741,7 +747,8 @@ class ResponsesRequest(_Strict):
             messages.append({"role": item["role"], "content": content})
         out: dict[str, Any] = {"messages": messages, "max_tokens": self.max_output_tokens}
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "stop"):
+                     "frequency_penalty", "stop", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):
             out[name] = getattr(self, name)
         fmt = (self.text or {}).get("format")
         if fmt is not None:
