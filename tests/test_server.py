@@ -872,6 +872,9 @@ def test_embeddings_through_the_openai_client(srv: Srv) -> None:
     assert_error(srv.post("/v1/embeddings", {"input": "x", "dimensions": 10**4}), 400, param="dimensions")
     assert_error(srv.post("/v1/embeddings", {"input": "x", "encoding_format": "int8"}), 400, param="encoding_format")
     assert_error(srv.post("/v1/embeddings", {"input": "x " * 400}), 400, param="input")
+    before = _metric(srv.http.get("/metrics").text, "pageflash:e2e_request_latency_seconds_count")
+    srv.client.embeddings.create(model=MODEL, input="one more")
+    assert _metric(srv.http.get("/metrics").text, "pageflash:e2e_request_latency_seconds_count") == before + 1
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 

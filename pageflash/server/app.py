@@ -912,6 +912,8 @@ class OpenAIServing:
                 ids = ids[-body.truncate_prompt_tokens:]
             self.validate(ids, pooling, name)
             prompts.append({"prompt_token_ids": ids})
+        timer = self.metrics.timer()  # (e2e latency, prompt length and success counts; no tokens are generated)
+        timer.prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         streams = await self.add_all(f"embd-{uuid.uuid4().hex}", prompts, pooling, "input")
 
         async def collect() -> list[Any]:
@@ -923,6 +925,7 @@ class OpenAIServing:
                 outs.append(last)
             return outs
 
+        outs: list[Any] = [None] * len(streams)
         try:
             outs = await _run_request(request, collect())
         except EngineError as e:
@@ -930,6 +933,7 @@ class OpenAIServing:
         finally:
             for s in streams:
                 s.close()
+            timer.finish(["stop" if o is not None and o.finished else None for o in outs])
         data = []
         for i, o in enumerate(outs):
             if o is None or o.embedding is None:
