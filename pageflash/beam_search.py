@@ -92,73 +92,107 @@ def score(seq: BeamSearchSequence, eos: frozenset, length_penalty: float) -> flo
     return seq.cum_logprob / max(n, 1) ** length_penalty
 
 
+class BeamSearch:
+    """The search's state over rounds, whatever runs the engine (LLM.beam_search here, the server's
+    async engine there): ``pending()`` lists the token sequences to run for one token each (with
+    ``step_params``), ``advance()`` takes each one's top logprobs, ``results()`` ranks the beams."""
+
+    def __init__(self, engine: Any, prompt_ids: Sequence[list[int]], params: BeamSearchParams) -> None:
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        self.params = params
+        self.eos = frozenset() if params.ignore_eos else engine.eos_token_ids
+        self.max_model_len = engine.max_model_len
+        self.width = w = params.beam_width
+        if 2 * w > engine.vocab_size:
+            raise ValueError(f"beam_width={w} needs 2 x {w} candidates per round, more than the vocabulary "
+                             f"of {engine.vocab_size}")
+        self.step_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2 * w,
+                                          skip_special_tokens=True)  # fmt: skip
+        self.live = [[BeamSearchSequence(tokens=list(ids), num_prompt_tokens=len(ids))] for ids in prompt_ids]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in self.live]
+        self.rounds = 0
+        self._flat: list[tuple[int, BeamSearchSequence]] = []
+
+    def pending(self) -> list[list[int]]:
+        """The live beams' tokens, one engine request each (none left: the search is over)."""
+        if self.rounds >= self.params.max_tokens:
+            return []
+        self._flat = [(i, b) for i, beams in enumerate(self.live) for b in beams]
+        return [b.tokens for _, b in self._flat]
+
+    def advance(self, tops: Sequence[dict[int, Any]]) -> None:
+        """tops[j]: the {token id: Logprob} of pending()[j]'s next token (top 2 x width)."""
+        self.rounds += 1
+        width = self.width
+        cands: list[list[BeamSearchSequence]] = [[] for _ in self.live]
+        for (i, beam), top in zip(self._flat, tops):
+            for tok, lp in sorted(top.items(), key=lambda kv: -kv[1].logprob)[: 2 * width]:
+                cands[i].append(BeamSearchSequence(
+                    tokens=beam.tokens + [tok], cum_logprob=beam.cum_logprob + lp.logprob,
+                    logprobs=beam.logprobs + [{t: v.logprob for t, v in top.items()}],
+                    num_prompt_tokens=beam.num_prompt_tokens))  # fmt: skip
+        for i, cs in enumerate(cands):
+            for c in cs:
+                if c.tokens[-1] in self.eos:  # every candidate ending with EOS is a finished beam (as vLLM)
+                    c.finish_reason = "stop"
+                    self.done[i].append(c)
+            rest = sorted((c for c in cs if c.finish_reason is None), key=lambda c: -c.cum_logprob)[:width]
+            self.live[i] = []
+            for c in rest:  # (sorted is stable: ties keep the engine's order)
+                if len(c.tokens) >= self.max_model_len:  # no room for another token
+                    c.finish_reason = "length"
+                    self.done[i].append(c)
+                else:
+                    self.live[i].append(c)
+
+    def results(self, tokenizer: Any = None) -> list[BeamSearchOutput]:
+        """Per prompt, the best beam_width of the finished and live beams, with their texts."""
+        out = []
+        for i, beams in enumerate(self.live):
+            for b in beams:
+                b.finish_reason = b.finish_reason or "length"
+            ranked = sorted(self.done[i] + beams, key=lambda s: -score(s, self.eos, self.params.length_penalty))
+            ranked = ranked[: self.width]
+            for s in ranked:
+                if tokenizer is not None:
+                    s.text = tokenizer.decode(s.tokens, skip_special_tokens=True)
+                    s.output_text = tokenizer.decode(s.output_token_ids, skip_special_tokens=True)
+            out.append(BeamSearchOutput(sequences=ranked))
+        return out
+
+
 def beam_search(llm: "LLM", prompts: Sequence[Any], params: BeamSearchParams,
                 use_tqdm: bool = False) -> list[BeamSearchOutput]:  # fmt: skip
     """Beam search for each prompt (as LLM.generate takes them); one BeamSearchOutput per prompt."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     eng = llm.llm_engine
-    eos = frozenset() if params.ignore_eos else eng.eos_token_ids
-    width = params.beam_width
-    if 2 * width > eng.vocab_size:
-        raise ValueError(f"beam_width={width} needs 2 x {width} candidates per round, more than the vocabulary "
-                         f"of {eng.vocab_size}")
-    step = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2 * width, skip_special_tokens=True)
-    live: list[list[BeamSearchSequence]] = []
+    step = SamplingParams(temperature=0.0, max_tokens=1)
+    ids_list = []
     for i, p in enumerate(prompts):
         try:
             _, ids = eng.tokenize_prompt(p)
             eng.validate_request(ids, step)
         except (ValueError, TypeError) as e:
             raise type(e)(f"prompt {i}: {e}") from e
-        live.append([BeamSearchSequence(tokens=list(ids), num_prompt_tokens=len(ids))])
-    done: list[list[BeamSearchSequence]] = [[] for _ in live]
+        ids_list.append(ids)
+    search = BeamSearch(eng, ids_list, params)
     bar = None
     if use_tqdm:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True)
     try:
-        for _ in range(params.max_tokens):
-            flat = [(i, b) for i, beams in enumerate(live) for b in beams]
-            if not flat:
+        while True:
+            todo = search.pending()
+            if not todo:
                 break
-            outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in flat], step, use_tqdm=False)
-            cands: list[list[BeamSearchSequence]] = [[] for _ in live]
-            for (i, beam), out in zip(flat, outs):
-                top = out.outputs[0].logprobs[0]
-                for tok, lp in sorted(top.items(), key=lambda kv: -kv[1].logprob)[: 2 * width]:
-                    cands[i].append(BeamSearchSequence(
-                        tokens=beam.tokens + [tok], cum_logprob=beam.cum_logprob + lp.logprob,
-                        logprobs=beam.logprobs + [{t: v.logprob for t, v in top.items()}],
-                        num_prompt_tokens=beam.num_prompt_tokens))  # fmt: skip
-            for i, cs in enumerate(cands):
-                for c in cs:
-                    if c.tokens[-1] in eos:  # every candidate ending with EOS is a finished beam (as vLLM)
-                        c.finish_reason = "stop"
-                        done[i].append(c)
-                rest = sorted((c for c in cs if c.finish_reason is None), key=lambda c: -c.cum_logprob)[:width]
-                live[i] = []
-                for c in rest:  # (sorted is stable: ties keep the engine's order)
-                    if len(c.tokens) >= eng.max_model_len:  # no room for another token
-                        c.finish_reason = "length"
-                        done[i].append(c)
-                    else:
-                        live[i].append(c)
+            outs = llm.generate([{"prompt_token_ids": t} for t in todo], search.step_params, use_tqdm=False)
+            search.advance([o.outputs[0].logprobs[0] for o in outs])
             if bar is not None:
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-    tok = eng.tokenizer
-    results = []
-    for i, beams in enumerate(live):
-        for b in beams:
-            b.finish_reason = b.finish_reason or "length"
-        ranked = sorted(done[i] + beams, key=lambda s: -score(s, eos, params.length_penalty))[:width]
-        for s in ranked:
-            if tok is not None:
-                s.text = tok.decode(s.tokens, skip_special_tokens=True)
-                s.output_text = tok.decode(s.output_token_ids, skip_special_tokens=True)
-        results.append(BeamSearchOutput(sequences=ranked))
-    return results
+    return search.results(eng.tokenizer)

@@ -392,7 +392,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format", ("json_schema.schema",)),
     ({"prompt": "hi", "response_format": {"type": "structural_tag"}}, None, ("structural_tag",)),
     ({"prompt": "hi", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", ("not supported",)),
-    ({"prompt": "hi", "use_beam_search": True, "n": 2}, "use_beam_search", ("LLM.beam_search",)),
+    ({"prompt": "hi", "use_beam_search": True, "n": 2, "stream": True}, "stream", ("use_beam_search",)),
+    ({"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 0.7}, "temperature", ("use_beam_search",)),
+    ({"prompt": "hi", "use_beam_search": True, "n": 2, "top_p": 0.5}, "top_p", ("use_beam_search",)),
+    ({"prompt": "hi", "use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs", ("use_beam_search",)),
+    ({"prompt": "hi", "use_beam_search": True, "n": 11}, "n", ("at most 10",)),
+    ({"prompt": "hi", "use_beam_search": "yes"}, "use_beam_search", ()),
     # vLLM extras that would change the result: refused by name, never silently ignored
     ({"prompt": "hi", "allowed_token_ids": [1, "x"]}, "allowed_token_ids[1]", ()),
     ({"prompt": "hi", "allowed_token_ids": [10**9]}, "allowed_token_ids", ("outside the vocabulary",)),
@@ -875,6 +880,31 @@ def test_embeddings_through_the_openai_client(srv: Srv) -> None:
     before = _metric(srv.http.get("/metrics").text, "pageflash:e2e_request_latency_seconds_count")
     srv.client.embeddings.create(model=MODEL, input="one more")
     assert _metric(srv.http.get("/metrics").text, "pageflash:e2e_request_latency_seconds_count") == before + 1
+    assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
+
+
+def test_beam_search_over_http(srv: Srv) -> None:
+    """use_beam_search with n beams: the beams LLM.beam_search finds offline on the same model, best
+    first, in completions (per prompt) and chat."""
+    from pageflash import BeamSearchParams
+
+    offline = LLM(MODEL, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
+    tok = offline.get_tokenizer()
+    prompts = ["The capital of France is", "Once upon a time"]
+    want = offline.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=6))
+    r = srv.post("/v1/completions", {"prompt": prompts, "n": 3, "max_tokens": 6, "use_beam_search": True,
+                                     "temperature": 0}).json()  # fmt: skip
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    assert [c["text"] for c in r["choices"]] == [s.output_text for w in want for s in w.sequences]
+    assert [c["finish_reason"] for c in r["choices"]] == [s.finish_reason for w in want for s in w.sequences]
+    assert r["usage"]["completion_tokens"] == sum(len(s.output_token_ids) for w in want for s in w.sequences)
+    msgs = [{"role": "user", "content": "Name a color."}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    chat_want = offline.beam_search({"prompt_token_ids": tok.encode(text, add_special_tokens=False)},
+                                    BeamSearchParams(beam_width=2, max_tokens=8, length_penalty=0.5))
+    c = srv.client.chat.completions.create(model=MODEL, messages=msgs, n=2, max_tokens=8,
+                                           extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert [ch.message.content for ch in c.choices] == [s.output_text for s in chat_want[0].sequences]
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 

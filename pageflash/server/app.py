@@ -681,6 +681,93 @@ class OpenAIServing:
 
         return await self.tokenizer.run(render, "Cannot apply the chat template", "messages")
 
+    async def completions_beam_search(self, request: Request, req: P.CompletionRequest, raw: list[Any],
+                                      model: str) -> Response:  # fmt: skip
+        for name in ("echo", "logprobs"):
+            if getattr(req, name):
+                raise APIError(400, f"use_beam_search does not take {name}", param=name)
+        ids_list = []
+        for i, p in enumerate(raw):
+            name = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+            if isinstance(p, list):
+                self.check_token_ids(p, name)
+                ids_list.append(p)
+            elif not p:
+                raise APIError(400, f"{name} must not be empty", param=name)
+            else:
+                ids_list.append(await self.tokenizer.run(lambda t, p=p: list(t.encode(p)), "Cannot tokenize the prompt",
+                                                         name))  # fmt: skip
+        results, usage = await self.beam_search(request, req, ids_list, req.max_tokens, "prompt")
+        choices = [P.CompletionChoice(index=i * req.n + j, text=s.output_text or "", finish_reason=s.finish_reason)
+                   for i, r in enumerate(results) for j, s in enumerate(r.sequences)]  # fmt: skip
+        body = P.CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=model, choices=choices, usage=usage)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    # ---- beam search (vLLM's use_beam_search)
+    async def beam_search(self, request: Request, req: Any, prompts: list[list[int]], max_tokens: int | None,
+                          param: str) -> tuple[list[Any], P.Usage]:  # fmt: skip
+        """Beam search with n beams (pageflash.beam_search.BeamSearch), its rounds of one-token
+        requests run through the async engine. Returns per prompt its BeamSearchOutput (best n
+        first, texts decoded on the worker thread) and the usage (prompt tokens, the returned
+        beams' generated tokens). A request that sets what beam search does not take is a 400."""
+        from pageflash.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams
+        from pageflash.sampling_params import SamplingParams
+
+        bad = req.beam_search_conflicts()
+        if bad:
+            raise APIError(400, f"use_beam_search ranks the model's own log-probabilities and takes only n, the "
+                                f"length limit, length_penalty and ignore_eos; not {', '.join(bad)}", param=bad[0])
+        if req.n > MAX_BEAM_WIDTH:
+            raise APIError(400, f"use_beam_search: n (the beam width) must be at most {MAX_BEAM_WIDTH}, got {req.n}",
+                           param="n")  # fmt: skip
+        check = SamplingParams(max_tokens=1)
+        for i, ids in enumerate(prompts):
+            self.validate(ids, check, param if len(prompts) == 1 else f"{param}[{i}]")
+        room = self.engine.max_model_len - max(len(p) for p in prompts)
+        try:
+            bp = BeamSearchParams(beam_width=req.n, max_tokens=min(max_tokens or room, room),
+                                  ignore_eos=bool(req.ignore_eos),
+                                  length_penalty=1.0 if req.length_penalty is None else req.length_penalty)
+            search = BeamSearch(self.engine.engine, prompts, bp)
+        except (ValueError, TypeError) as e:
+            raise _value_error(e, ["n", "length_penalty"]) from None
+        rid = f"beam-{uuid.uuid4().hex}"
+        timer = self.metrics.timer()
+        timer.prompt_tokens = sum(len(p) for p in prompts)
+
+        async def rounds() -> None:
+            r = 0
+            while todo := search.pending():
+                streams = await self.add_all(f"{rid}-{r}", [{"prompt_token_ids": t} for t in todo], search.step_params,
+                                             param)  # fmt: skip
+                try:
+                    tops = []
+                    for stream in streams:
+                        last = None
+                        async for out in stream:
+                            last = out
+                        if last is None or not last.finished or not last.outputs[0].logprobs:
+                            raise APIError(500, "beam search: a round's request ended without its token")
+                        tops.append(last.outputs[0].logprobs[0])
+                finally:
+                    for stream in streams:
+                        stream.close()
+                search.advance(tops)
+                r += 1
+
+        reasons: list[str | None] = [None]
+        try:
+            await _run_request(request, rounds())
+            results = await self.tokenizer.run(lambda tok: search.results(tok), "Cannot decode the beams", param)
+            reasons = [s.finish_reason for r in results for s in r.sequences]
+        except EngineError as e:
+            raise APIError(500, f"Engine error: {e}") from None
+        finally:
+            timer.finish(reasons)
+        n_out = sum(len(s.output_token_ids) for r in results for s in r.sequences)
+        n_in = sum(len(p) for p in prompts)
+        return results, P.Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
+
     # ---- /v1/responses (OpenAI's Responses API, the stateless text subset)
     async def responses(self, request: Request) -> Response:
         """A Responses API request run as the equivalent chat request: one assistant message item with
@@ -1001,6 +1088,8 @@ class OpenAIServing:
             raise APIError(400, str(e), param="prompt") from None
         if len(raw) * req.n > MAX_CHOICES:
             raise APIError(400, f"prompts x n = {len(raw) * req.n} is over the limit of {MAX_CHOICES}", param="n")
+        if req.use_beam_search:
+            return await self.completions_beam_search(request, req, raw, model)
         kw = req.sampling_kwargs()
         echo_only = req.max_tokens == 0  # vLLM's echo without generation: one token is run, not returned
         kw["max_tokens"] = 1 if echo_only else req.max_tokens
@@ -1127,6 +1216,16 @@ class OpenAIServing:
         rendered, prompt_ids = await self.render_chat(req)
         if not prompt_ids:
             raise APIError(400, "messages: the chat template produced an empty prompt", param="messages")
+        if req.use_beam_search:
+            for name in ("echo", "logprobs", "tools"):
+                if getattr(req, name):
+                    raise APIError(400, f"use_beam_search does not take {name}", param=name)
+            results, usage = await self.beam_search(request, req, [prompt_ids], req.max_new_tokens, "messages")
+            beams = [P.ChatChoice(index=j, message=P.ChatResponseMessage(role=req.response_role, content=s.output_text),
+                                  finish_reason=s.finish_reason) for j, s in enumerate(results[0].sequences)]  # fmt: skip
+            body = P.ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model,
+                                            choices=beams, usage=usage)  # fmt: skip
+            return Response(body.model_dump_json(), media_type="application/json")
         kw = req.sampling_kwargs()
         kw["max_tokens"] = req.max_new_tokens
         if req.calls_tools == "auto" and getattr(self.tool_parser, "keeps_special_tokens", False):

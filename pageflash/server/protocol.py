@@ -108,7 +108,9 @@ class _SamplingFields(_Strict):
     # vLLM's extra parameters that change the result and that pageflash does not implement: asking
     # for one (anything but null / false) is a 400 naming it, not a silently different result.
     logits_processors: Any = None
-    use_beam_search: Any = None
+    # vLLM's beam search: n beams (beam_width = n), ranked by cum_logprob / len ** length_penalty
+    use_beam_search: StrictBool | None = None
+    length_penalty: Float | None = None
     # vLLM's: logprobs name each token "token_id:ID" (tokens that are not valid text alone stay apart)
     return_tokens_as_token_ids: StrictBool | None = None
 
@@ -116,14 +118,6 @@ class _SamplingFields(_Strict):
     @classmethod
     def _not_implemented(cls, v: Any) -> Any:
         return _unless_asked(v)
-
-    @field_validator("use_beam_search")
-    @classmethod
-    def _beam_search_offline(cls, v: Any) -> Any:
-        if v is None or v is False:
-            return v
-        raise ValueError("beam search is not served over HTTP by this server; it runs offline "
-                         "(LLM.beam_search with BeamSearchParams)")
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "_SamplingFields":
@@ -163,6 +157,20 @@ class _SamplingFields(_Strict):
             raise ValueError(f"give at most one output constraint, got {', '.join(asked)}")
         self._structured_field = next(iter(asked), "structured_outputs")
         return next(iter(asked.values()), None)
+
+    # what a beam search request may set besides n and the length limit (sampling_kwargs' names)
+    BEAM_FIELDS: ClassVar[frozenset[str]] = frozenset({"n", "temperature", "seed", "ignore_eos"})
+
+    def beam_search_conflicts(self) -> list[str]:
+        """The fields set that beam search does not take (it ranks the model's own log-probabilities:
+        no sampling knobs, constraints, stop strings or logprobs), besides a non-zero temperature."""
+        kw = self.sampling_kwargs()
+        bad = sorted(self.structured_from if k == "structured_outputs" else k for k in kw if k not in self.BEAM_FIELDS)
+        if kw.get("temperature"):
+            bad.append("temperature")
+        if self.stream:
+            bad.append("stream")
+        return bad
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_SamplingFields":
