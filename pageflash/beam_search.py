@@ -7,11 +7,13 @@ round computes only the tail of each beam past its last full block. Every candid
 is set aside as finished; of the others, the beam_width with the largest cumulative log-probability
 live on. At the end the
 finished and the live beams are ranked by ``cum_logprob / len(tokens) ** length_penalty`` (the prompt
-counted, a final EOS not, as vLLM) and the best beam_width returned.
+counted, a final EOS not, as vLLM; compared in log space, so no length_penalty overflows) and the best
+beam_width returned.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -86,10 +88,14 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def score(seq: BeamSearchSequence, eos: frozenset, length_penalty: float) -> float:
-    """vLLM's length-normalized score: cum_logprob / len ** length_penalty, a final EOS not counted."""
-    n = len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos else 0)
-    return seq.cum_logprob / max(n, 1) ** length_penalty
+def rank_key(seq: BeamSearchSequence, eos: frozenset, length_penalty: float) -> float:
+    """Ascending order of vLLM's length-normalized score cum_logprob / len ** length_penalty (a final
+    EOS not counted), best first, computed in log space: cum_logprob <= 0, so the score's order is
+    that of -(log(-cum_logprob) - length_penalty * log(len)), and no power can overflow."""
+    n = max(len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos else 0), 1)
+    if seq.cum_logprob >= 0.0:
+        return -math.inf  # a sure sequence: the best score there is (0)
+    return math.log(-seq.cum_logprob) - length_penalty * math.log(n)
 
 
 class BeamSearch:
@@ -152,7 +158,7 @@ class BeamSearch:
         for i, beams in enumerate(self.live):
             for b in beams:
                 b.finish_reason = b.finish_reason or "length"
-            ranked = sorted(self.done[i] + beams, key=lambda s: -score(s, self.eos, self.params.length_penalty))
+            ranked = sorted(self.done[i] + beams, key=lambda s: rank_key(s, self.eos, self.params.length_penalty))
             ranked = ranked[: self.width]
             for s in ranked:
                 if tokenizer is not None:

@@ -905,6 +905,18 @@ def test_beam_search_over_http(srv: Srv) -> None:
     c = srv.client.chat.completions.create(model=MODEL, messages=msgs, n=2, max_tokens=8,
                                            extra_body={"use_beam_search": True, "length_penalty": 0.5})
     assert [ch.message.content for ch in c.choices] == [s.output_text for s in chat_want[0].sequences]
+    # prompts of different lengths each get max_tokens (the longer one's room does not cap the other's)
+    short, longer = [504, 3575, 282, 4649, 314], [504] * 200
+    want = offline.beam_search([short, longer], BeamSearchParams(beam_width=1, max_tokens=20, ignore_eos=True))
+    r = srv.post("/v1/completions", {"prompt": [short, longer], "n": 1, "max_tokens": 20, "use_beam_search": True,
+                                     "ignore_eos": True}).json()  # fmt: skip
+    assert [c["text"] for c in r["choices"]] == [w.sequences[0].output_text for w in want]
+    assert r["usage"]["completion_tokens"] == 40
+    assert_error(srv.post("/v1/completions", {"prompt": [504] * 250, "max_tokens": 50, "use_beam_search": True}), 400,
+                 param="max_tokens")
+    huge = srv.post("/v1/completions", {"prompt": "Hello", "n": 2, "max_tokens": 4, "use_beam_search": True,
+                                        "length_penalty": 1e308, "presence_penalty": 0, "top_p": 1.0})  # fmt: skip
+    assert huge.status_code == 200 and len(huge.json()["choices"]) == 2
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 
@@ -1011,6 +1023,17 @@ def test_reasoning_parsers_split_the_thought(srv: Srv) -> None:
         events = list(client.responses.create(**{**rq, "max_output_tokens": 4}, stream=True))
         assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]
         assert events[-1].type == "response.incomplete"
+        # an empty thought is no reasoning item, streamed or not
+        empty = dict(rq, extra_body={"guided_regex": "<think></think>Hello there!"})
+        assert [o.type for o in client.responses.create(**empty).output] == ["message"]
+        events = list(client.responses.create(**empty, stream=True))
+        assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["message"]
+        assert [o.type for o in events[-1].response.output] == ["message"]
+        # beam search replies are split too: a prompt that leaves a thought open
+        open_msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>"}]
+        b = post(messages=open_msgs, add_generation_prompt=False, continue_final_message=True, use_beam_search=True,
+                 n=2, max_tokens=6, ignore_eos=True)["choices"]  # fmt: skip
+        assert all(c["message"]["content"] is None and c["message"]["reasoning"] for c in b)
     with serve(build_app(srv.aeng, MODEL, reasoning_parser="deepseek_r1")) as base:
         # deepseek_r1: the output is a thought until </think>; the model never closes one here
         plain = srv.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]

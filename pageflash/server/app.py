@@ -720,12 +720,12 @@ class OpenAIServing:
         if req.n > MAX_BEAM_WIDTH:
             raise APIError(400, f"use_beam_search: n (the beam width) must be at most {MAX_BEAM_WIDTH}, got {req.n}",
                            param="n")  # fmt: skip
-        check = SamplingParams(max_tokens=1)
+        # each prompt's room as for any request (max_tokens past it: a 400); None: to the end of the context
+        check = SamplingParams(max_tokens=max_tokens)
         for i, ids in enumerate(prompts):
             self.validate(ids, check, param if len(prompts) == 1 else f"{param}[{i}]")
-        room = self.engine.max_model_len - max(len(p) for p in prompts)
         try:
-            bp = BeamSearchParams(beam_width=req.n, max_tokens=min(max_tokens or room, room),
+            bp = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens or self.engine.max_model_len,
                                   ignore_eos=bool(req.ignore_eos),
                                   length_penalty=1.0 if req.length_penalty is None else req.length_penalty)
             search = BeamSearch(self.engine.engine, prompts, bp)
@@ -833,18 +833,22 @@ class OpenAIServing:
         rs_id = f"rs_{uuid.uuid4().hex}"
 
         def split(text: str, final: bool) -> tuple[str | None, str]:
-            """(reasoning or None, content) settled so far."""
+            """(reasoning or None, content) settled so far; an empty thought counts as none."""
             if parser is None:
                 return None, text
             part = parser.split(text, final, opened)
-            return part.reasoning, part.content or ""
+            return part.reasoning or None, part.content or ""
+
+        def thought_ended(text: str) -> bool:
+            return parser is not None and parser.split(text, True, opened).ended
 
         def items(status: str, text: str) -> list[dict[str, Any]]:
             thought, content = split(text, True)
             state = "completed" if status == "completed" else "incomplete"
             out = []
-            if thought is not None:  # (a thought followed by content was complete, whatever cut the content)
-                out.append({"type": "reasoning", "id": rs_id, "summary": [], "status": "completed" if content else state,
+            if thought is not None:  # (a thought that reached </think> was complete, whatever cut the rest)
+                out.append({"type": "reasoning", "id": rs_id, "summary": [],
+                            "status": "completed" if thought_ended(text) else state,
                             "content": [{"type": "reasoning_text", "text": thought}]})  # fmt: skip
             out.append({"type": "message", "id": msg_id, "status": state, "role": "assistant",
                         "content": [{"type": "output_text", "text": content, "annotations": [], "logprobs": []}]})
@@ -919,7 +923,7 @@ class OpenAIServing:
                                     content_index=0, delta=thought[sent["reasoning"]:])
                         sent["reasoning"] = len(thought)
                     if (content or final) and "reasoning" in index and "reasoning" not in closed:
-                        yield from close_reasoning(thought or "", state if final and not content else "completed")
+                        yield from close_reasoning(thought or "", "completed" if content or thought_ended(text) else state)
                     if content or final:
                         yield from open_item("message")
                     if len(content) > sent["message"]:
@@ -1223,6 +1227,11 @@ class OpenAIServing:
             results, usage = await self.beam_search(request, req, [prompt_ids], req.max_new_tokens, "messages")
             beams = [P.ChatChoice(index=j, message=P.ChatResponseMessage(role=req.response_role, content=s.output_text),
                                   finish_reason=s.finish_reason) for j, s in enumerate(results[0].sequences)]  # fmt: skip
+            if self.reasoning_parser is not None:  # the thought split off, as for any chat reply
+                thinking = _Reasoning(self.reasoning_parser, self.reasoning_parser.starts_in_thought(rendered),
+                                      req.include_reasoning)  # fmt: skip
+                for b in beams:
+                    thinking.finish_message(b)
             body = P.ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model,
                                             choices=beams, usage=usage)  # fmt: skip
             return Response(body.model_dump_json(), media_type="application/json")
@@ -1501,7 +1510,7 @@ class _Reasoning:
         """A whole (non-streamed) choice: its text split into thought and content."""
         split = self.parser.split(self.prefix + (c.message.content or ""), True, self.opened)
         c.message.content = split.content
-        if self.include and split.reasoning is not None:
+        if self.include and split.reasoning:  # (an empty thought, as streamed: none)
             c.message.reasoning = c.message.reasoning_content = split.reasoning
 
 

@@ -10,6 +10,7 @@ the error names the field. Everything else is checked by SamplingParams and the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any, ClassVar, Literal, Union
@@ -164,8 +165,13 @@ class _SamplingFields(_Strict):
     def beam_search_conflicts(self) -> list[str]:
         """The fields set that beam search does not take (it ranks the model's own log-probabilities:
         no sampling knobs, constraints, stop strings or logprobs), besides a non-zero temperature."""
+        from pageflash.sampling_params import SamplingParams
+
+        defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
         kw = self.sampling_kwargs()
-        bad = sorted(self.structured_from if k == "structured_outputs" else k for k in kw if k not in self.BEAM_FIELDS)
+        # a field sent at its default value asks for nothing (clients send presence_penalty: 0 and such)
+        bad = sorted(self.structured_from if k == "structured_outputs" else k for k, v in kw.items()
+                     if k not in self.BEAM_FIELDS and v != defaults.get(k, object()) and v not in ([], {}))
         if kw.get("temperature"):
             bad.append("temperature")
         if self.stream:

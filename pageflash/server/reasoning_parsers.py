@@ -23,10 +23,12 @@ START, END = "<think>", "</think>"
 
 @dataclass(frozen=True)
 class Split:
-    """reasoning / content: the settled text of each part (None: none of that part so far)."""
+    """reasoning / content: the settled text of each part (None: none of that part so far);
+    ended: the thought's closing tag was seen."""
 
     reasoning: Optional[str]
     content: Optional[str]
+    ended: bool = False
 
 
 class ThinkReasoningParser:
@@ -65,7 +67,7 @@ class ThinkReasoningParser:
             body = text
         end = body.find(END)
         if end >= 0:
-            return Split(body[:end], body[end + len(END):] or None)
+            return Split(body[:end], body[end + len(END):] or None, ended=True)
         keep = 0 if final else partial_tail(body, END)
         return Split(body[: len(body) - keep] or None, None)
 
