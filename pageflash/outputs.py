@@ -60,6 +60,8 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     # an embedding request (PoolingParams): its vector; outputs is then empty
     embedding: Optional[list[float]] = None
+    # prompt tokens served from the prefix cache (vLLM's num_cached_tokens); None before scheduling
+    num_cached_tokens: Optional[int] = None
 
     def __repr__(self) -> str:
         return (

@@ -81,6 +81,7 @@ def test_embeddings_beside_generation_and_from_the_prefix_cache(models):
         assert o.outputs == [] and o.finished
         torch.testing.assert_close(torch.tensor(o.embedding), torch.tensor(alone), rtol=1e-4, atol=1e-5)
     assert llm.llm_engine.get_stats()["prefix_cache_hits"] > hits0
+    assert all(o.num_cached_tokens and o.num_cached_tokens % 4 == 0 for o in mixed)  # (RequestOutput.num_cached_tokens)
     kv = llm.llm_engine.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
 

@@ -920,6 +920,23 @@ def test_beam_search_over_http(srv: Srv) -> None:
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 
+def test_usage_counts_cached_prompt_tokens(srv: Srv) -> None:
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's; Responses: input_tokens_details): the prompt
+    tokens the prefix cache served, whole blocks of them, the second time a long prompt comes."""
+    bs = srv.aeng.engine.kv.block_size
+    msgs = [{"role": "system", "content": "You are a careful assistant who answers in one word. " * 6},
+            {"role": "user", "content": "Name a color."}]
+    body = {"messages": msgs, "max_tokens": 2, "temperature": 0}
+    srv.post("/v1/chat/completions", body)
+    u = srv.post("/v1/chat/completions", body).json()["usage"]
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= bs * ((u["prompt_tokens"] - 1) // bs - 1) and cached % bs == 0 and cached < u["prompt_tokens"]
+    c = srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    assert c.usage.prompt_tokens_details.cached_tokens == cached
+    r = srv.client.responses.create(model=MODEL, input=msgs, max_output_tokens=2, temperature=0)
+    assert r.usage.input_tokens_details.cached_tokens == cached
+
+
 def test_tokenize_and_detokenize(srv: Srv) -> None:
     """vLLM's /tokenize (a prompt, or messages through the chat template: the very ids a chat request
     runs on) and /detokenize; bad input is a 400 naming the field."""

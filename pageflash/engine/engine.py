@@ -738,8 +738,9 @@ class LLMEngine:
         plp = list(head.prompt_logprobs) if head.prompt_logprobs is not None else None
         if head.pooling is not None:
             return RequestOutput(group_id, head.prompt, head.prompt_token_ids, [], finished, head.metrics,
-                                 embedding=head.embedding)  # fmt: skip
-        return RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished, head.metrics, plp)
+                                 embedding=head.embedding, num_cached_tokens=head.num_cached_tokens)  # fmt: skip
+        return RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished, head.metrics, plp,
+                             num_cached_tokens=head.num_cached_tokens)  # fmt: skip
 
     # -- introspection ----------------------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:

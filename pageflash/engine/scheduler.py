@@ -175,6 +175,8 @@ class Scheduler:
             self.kv.prefix_hits += computed
             self.waiting.popleft()
             req.num_computed_tokens = computed
+            if req.num_cached_tokens is None:  # (a recompute after preemption does not count again)
+                req.num_cached_tokens = computed
             req.status = Status.RUNNING
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, n, 0))

@@ -59,6 +59,7 @@ class Request:
         self.grammar: Any = None  # structured outputs: the llguidance matcher of this sequence
         self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words tokenized (LLMEngine)
         self.pooling: Any = None  # a PoolingParams: an embedding request, finished at its prompt's end
+        self.num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at first admission
         self.embedding: Optional[list[float]] = None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
         self.text_offsets: Optional[list[int]] = [] if params.logprobs is not None else None

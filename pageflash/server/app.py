@@ -325,6 +325,7 @@ class _Generation:
         self.holdback = stop_holdback(params.stop, params.include_stop_str_in_output)
         self.choices = [_Choice(index=i * n + j, prompt_idx=i) for i in range(len(streams)) for j in range(n)]
         self.prompt_tokens = [0] * len(streams)
+        self.cached_tokens = [0] * len(streams)  # per prompt: its tokens found in the prefix cache
         self.prompt_ids: list[list[int]] = [[] for _ in streams]
         self.prompt_logprobs: list[Any] = [None] * len(streams)  # per prompt, when asked for (echo + logprobs)
         self.echo_only = False  # max_tokens 0 with echo: the one token generated is not returned
@@ -338,7 +339,8 @@ class _Generation:
     def usage(self) -> P.Usage:
         prompt = sum(self.prompt_tokens)
         completion = 0 if self.echo_only else sum(c.num_generated for c in self.choices)
-        return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
 
     async def deltas(self, on_delta: OnDelta) -> AsyncIterator[Any]:
         """For each choice with news, yield on_delta(choice, new text, new token ids, their logprobs).
@@ -351,6 +353,7 @@ class _Generation:
         try:
             async for i, out in _merge(self.streams):
                 self.prompt_tokens[i] = len(out.prompt_token_ids or [])
+                self.cached_tokens[i] = out.num_cached_tokens or 0
                 self.prompt_ids[i] = out.prompt_token_ids or []
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs[i] = out.prompt_logprobs
@@ -860,7 +863,7 @@ class OpenAIServing:
                 u = gen.usage()
                 usage = {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
                          "total_tokens": u.total_tokens,
-                         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                         "input_tokens_details": {"cached_tokens": sum(gen.cached_tokens), "cache_write_tokens": 0},
                          "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
             return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
                     "output": items(status, text) if text is not None else [], "usage": usage, "error": None,

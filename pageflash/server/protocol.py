@@ -255,10 +255,16 @@ class CompletionRequest(_SamplingFields):
         return _prompt_list(self.prompt, "prompt", MAX_PROMPTS)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # OpenAI's: prompt tokens served from the prefix cache
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
