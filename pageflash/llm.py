@@ -89,10 +89,7 @@ class LLM:
                 if not isinstance(sp, (SamplingParams, PoolingParams)):
                     raise TypeError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
                 text, ids = eng.tokenize_prompt(p)
-                if isinstance(sp, PoolingParams) and sp.truncate_prompt_tokens is not None:
-                    ids = ids[-sp.truncate_prompt_tokens:]
-                elif isinstance(sp, SamplingParams):
-                    ids = sp.truncate_prompt(ids)
+                ids = sp.truncate_prompt(ids)
                 eng.validate_request(ids, sp)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e

@@ -39,6 +39,11 @@ def _check_float(name: str, value: Any) -> float:
     return value
 
 
+def _truncate(ids: list[int], k: Optional[int]) -> list[int]:
+    """The last k prompt token ids (all for None)."""
+    return ids[-k:] if k is not None and len(ids) > k else ids
+
+
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
@@ -322,8 +327,7 @@ class SamplingParams:
 
     def truncate_prompt(self, ids: list[int]) -> list[int]:
         """The prompt token ids this request runs on (truncate_prompt_tokens keeps the last k)."""
-        k = self.truncate_prompt_tokens
-        return ids[-k:] if k is not None and len(ids) > k else ids
+        return _truncate(ids, self.truncate_prompt_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -388,3 +392,7 @@ class PoolingParams:
         _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allow_none=True)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise ValueError(f"truncate_prompt_tokens must be at least 1 (or None), got {self.truncate_prompt_tokens}")
+
+    def truncate_prompt(self, ids: list[int]) -> list[int]:
+        """The prompt token ids this request runs on (truncate_prompt_tokens keeps the last k)."""
+        return _truncate(ids, self.truncate_prompt_tokens)

@@ -458,8 +458,6 @@ class LLMEngine:
         extra = spec.execute_kwargs(sched) if spec is not None else {}
         if prev is not None:
             extra["prev_tokens"] = prev.tokens
-        if any(s.request.pooling is not None for s in sched.seqs):
-            extra["need_hidden"] = True  # (not the decode graphs: a one-token tail of a cached prompt)
         result = self.runner.execute(sched, [self.kv.block_ids(s.request.request_id) for s in sched.seqs], **extra)
         if result.prompt_rows is not None:
             touched += self._prompt_logprobs(sched, result)

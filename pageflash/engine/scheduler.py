@@ -55,9 +55,10 @@ class SchedulerOutput:
 
     @functools.cached_property
     def is_decode(self) -> bool:
-        """Every seq computes one token, the last it lacks: no prefill chunk, no draft (computed
-        once: the runner and the speculative decoder both ask)."""
-        return all(s.num_new_tokens == 1 and s.samples for s in self.seqs)
+        """Every seq computes one token, the last it lacks, to sample from: no prefill chunk, no draft,
+        no embedding request (a one-token tail of a cached prompt: its hidden state is read, which the
+        decode graphs do not keep). Computed once: the runner and the speculative decoder both ask."""
+        return all(s.num_new_tokens == 1 and s.samples and s.request.pooling is None for s in self.seqs)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)

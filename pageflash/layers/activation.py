@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from pageflash.layers import triton_kernel
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -13,14 +14,9 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@functools.lru_cache(maxsize=None)
 def _fused_kernel() -> Optional[Callable]:
     """The Triton kernel, imported on first use (None where triton is missing)."""
-    try:
-        from pageflash.kernels.activation import silu_and_mul as fused
-    except ImportError:
-        return None
-    return fused
+    return triton_kernel("pageflash.kernels.activation", "silu_and_mul")
 
 
 def _use_fused(x: torch.Tensor) -> bool:

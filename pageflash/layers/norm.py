@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import torch
 from torch import nn
+
+from pageflash.layers import triton_kernel
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -15,14 +16,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * xf.to(dtype)
 
 
-@functools.lru_cache(maxsize=None)
 def _fused_kernel() -> Optional[Callable]:
     """The Triton kernel, imported on first use (None where triton is missing)."""
-    try:
-        from pageflash.kernels.rms_norm import rms_norm
-    except ImportError:
-        return None
-    return rms_norm
+    return triton_kernel("pageflash.kernels.rms_norm", "rms_norm")
 
 
 def _use_fused(x: torch.Tensor, weight: torch.Tensor) -> bool:

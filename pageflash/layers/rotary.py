@@ -1,22 +1,17 @@
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from pageflash.config import ModelConfig, rope_inv_freq
+from pageflash.layers import triton_kernel
 
 
-@functools.lru_cache(maxsize=None)
 def _fused_kernel() -> Optional[Callable]:
     """The Triton kernel, imported on first use (None where triton is missing)."""
-    try:
-        from pageflash.kernels.rotary import apply_rotary
-    except ImportError:
-        return None
-    return apply_rotary
+    return triton_kernel("pageflash.kernels.rotary", "apply_rotary")
 
 
 def _use_fused(q: torch.Tensor, k: torch.Tensor) -> bool:

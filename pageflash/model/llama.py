@@ -7,7 +7,6 @@ draft tokens share one forward.
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any, Callable, Iterable, Optional
 
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from pageflash.config import ModelConfig
+from pageflash.layers import triton_kernel
 from pageflash.layers.activation import silu_and_mul
 from pageflash.layers.attention import AttentionBackend
 from pageflash.layers.linear import GateUpLinear, Linear, QKVLinear, VocabEmbedding, gate_up_silu, linear
@@ -33,20 +33,10 @@ class _Prefetching:
             self.prefetcher.fork(kind, w)
 
 
-@functools.lru_cache(maxsize=None)
-def _qk_norm_kernel() -> Optional[Callable]:
-    """kernels.rms_norm.qk_rms_norm_, imported on first use (None where triton is missing)."""
-    try:
-        from pageflash.kernels.rms_norm import qk_rms_norm_
-    except ImportError:
-        return None
-    return qk_rms_norm_
-
-
 def _fused_qk_norm(qkv: torch.Tensor, weight: torch.Tensor) -> Optional[Callable]:
-    """The in-place q/k norm kernel where it applies (CUDA, the weights in qkv's dtype), else None."""
+    """kernels.rms_norm.qk_rms_norm_ (in place) where it applies (CUDA, the weights in qkv's dtype), else None."""
     if qkv.is_cuda and qkv.dim() == 2 and qkv.stride(-1) == 1 and weight.dtype == qkv.dtype:
-        return _qk_norm_kernel()
+        return triton_kernel("pageflash.kernels.rms_norm", "qk_rms_norm_")
     return None
 
 

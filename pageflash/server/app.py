@@ -1002,8 +1002,7 @@ class OpenAIServing:
             else:
                 ids = await self.tokenizer.run(lambda t, p=p: list(t.encode(p, add_special_tokens=body.add_special_tokens)),
                                                "Cannot tokenize the input", name)  # fmt: skip
-            if body.truncate_prompt_tokens is not None:
-                ids = ids[-body.truncate_prompt_tokens:]
+            ids = pooling.truncate_prompt(ids)
             self.validate(ids, pooling, name)
             prompts.append({"prompt_token_ids": ids})
         timer = self.metrics.timer()  # (e2e latency, prompt length and success counts; no tokens are generated)
