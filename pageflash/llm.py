@@ -33,6 +33,7 @@ class LLM:
         seed: int = 0,
         load_format: str = "auto",
         attention_backend: str = "auto",
+        quantization: Optional[str] = None,
         enforce_eager: bool = False,
         async_scheduling: Optional[bool] = None,
         speculative_config: Optional[Union[dict, str, Any]] = None,
@@ -45,7 +46,7 @@ class LLM:
                 num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
-                load_format=load_format, attention_backend=attention_backend,
+                load_format=load_format, attention_backend=attention_backend, quantization=quantization,
                 enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                 speculative_config=speculative_config,
             )

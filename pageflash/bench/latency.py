@@ -59,6 +59,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str, copy_bandwid
                    default=None)
     g.add_argument("--seed", type=int, default=0, help="engine seed and random prompts' seed (default: 0)")
     g.add_argument("--attention-backend", default=None)
+    g.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                   help="weight-only quantization at load (default: none)")
     g.add_argument("--enforce-eager", action="store_const", const=True, default=None,
                    help="no CUDA graphs (passed only if the engine accepts enforce_eager)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -78,7 +80,7 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str, copy_bandwid
 ENGINE_KEYS = (
     "model", "tokenizer", "load_format", "dtype", "device", "block_size", "num_kv_blocks",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "enable_prefix_caching", "seed", "attention_backend", "enforce_eager", "async_scheduling",
+    "enable_prefix_caching", "seed", "attention_backend", "quantization", "enforce_eager", "async_scheduling",
 )
 
 
@@ -341,7 +343,8 @@ def print_report(result: dict[str, Any], file=None) -> None:
     rows = []
     for r in result["results"]:
         rows.append([
-            result["model"], result["dtype"], result["device"], str(r["batch_size"]), fmt(r["ttft_ms"]),
+            result["model"], result["dtype"] + (f"+{result['quantization']}" if result.get("quantization") else ""),
+            result["device"], str(r["batch_size"]), fmt(r["ttft_ms"]),
             fmt(r["decode_tok_s_per_seq"]), fmt(r["decode_tok_s_total"]), fmt(r["step_ms_median"], ".2f"),
             fmt(r["achieved_gbps"]), fmt(r["roofline_pct"]), fmt(r["roofline_tok_s_total"]),
             fmt(r["compute_pct"], ".2f"),
@@ -449,7 +452,9 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     engine_init_s = time.perf_counter() - t0
     eng = llm.llm_engine
     cfg = eng.model_config
-    roof = {"cfg": cfg, "weight_bytes_per_param": eng.dtype.itemsize, "kv_bytes_per_elem": kv_elem_bytes(eng)}
+    # bytes per parameter as the model holds its weights (2 in bf16; less with quantization)
+    wpp = roofline.step_weight_bytes(eng.runner.model) / roofline.matmul_params(cfg)
+    roof = {"cfg": cfg, "weight_bytes_per_param": wpp, "kv_bytes_per_elem": kv_elem_bytes(eng)}
     rng = random.Random(a.seed)
 
     results = []
@@ -483,6 +488,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         "model": a.model,
         "load_format": kwargs.get("load_format"),
         "dtype": dtype_name(eng.dtype),
+        "quantization": kwargs.get("quantization"),
         "device": eng.device.type,
         "input_len": a.input_len,
         "output_len": a.output_len,

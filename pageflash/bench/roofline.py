@@ -161,9 +161,17 @@ def matmul_params(cfg: ModelConfig) -> int:
     return n
 
 
-def weight_bytes(cfg: ModelConfig, weight_bytes_per_param: int) -> int:
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one step reads as the model holds them (quantized codes and their scales
+    included): the decoder layers' parameters and buffers, the final norm and the LM head (the
+    embedding table only as the tied head). For a 16-bit model, matmul_params * 2."""
+    n = sum(t.nbytes for t in model.layers.parameters()) + sum(t.nbytes for t in model.layers.buffers())
+    return n + model.norm.weight.nbytes + model.head_weight.nbytes
+
+
+def weight_bytes(cfg: ModelConfig, weight_bytes_per_param: float) -> int:
     """Bytes of weights one forward step reads (any batch size): matmul_params * bytes per parameter."""
-    return matmul_params(cfg) * weight_bytes_per_param
+    return round(matmul_params(cfg) * weight_bytes_per_param)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_bytes_per_elem: int) -> int:
@@ -174,7 +182,7 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_bytes_per_elem: int) -> int:
 def decode_step_bytes(
     cfg: ModelConfig,
     context_lens: Union[int, Iterable[int]],
-    weight_bytes_per_param: int,
+    weight_bytes_per_param: float,
     kv_bytes_per_elem: Optional[int] = None,
     batch_size: Optional[int] = None,
 ) -> int:

@@ -62,6 +62,9 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     attention_backend: str = "auto"
+    # weight-only quantization of the decoder layers' projections at load (None: as loaded); "int8":
+    # per-row symmetric int8 codes (layers/linear.py, kernels/w8_linear.py)
+    quantization: Optional[str] = None
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # schedule and launch step N+1 before step N's sampled tokens reach the host, and process them
     # while the device runs N+1 (None: on for CUDA). With speculative decoding only for the steps
@@ -97,6 +100,12 @@ class EngineConfig:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.quantization is not None:
+            from pageflash.layers.linear import QUANTIZATION_METHODS
+
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, got "
+                                 f"{self.quantization!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if self.speculative_config is not None:
@@ -188,7 +197,7 @@ class LLMEngine:
 
         self.runner = ModelRunner(
             self.model_config, self.source, self.device, self.dtype, config.block_size,
-            self.max_model_len, config.attention_backend, config.seed,
+            self.max_model_len, config.attention_backend, config.seed, config.quantization,
         )
         # Speculative decoding loads its draft model / heads before the KV pool is sized.
         self.spec: Optional[SpecDecoder] = None

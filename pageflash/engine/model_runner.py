@@ -57,12 +57,14 @@ class ModelRunner:
         max_model_len: int,
         attention_backend: str = "auto",
         seed: int = 0,
+        quantization: Optional[str] = None,
     ) -> None:
         self.cfg = model_cfg
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.quantization = quantization
         self.model = self._build_model(source, seed)
         self.backend = get_backend(attention_backend, device)
         self.kv_cache: Optional[torch.Tensor] = None  # [L, 2, num_blocks, block_size, Hkv, D]
@@ -88,6 +90,8 @@ class ModelRunner:
             missing = expected - loaded
             if missing:
                 raise ValueError(f"checkpoint {source.path!r} is missing weights: {sorted(missing)[:5]}...")
+        if self.quantization is not None:
+            model.quantize_(self.quantization)
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:

@@ -36,10 +36,12 @@ except ImportError:  # pragma: no cover - older layouts
 # M, ROWS and HALF are not specialized: one compile per tile config serves every shape (cold start)
 @triton.jit(do_not_specialize=["M", "ROWS", "HALF"])
 def _gemv_kernel(
-    X, W, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym,
+    X, W, S, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym,
     BM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    SILU: tl.constexpr, LIBDEVICE: tl.constexpr,
+    SILU: tl.constexpr, LIBDEVICE: tl.constexpr, SCALED: tl.constexpr,
 ):
+    # SCALED: W holds int8 codes and S one float32 scale per row (kernels/w8_linear.py): a row's sums
+    # are multiplied by its scale before rounding, so the codes are read as they are (half the bytes)
     # SILU: W is a fused [gate; up] projection (2 * HALF rows) and Y = silu(x W_gate^T) * (x W_up^T),
     # [M, HALF]. The program owns ROWS / 2 output features; its row groups alternate between R gate
     # rows and the R up rows HALF further, and an up group's sums meet the gate group's, kept in
@@ -72,6 +74,8 @@ def _gemv_kernel(
         acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         if kc == n_k - 1:
             out = tl.sum(acc, axis=2)  # [BM, R]
+            if SCALED:
+                out = out * tl.load(S + rows, mask=row_ok, other=0.0)[None, :]
             if SILU:
                 # rounded to the output dtype as the unfused projection would store it, then the
                 # SiLU kernel's arithmetic step for step
@@ -97,10 +101,14 @@ _gemv_kernel = fast_launch(_gemv_kernel)  # host launches via the cached Compile
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int = 512, num_stages: int = 4,
-         num_warps: int = 4, out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+         num_warps: int = 4, out: torch.Tensor | None = None, silu_mul: bool = False,
+         scale: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K] with M <= MAX_M, w: [N, K] (rows contiguous along K), same float dtype. Returns [M, N]
     in x's dtype, or in out ([M, N], x's dtype or float32: the product rounded to x's dtype, then
     widened). rows: rows of W per program (a multiple of r); r x bk: the tile.
+
+    scale: float32 [N], one per row of w, which then holds int8 codes: the product is
+    x (w * scale[:, None])^T, the scale applied to each row's fp32 sum (weight-only INT8).
 
     silu_mul: w is a fused gate/up projection ([gate; up], N = 2 * I): returns silu(x gate^T) * (x up^T),
     [M, I], exactly as ``silu_and_mul`` of the plain product would (rows must be a multiple of 2 * r)."""
@@ -112,7 +120,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
         raise ValueError(f"gemv: x has K={k}, w has K={k2}")
     if not 1 <= m <= MAX_M:
         raise ValueError(f"gemv is for 1 <= M <= {MAX_M} rows, got {m}")
-    if x.dtype != w.dtype:
+    if scale is not None:
+        if w.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != (n,) or scale.stride(0) != 1:
+            raise ValueError(f"gemv: a scale needs int8 w and a contiguous float32 [{n}] scale; got w {w.dtype}, "
+                             f"scale {scale.dtype} {tuple(scale.shape)}")
+    elif x.dtype != w.dtype:
         raise ValueError(f"gemv: dtype mismatch: x {x.dtype}, w {w.dtype}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("gemv: x and w must be contiguous along K")
@@ -129,11 +141,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
     bm = 1 if m == 1 else (2 if m == 2 else 4)
     per = rows // 2 if silu_mul else rows
     _gemv_kernel[(cdiv(n_out, per),)](
-        x, w, y, m, n, k, rows, n_out, x.stride(0), w.stride(0), y.stride(0),
-        BM=bm, R=r, BK=bk, STAGES=num_stages, SILU=silu_mul, LIBDEVICE=x.is_cuda, num_warps=num_warps,
+        x, w, w if scale is None else scale, y, m, n, k, rows, n_out, x.stride(0), w.stride(0), y.stride(0),
+        BM=bm, R=r, BK=bk, STAGES=num_stages, SILU=silu_mul, LIBDEVICE=x.is_cuda, SCALED=scale is not None,
+        num_warps=num_warps,
     )
     return y
 
 
-def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (x.float() @ w.float().t()).to(x.dtype)
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.float() @ w.float().t()
+    return (y if scale is None else y * scale).to(x.dtype)

@@ -1,7 +1,9 @@
 """Linear layers as small classes, each parameter with its own weight loader.
 
-Tensor parallelism and quantized weights will swap these per module: a loader knows which slice of a
-checkpoint tensor it takes (today: the whole tensor, or one shard of a merged projection).
+Tensor parallelism will swap these per module: a loader knows which slice of a checkpoint tensor it
+takes (today: the whole tensor, or one shard of a merged projection). Quantized weights are a state
+of the same module: ``Linear.quantize_("int8")`` replaces its loaded weight by int8 codes and a
+per-row scale (weight-only INT8, kernels/w8_linear.py); forward then reads the codes.
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ def _skinny_enabled() -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, large: bool = False,
-           float_out: bool = False) -> torch.Tensor:
+           float_out: bool = False, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x W^T (+ b). Decode-sized products on CUDA (<= 16 rows, 16-bit) go to the faster of cuBLAS and a
     Triton skinny GEMM, timed once per shape; large=True times it for weights past the skinny
     dispatch's size limit too (the LM head). float_out: the result as float32 (the product rounded
-    to x's dtype, then widened: what ``.float()`` of it gives), written so by the GEMV directly."""
+    to x's dtype, then widened: what ``.float()`` of it gives), written so by the GEMV directly.
+    scale: float32 [N] when weight holds INT8 codes (W = weight * scale[:, None]): the INT8 kernels."""
+    if scale is not None:
+        from pageflash.kernels.w8_linear import w8_linear
+
+        return w8_linear(x, weight, scale, bias, float_out)
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= 16 and x.dtype in _SKINNY_DTYPES and _skinny_enabled():
         from pageflash.kernels.skinny_gemm import maybe_skinny_linear
 
@@ -40,18 +47,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return y.float() if float_out else y
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """silu(x gate^T) * (x up^T) of a fused [gate; up] weight in one kernel where that is the decode
     fast path (CUDA, one 16-bit row, the GEMV chosen for this shape: kernels/gemv.py); None elsewhere:
-    the caller runs the product, then silu_and_mul. PAGEFLASH_GEMV_SILU=0 turns it off."""
+    the caller runs the product, then silu_and_mul. PAGEFLASH_GEMV_SILU=0 turns it off. scale: as
+    linear's (INT8 codes)."""
+    import os
+
+    if os.environ.get("PAGEFLASH_GEMV_SILU", "1") == "0":
+        return None
+    if scale is not None:
+        if not x.is_cuda or x.dim() != 2 or x.dtype not in _SKINNY_DTYPES:
+            return None
+        from pageflash.kernels.w8_linear import w8_gate_up_silu
+
+        return w8_gate_up_silu(x, weight, scale)
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _SKINNY_DTYPES and _skinny_enabled():
-        import os
+        from pageflash.kernels.skinny_gemm import maybe_gate_up_silu
 
-        if os.environ.get("PAGEFLASH_GEMV_SILU", "1") != "0":
-            from pageflash.kernels.skinny_gemm import maybe_gate_up_silu
-
-            return maybe_gate_up_silu(x, weight)
+        return maybe_gate_up_silu(x, weight)
     return None
+
+
+QUANTIZATION_METHODS = ("int8",)
 
 
 class Linear(nn.Module):
@@ -62,11 +80,28 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight_scale: Optional[torch.Tensor]  # float32 [out] once quantized: weight then holds int8 codes
+        self.register_buffer("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, scale=self.weight_scale)
+
+    def quantize_(self, method: str) -> None:
+        """Replace the loaded weight by its quantized form, in place (method: QUANTIZATION_METHODS).
+        "int8": symmetric per-row int8 codes and a float32 scale per output feature."""
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {method!r}")
+        if self.weight_scale is not None:
+            raise ValueError("this linear layer is already quantized")
+        from pageflash.kernels.w8_linear import quantize_int8
+
+        q, s = quantize_int8(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.register_buffer("weight_scale", s)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[str] = None) -> None:
+        if getattr(self, "weight_scale", None) is not None:
+            raise ValueError("weights must be loaded before the layer is quantized")
         if param.shape != loaded.shape:
             raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, checkpoint has {tuple(loaded.shape)}")
         param.data.copy_(loaded)
@@ -87,7 +122,7 @@ class MergedLinear(Linear):
             off += size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[str] = None) -> None:
-        if shard_id is None:
+        if shard_id is None or self.weight_scale is not None:
             return super().weight_loader(param, loaded)
         off, size = self.shard_offsets[shard_id]
         dst = param.data.narrow(0, off, size)

@@ -91,7 +91,8 @@ class LlamaMLP(_Prefetching, nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = gate_up_silu(x, self.gate_up_proj.weight)  # decode at batch 1: SiLU in the GEMV's epilogue
+        # decode at batch 1: SiLU in the GEMV's epilogue
+        act = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.weight_scale)
         if act is None:
             gu = self.gate_up_proj(x)
             self._prefetch("down", self.down_proj.weight)  # while SiLU-and-mul runs
@@ -153,6 +154,16 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         if self.prefetcher is not None:
             self.prefetcher.join()
         return x
+
+    def quantize_(self, method: str) -> None:
+        """Quantize every decoder layer's projections in place (Linear.quantize_); the embedding table
+        and the LM head stay in the model's dtype (as vLLM's weight-only methods keep them). On CUDA
+        each layer's 16-bit weights are freed as it is done, so the peak is the unquantized model."""
+        for m in self.layers.modules():
+            if isinstance(m, Linear):
+                m.quantize_(method)
+        if self.embed_tokens.weight.is_cuda:
+            torch.cuda.empty_cache()
 
     def set_prefetcher(self, prefetcher) -> None:
         """Give every layer the weight prefetcher (None: off)."""

@@ -10,12 +10,17 @@ collect_ignore_glob = [] if torch.cuda.is_available() else ["test_*.py"]
 
 @pytest.fixture
 def poison_outputs(monkeypatch):
-    """torch.empty / empty_like fill with NaN (ints: -12345) while a test runs: a kernel output left
+    """torch.empty / empty_like fill with NaN (ints: -12345, or the type's minimum) while a test runs: a kernel output left
     unwritten shows up as NaN. Kernel test modules use it for every test (pytestmark)."""
     empty, empty_like = torch.empty, torch.empty_like
 
     def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        if t.dtype == torch.bool:
+            return t
+        info = torch.iinfo(t.dtype)  # -12345 where it fits; int8: -128 (never an INT8 weight code)
+        return t.fill_(-12345 if info.min <= -12345 else (info.min if info.min < 0 else info.max))
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))

@@ -1,0 +1,231 @@
+"""Weight-only INT8 linear layers: y = x (q * s)^T, with q int8 [N, K] and s float32 [N].
+
+Decode is memory-bound on the weights (docs/BENCHMARKS.md, W-decode1), so storing them as int8 codes
+with one scale per output row halves the bytes a step reads. The activations stay in 16-bit; the
+codes are widened in registers (an int8 is exact in bf16 and fp16) and each output's fp32 sum is
+multiplied by its row's scale once, after the K loop (symmetric, per-channel: the scale factors out
+of the sum).
+
+Kernels, by rows of x (M), on CUDA:
+- M <= 2 (decode at batch 1-2): the row-streaming GEMV of kernels/gemv.py with ``scale`` (the
+  same kernel reads bf16 or int8 rows), SiLU-and-mul fused for gate/up at M = 1.
+- 2 < M < 4096: ``w8_gemm`` below, a tiled tensor-core GEMM whose W tiles are loaded as int8 and
+  widened before the dot; the scale (and bias) in the epilogue. Its tile follows M and N
+  (``_gemm_config``, from scripts/w8_probe.py).
+- M >= 4096 (``PAGEFLASH_W8_DEQUANT_M`` overrides): W dequantized to x's dtype, then cuBLAS.
+Against bf16 weights through cuBLAS / the bf16 GEMV, an H100 runs llama-3-8b's projections 1.3-1.8x
+faster up to M = 32 and slower from M = 64 on (docs/BENCHMARKS.md): INT8 here buys small-batch
+latency and memory, not large-batch throughput.
+- ``PAGEFLASH_W8_KERNELS=0``: always that dequantize-then-F.linear path (the reference the GPU tests
+  compare the kernels' engine output with; the path taken on CPU).
+
+``quantize_int8`` makes the codes (round to nearest, max |w| of a row -> 127); ``w8_linear_ref`` is
+the plain reference every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pageflash.kernels.gemv import gemv
+from pageflash.kernels.host_math import cdiv
+from pageflash.kernels.launch import fast_launch
+
+__all__ = ["quantize_int8", "dequantize_int8", "w8_linear", "w8_linear_ref", "w8_gemm", "w8_gate_up_silu"]
+
+
+def quantize_int8(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row INT8 codes of w [N, K]: (q int8 [N, K], s float32 [N]) with w ~= q * s[:, None],
+    |q| <= 127, s = max|w_row| / 127 (an all-zero row gets s = 1). Computed in float32, rows_per_chunk
+    rows at a time (bounded scratch memory on large weights)."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_int8: expected a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
+    n = w.shape[0]
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    s = torch.empty(n, dtype=torch.float32, device=w.device)
+    for r0 in range(0, n, rows_per_chunk):
+        wf = w[r0: r0 + rows_per_chunk].float()
+        amax = wf.abs().amax(dim=1)
+        if not torch.isfinite(amax).all():
+            raise ValueError("quantize_int8: the weight holds inf or nan")
+        sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        q[r0: r0 + rows_per_chunk] = torch.round(wf / sc[:, None]).clamp_(-127, 127).to(torch.int8)
+        s[r0: r0 + rows_per_chunk] = sc
+    return q, s
+
+
+def dequantize_int8(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * s[:, None] in dtype (the product computed in float32, then rounded)."""
+    return (q.float() * s[:, None]).to(dtype)
+
+
+def w8_linear_ref(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The reference: x [M, K] @ (q * s)^T in float32 (+ bias), rounded to x's dtype."""
+    y = (x.float() @ q.float().t()) * s
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8_gemm_kernel(
+    X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+):
+    # programs in groups of GROUP_M row blocks per column block, so that concurrent programs share
+    # W tiles in L2 (the usual grouped order); at decode sizes there is one row block.
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    group = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group
+    pid_n = (pid % per_group) // group
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + offs_k) < K
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
+        wt = tl.trans(w.to(x.dtype))  # int8 -> x's dtype: exact for |q| <= 127
+        if IEEE:  # float32 activations (tests, CPU parity): no TF32 rounding
+            acc = tl.dot(x, wt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, wt, acc)
+        x_ptrs += BK
+        w_ptrs += BK
+    acc = acc * tl.load(S + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+_w8_gemm_kernel = fast_launch(_w8_gemm_kernel)  # host launches via the cached CompiledKernel
+
+
+def _check(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor], who: str) -> None:
+    if x.dim() != 2 or q.dim() != 2:
+        raise ValueError(f"{who}: expected 2-D x and q, got {tuple(x.shape)} and {tuple(q.shape)}")
+    if x.shape[1] != q.shape[1]:
+        raise ValueError(f"{who}: x has K={x.shape[1]}, q has K={q.shape[1]}")
+    if q.dtype != torch.int8 or s.dtype != torch.float32 or s.shape != (q.shape[0],):
+        raise ValueError(f"{who}: expected int8 q [N, K] and float32 s [N]; got q {q.dtype}, s {s.dtype} "
+                         f"{tuple(s.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{who}: x must be a float tensor, got {x.dtype}")
+    if x.stride(1) != 1 or q.stride(1) != 1 or s.stride(0) != 1:
+        raise ValueError(f"{who}: x, q and s must be contiguous along K (s: along N)")
+    if bias is not None and (bias.shape != (q.shape[0],) or bias.stride(0) != 1):
+        raise ValueError(f"{who}: bias must be a contiguous [{q.shape[0]}] vector, got {tuple(bias.shape)}")
+
+
+def _gemm_config(m: int, n: int) -> tuple[int, int, int, int, int, int]:
+    """(BM, BN, BK, GROUP_M, num_warps, num_stages) for M rows of x and N outputs: the winners of
+    scripts/w8_probe.py on an H100 over llama-3-8b's projections (N 4096 / 6144 / 28672), per M range.
+    Small M: a narrow N tile, so that enough programs stream W; N >= 16384 (gate_up) takes wider
+    tiles earlier, since it has programs to spare."""
+    wide = n >= 16384
+    if m <= 16:
+        return 16, 32, 256, 1, 4, 4
+    if m <= 32:
+        return (32, 128, 128, 1, 4, 4) if wide else (16, 32, 256, 16, 4, 4)
+    if m <= 64:
+        return (64, 128, 128, 1, 4, 3) if wide else (64, 64, 256, 1, 4, 3) if n >= 6144 else (64, 32, 256, 1, 4, 4)
+    if m <= 128:
+        return (128, 128, 64, 8, 8, 4) if wide else (64, 64, 128, 1, 4, 4) if n >= 6144 else (64, 64, 256, 1, 4, 3)
+    if m <= 256:
+        return (128, 128, 64, 8, 8, 4) if wide else (128, 128, 128, 8, 8, 3) if n >= 6144 else (64, 64, 128, 1, 4, 4)
+    if m <= 512:
+        return (128, 128, 64, 8, 4, 4) if n >= 6144 else (128, 128, 128, 8, 8, 3)
+    return 128, 128, 64, 8, 4, 4
+
+
+def w8_gemm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
+            config: Optional[tuple[int, int, int, int, int, int]] = None,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (float, rows contiguous) @ (q int8 [N, K] * s float32 [N])^T (+ bias [N]) -> [M, N] in
+    x's dtype (or out: [M, N] contiguous, x's dtype or float32). config: (BM, BN, BK, GROUP_M,
+    num_warps, num_stages); None picks by M."""
+    _check(x, q, s, bias, "w8_gemm")
+    m, k = x.shape
+    n = q.shape[0]
+    bm, bn, bk, group_m, warps, stages = config or _gemm_config(m, n)
+    if x.dtype == torch.float32 and config is None:  # twice the bytes per tile: keep shared memory in bounds
+        bk, stages = max(32, bk // 2), min(stages, 3)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"w8_gemm: out must be [{m}, {n}] {x.dtype} or float32, contiguous along N; got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    if m == 0:
+        return out
+    grid = (cdiv(m, bm) * cdiv(n, bn),)
+    _w8_gemm_kernel[grid](
+        x, q, s, s if bias is None else bias, out, m, n, k, x.stride(0), q.stride(0), out.stride(0),
+        BM=bm, BN=bn, BK=bk, GROUP_M=group_m, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+# rows of W per GEMV program and its tile (rows, r, bk, num_stages, num_warps): scripts/w8_probe.py's
+# winner at M = 1 on every llama-3-8b shape (an [8, 512] int8 tile is as many bytes as the bf16
+# GEMV's [4, 512]). At M >= 3 the tensor-core GEMM's 16-row tile was faster (docs/BENCHMARKS.md).
+_GEMV_CFG = (8, 8, 512, 4, 4)
+# gate/up with the SiLU in the epilogue: rows must hold a gate group and its up group (2 x r)
+_GEMV_SILU_CFG = (16, 8, 512, 4, 4)
+GEMV_MAX_ROWS = 2
+# from this M on: dequantize and cuBLAS (faster than the Triton GEMM at 8192 rows, slower at 2048)
+_DEQUANT_M = 4096
+
+
+def _dequant_min_m() -> int:
+    if os.environ.get("PAGEFLASH_W8_KERNELS", "1") == "0":
+        return 0
+    v = os.environ.get("PAGEFLASH_W8_DEQUANT_M", "")
+    return int(v) if v.strip() else _DEQUANT_M
+
+
+def w8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              float_out: bool = False) -> torch.Tensor:
+    """x [M, K] @ (q * s)^T (+ bias) -> [M, N] in x's dtype (float_out: widened to float32 after the
+    rounding, as ``.float()`` of it). CUDA: the GEMV at M <= 4, else the Triton GEMM (module
+    docstring); elsewhere (CPU): the dequantized weight through F.linear."""
+    m = x.shape[0]
+    if not x.is_cuda or m >= _dequant_min_m():
+        y = torch.nn.functional.linear(x, dequantize_int8(q, s, x.dtype), bias)
+        return y.float() if float_out else y
+    if m <= GEMV_MAX_ROWS:
+        _check(x, q, s, bias, "w8_linear")
+        out = torch.empty(m, q.shape[0], dtype=torch.float32 if float_out and bias is None else x.dtype,
+                          device=x.device)
+        y = gemv(x, q, *_GEMV_CFG, out=out, scale=s)
+        if bias is not None:
+            y = y + bias
+        return y.float() if float_out else y
+    y = w8_gemm(x, q, s, bias)
+    return y.float() if float_out else y
+
+
+def w8_gate_up_silu(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Optional[torch.Tensor]:
+    """silu(x gate^T) * (x up^T) of a fused INT8 [gate; up] weight in one GEMV launch at one row on
+    CUDA; None elsewhere (the caller runs w8_linear, then silu_and_mul)."""
+    if not x.is_cuda or x.shape[0] != 1 or q.shape[0] % 2 or _dequant_min_m() <= 1:
+        return None
+    _check(x, q, s, None, "w8_gate_up_silu")
+    return gemv(x, q, *_GEMV_SILU_CFG, silu_mul=True, scale=s)
