@@ -123,6 +123,25 @@ def test_self_draft_and_full_early_exit_accept_everything(env):
         assert _no_leaks(llm)
 
 
+def test_int8_self_draft_is_lossless(env):
+    """The target's own checkpoint quantized to int8 as the draft: greedy equals plain greedy, the
+    draft's projections hold int8 codes (the target's do not), and it is right most of the time."""
+    spec = dict(method="draft_model", model=env["target"], num_speculative_tokens=3, quantization="int8")
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=spec, **ENGINE)
+    outs = _run(llm)
+    assert [o.outputs[0].token_ids for o in outs] == env["ref"]
+    eng = llm.llm_engine
+    assert eng.spec.draft_runner.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
+    assert eng.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    stats = eng.get_stats()["spec"]["draft_model"]
+    assert stats["num_accepted_tokens"] >= 0.8 * 3 * stats["num_steps"], stats
+    assert _no_leaks(llm)
+    with pytest.raises(ValueError, match="applies to a draft model"):
+        LLM(env["target"], speculative_config=dict(method="ngram", num_speculative_tokens=3, quantization="int8"))
+    with pytest.raises(ValueError, match="quantization must be null or one of"):
+        LLM(env["target"], speculative_config=dict(spec, quantization="int4"))
+
+
 def test_mixed_batch_options_match_plain(env):
     """Requests with and without speculation in one batch; per-request options behave as without it."""
     ref4 = env["ref"][4]  # stop at the first new token from index 5 on: inside an accepted run

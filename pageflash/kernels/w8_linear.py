@@ -8,7 +8,8 @@ of the sum).
 
 Kernels, by rows of x (M), on CUDA:
 - M <= 2 (decode at batch 1-2): the row-streaming GEMV of kernels/gemv.py with ``scale`` (the
-  same kernel reads bf16 or int8 rows), SiLU-and-mul fused for gate/up at M = 1.
+  same kernel reads bf16 or int8 rows). Its SiLU-and-mul epilogue works over int8 rows too, but is
+  not used: unfused was 0.6% faster (layers/linear.py ``gate_up_silu``).
 - 2 < M < 4096: ``w8_gemm`` below, a tiled tensor-core GEMM whose W tiles are loaded as int8 and
   widened before the dot; the scale (and bias) in the epilogue. Its tile follows M and N
   (``_gemm_config``, from scripts/w8_probe.py).
@@ -36,7 +37,7 @@ from pageflash.kernels.gemv import gemv
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
 
-__all__ = ["quantize_int8", "dequantize_int8", "w8_linear", "w8_linear_ref", "w8_gemm", "w8_gate_up_silu"]
+__all__ = ["quantize_int8", "dequantize_int8", "w8_linear", "w8_linear_ref", "w8_gemm"]
 
 
 def quantize_int8(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,8 +188,6 @@ def w8_gemm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[to
 # winner at M = 1 on every llama-3-8b shape (an [8, 512] int8 tile is as many bytes as the bf16
 # GEMV's [4, 512]). At M >= 3 the tensor-core GEMM's 16-row tile was faster (docs/BENCHMARKS.md).
 _GEMV_CFG = (8, 8, 512, 4, 4)
-# gate/up with the SiLU in the epilogue: rows must hold a gate group and its up group (2 x r)
-_GEMV_SILU_CFG = (16, 8, 512, 4, 4)
 GEMV_MAX_ROWS = 2
 # from this M on: dequantize and cuBLAS (faster than the Triton GEMM at 8192 rows, slower at 2048)
 _DEQUANT_M = 4096
@@ -220,12 +219,3 @@ def w8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[
         return y.float() if float_out else y
     y = w8_gemm(x, q, s, bias)
     return y.float() if float_out else y
-
-
-def w8_gate_up_silu(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Optional[torch.Tensor]:
-    """silu(x gate^T) * (x up^T) of a fused INT8 [gate; up] weight in one GEMV launch at one row on
-    CUDA; None elsewhere (the caller runs w8_linear, then silu_and_mul)."""
-    if not x.is_cuda or x.shape[0] != 1 or q.shape[0] % 2 or _dequant_min_m() <= 1:
-        return None
-    _check(x, q, s, None, "w8_gate_up_silu")
-    return gemv(x, q, *_GEMV_SILU_CFG, silu_mul=True, scale=s)

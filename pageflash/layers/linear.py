@@ -50,18 +50,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """silu(x gate^T) * (x up^T) of a fused [gate; up] weight in one kernel where that is the decode
     fast path (CUDA, one 16-bit row, the GEMV chosen for this shape: kernels/gemv.py); None elsewhere:
-    the caller runs the product, then silu_and_mul. PAGEFLASH_GEMV_SILU=0 turns it off. scale: as
-    linear's (INT8 codes)."""
+    the caller runs the product, then silu_and_mul. PAGEFLASH_GEMV_SILU=0 turns it off.
+    scale (INT8 codes): always None. The GEMV can fuse the SiLU over int8 rows too, but its 16-row
+    programs (a gate and an up group) ran W-decode1 at 267.8 tok/s against 269.3-269.4 for the plain
+    8-row INT8 GEMV plus the SiLU kernel (docs/BENCHMARKS.md run 29)."""
     import os
 
-    if os.environ.get("PAGEFLASH_GEMV_SILU", "1") == "0":
+    if scale is not None or os.environ.get("PAGEFLASH_GEMV_SILU", "1") == "0":
         return None
-    if scale is not None:
-        if not x.is_cuda or x.dim() != 2 or x.dtype not in _SKINNY_DTYPES:
-            return None
-        from pageflash.kernels.w8_linear import w8_gate_up_silu
-
-        return w8_gate_up_silu(x, weight, scale)
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _SKINNY_DTYPES and _skinny_enabled():
         from pageflash.kernels.skinny_gemm import maybe_gate_up_silu
 

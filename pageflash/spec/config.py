@@ -34,6 +34,9 @@ class SpeculativeConfig:
     draft_dtype:            dtype of the draft model's weights and KV ("auto": the target's).
     draft_load_format:      load format of the draft ("auto", "dummy", ...).
     draft_num_kv_blocks:    blocks of the draft's paged KV cache (default: as many as the target's).
+    quantization:           weight-only quantization of the draft model at load ("int8"; vLLM's key
+                            for the draft's quantization): the target's own checkpoint as ``model``
+                            with "int8" is a quantized self-draft (draft_model).
     medusa_path:            heads file written by ``pageflash train-medusa`` (medusa).
     num_layers:             early exit after the target's first L layers (then final norm + LM head).
     tree:                   SpecInfer expansion, children per level ([2, 2, 1]: 2 + 4 + 4 nodes);
@@ -50,6 +53,7 @@ class SpeculativeConfig:
     draft_dtype: str = "auto"
     draft_load_format: str = "auto"
     draft_num_kv_blocks: Optional[int] = None
+    quantization: Optional[str] = None
     medusa_path: Optional[str] = None
     num_layers: Optional[int] = None
     tree: Optional[tuple[int, ...]] = None
@@ -99,6 +103,14 @@ class SpeculativeConfig:
         pos_int("num_layers")
         if self.draft_dtype not in _DTYPES:
             raise err(f"draft_dtype must be one of {list(_DTYPES)}, got {self.draft_dtype!r}")
+        if self.quantization is not None:
+            from pageflash.layers.linear import QUANTIZATION_METHODS
+
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise err(f"quantization must be null or one of {list(QUANTIZATION_METHODS)}, got "
+                          f"{self.quantization!r}")
+            if self.method != "draft_model":
+                raise err(f"quantization applies to a draft model (method 'draft_model'), not {self.method!r}")
         if not isinstance(self.adaptive, bool):
             raise err(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "draft_model" and not self.model:

@@ -170,7 +170,7 @@ class SpecDecoder:
             dtype = eng.dtype if c.draft_dtype == "auto" else _DTYPES[c.draft_dtype]
             self.draft_runner = ModelRunner(
                 dcfg, src, eng.device, dtype, eng.config.block_size, eng.max_model_len,
-                eng.config.attention_backend, eng.config.seed,
+                eng.config.attention_backend, eng.config.seed, c.quantization,
             )
         elif c.method == "medusa":
             from pageflash.spec.medusa import load_heads

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pageflash import LLM, SamplingParams
-from pageflash.kernels.w8_linear import quantize_int8, w8_gate_up_silu, w8_linear, w8_linear_ref
+from pageflash.kernels.gemv import gemv
+from pageflash.kernels.w8_linear import quantize_int8, w8_linear, w8_linear_ref
 
 SHAPES = {"qkv": (6144, 4096), "down": (4096, 14336)}
 
@@ -34,15 +35,15 @@ def test_w8_linear_bf16_matches_reference(m, shape, poison_outputs):
     _close(w8_linear(x, q, s, b), ref + b.float())
 
 
-def test_w8_gate_up_silu_bf16_matches_reference(poison_outputs):
+def test_gemv_int8_silu_bf16_matches_reference(poison_outputs):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(2 * 14336, 4096, device="cuda", generator=g) * 0.02
     q, s = quantize_int8(w)
     x = torch.randn(1, 4096, device="cuda", generator=g).to(torch.bfloat16)
     full = w8_linear_ref(x.float(), q, s)
     ref = torch.nn.functional.silu(full[:, :14336]) * full[:, 14336:]
-    y = w8_gate_up_silu(x, q, s)
-    assert y is not None and y.shape == (1, 14336)
+    y = gemv(x, q, 16, 8, 512, 4, 4, silu_mul=True, scale=s)
+    assert y.shape == (1, 14336)
     _close(y, ref)
 
 
