@@ -17,7 +17,8 @@ import torch
 
 from pageflash.kernels.gemv import gemv
 from pageflash.kernels.skinny_gemm import _bench_cold
-from pageflash.kernels.w8_linear import (_GEMV_CFG, GEMV_MAX_ROWS, _gemm_config, dequantize_int8, quantize_int8, w8_gemm,
+from pageflash.kernels.w8_linear import (_GEMV_CFG, GEMV_MAX_ROWS, _gemm_config, dequantize_int8,
+                                         dequantize_int8_fast, quantize_int8, w8_gemm,
                                          w8_linear, w8_linear_ref)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -34,6 +35,7 @@ GEMM_BY_M = [  # (largest M, configs (BM, BN, BK, GROUP_M, num_warps, num_stages
           (64, 64, 128, 1, 4, 4), (32, 128, 128, 2, 4, 4)]),
     (256, [(128, 64, 128, 8, 4, 4), (64, 64, 128, 1, 4, 4), (64, 128, 128, 8, 4, 4), (128, 128, 64, 8, 8, 4),
            (128, 128, 128, 8, 8, 3), (64, 64, 256, 1, 4, 3), (64, 128, 256, 8, 8, 3)]),
+    (512, [(128, 128, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3)]),
     (1 << 30, [(128, 128, 64, 8, 4, 4), (256, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3),
                (128, 128, 64, 8, 8, 4)]),
 ]
@@ -71,6 +73,10 @@ def main():
                     except Exception as e:
                         log.append(f"{name} M{m} gemv{c} {type(e).__name__}: {e}"[:200])
             cfgs = next(c for top, c in GEMM_BY_M if m <= top) if m > 1 else []
+            if 32 <= m <= 512:  # split-K: wide tiles, more programs
+                cfgs = cfgs + [c + (sk,) for c in cfgs[:3] for sk in (2, 4)] + [
+                    (64, 128, 128, 1, 4, 3, 2), (64, 128, 128, 1, 4, 3, 4), (128, 128, 64, 8, 8, 4, 2),
+                    (128, 128, 64, 8, 8, 4, 4), (64, 256, 64, 1, 8, 3, 4), (32, 128, 128, 1, 4, 4, 4)]
             for c in cfgs:
                 key = f"gemm{c}"
                 try:
@@ -80,6 +86,9 @@ def main():
                         log.append(f"{name} M{m} {key} WRONG")
                 except Exception as e:
                     log.append(f"{name} M{m} {key} {type(e).__name__}: {e}"[:200])
+            if m >= 256:
+                cand["dequant_fast+cublas"] = _bench_cold(
+                    lambda: torch.nn.functional.linear(x, dequantize_int8_fast(q, s, torch.bfloat16)), flush)
             cand["dequant+cublas"] = _bench_cold(
                 lambda: torch.nn.functional.linear(x, dequantize_int8(q, s, torch.bfloat16)), flush)
             if int8pack:
@@ -96,7 +105,7 @@ def main():
             best_k = min(cand, key=cand.get)
             bbest = min(bf.values())
             rows.append(dict(shape=name, m=m, bf16_us=bbest * 1e3, bf16=bf, int8_default_us=default * 1e3,
-                             default_cfg=str(_GEMV_CFG if m <= GEMV_MAX_ROWS else _gemm_config(m, n)), best=best_k,
+                             default_cfg=str(_GEMV_CFG if m <= GEMV_MAX_ROWS else _gemm_config(m, n, k)), best=best_k,
                              best_us=cand[best_k] * 1e3, cands={k2: v * 1e3 for k2, v in cand.items()},
                              gbps=nbytes / default / 1e6))
             r = rows[-1]

@@ -76,7 +76,7 @@ def test_gemv_int8_silu_mul_matches_reference():
 
 @pytest.mark.parametrize("m", [5, 17, 40])
 @pytest.mark.parametrize("n,k", [(64, 64), (70, 200)])
-@pytest.mark.parametrize("cfg", [(16, 16, 32, 1, 4, 1), (32, 32, 64, 2, 4, 2)])
+@pytest.mark.parametrize("cfg", [(16, 16, 32, 1, 4, 1), (32, 32, 64, 2, 4, 2), (16, 32, 32, 2, 4, 1, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_w8_gemm_matches_reference(m, n, k, cfg, dtype):
     """Ragged M, N and K against the tile, grouped program order with a partial last group."""
@@ -88,6 +88,17 @@ def test_w8_gemm_matches_reference(m, n, k, cfg, dtype):
     ref = w8_linear_ref(x, q, s)
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     assert y is out and torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * float(s.max()) * k ** 0.5)
+
+
+def test_w8_gemm_split_k_with_bias():
+    """Split-K partials (K ranges of unequal length: 200 over 3 splits of 32-wide steps), summed,
+    then the bias, then one rounding."""
+    w, g = _qw(40, 200, 11)
+    q, s = quantize_int8(w)
+    x = torch.randn(9, 200, generator=g).half()
+    b = torch.randn(40, generator=g).half()
+    y = w8_gemm(x, q, s, b, config=(16, 16, 32, 1, 4, 1, 3))
+    assert torch.allclose(y.float(), w8_linear_ref(x, q, s, b).float(), rtol=2e-3, atol=2e-3)
 
 
 def test_w8_gemm_bias_float_out_and_strided_x():

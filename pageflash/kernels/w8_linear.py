@@ -10,13 +10,15 @@ Kernels, by rows of x (M), on CUDA:
 - M <= 2 (decode at batch 1-2): the row-streaming GEMV of kernels/gemv.py with ``scale`` (the
   same kernel reads bf16 or int8 rows). Its SiLU-and-mul epilogue works over int8 rows too, but is
   not used: unfused was 0.6% faster (layers/linear.py ``gate_up_silu``).
-- 2 < M < 4096: ``w8_gemm`` below, a tiled tensor-core GEMM whose W tiles are loaded as int8 and
-  widened before the dot; the scale (and bias) in the epilogue. Its tile follows M and N
-  (``_gemm_config``, from scripts/w8_probe.py).
-- M >= 4096 (``PAGEFLASH_W8_DEQUANT_M`` overrides): W dequantized to x's dtype, then cuBLAS.
+- 2 < M < 512: ``w8_gemm`` below, a tiled tensor-core GEMM whose W tiles are loaded as int8 and
+  widened before the dot; the scale (and bias) in the epilogue; split-K for long K (down). Its tile
+  follows M, N and K (``_gemm_config``, from scripts/w8_probe.py).
+- M >= 512 (``PAGEFLASH_W8_DEQUANT_M`` overrides): W dequantized to x's dtype in one pass into a
+  scratch tensor (up to out x in x's dtype: 235 MB for llama-3-8b's gate_up), then cuBLAS.
 Against bf16 weights through cuBLAS / the bf16 GEMV, an H100 runs llama-3-8b's projections 1.3-1.8x
-faster up to M = 32 and slower from M = 64 on (docs/BENCHMARKS.md): INT8 here buys small-batch
-latency and memory, not large-batch throughput.
+faster up to M = 32, about even at 64, slower at 128-256 and 0.7-1.0x at prefill sizes
+(docs/BENCHMARKS.md runs 29 and 31): INT8 here buys small-batch latency and memory, not
+large-batch throughput.
 - ``PAGEFLASH_W8_KERNELS=0``: always that dequantize-then-F.linear path (the reference the GPU tests
   compare the kernels' engine output with; the path taken on CPU).
 
@@ -37,7 +39,7 @@ from pageflash.kernels.gemv import gemv
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
 
-__all__ = ["quantize_int8", "dequantize_int8", "w8_linear", "w8_linear_ref", "w8_gemm"]
+__all__ = ["quantize_int8", "dequantize_int8", "dequantize_int8_fast", "w8_linear", "w8_linear_ref", "w8_gemm"]
 
 
 def quantize_int8(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,15 +76,42 @@ def w8_linear_ref(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
     return y.to(x.dtype)
 
 
+@triton.jit
+def _dequant_int8_kernel(Q, S, W, K, stride_qn, stride_wn, BK: tl.constexpr):
+    # one row of q per program along axis 0, BK codes per program along axis 1
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BK + tl.arange(0, BK)
+    ok = offs < K
+    q = tl.load(Q + row * stride_qn + offs, mask=ok, other=0)
+    tl.store(W + row * stride_wn + offs, (q.to(tl.float32) * tl.load(S + row)).to(W.dtype.element_ty), mask=ok)
+
+
+_dequant_int8_kernel = fast_launch(_dequant_int8_kernel)
+
+
+def dequantize_int8_fast(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_int8 in one pass on CUDA (reads the codes once, writes dtype once), elsewhere the
+    reference. Same values: q * s in float32, rounded."""
+    if not q.is_cuda:
+        return dequantize_int8(q, s, dtype)
+    n, k = q.shape
+    w = torch.empty(n, k, dtype=dtype, device=q.device)
+    _dequant_int8_kernel[(n, cdiv(k, 2048))](q, s, w, k, q.stride(0), w.stride(0), BK=2048, num_warps=4)
+    return w
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w8_gemm_kernel(
-    X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+    X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # programs in groups of GROUP_M row blocks per column block, so that concurrent programs share
     # W tiles in L2 (the usual grouped order); at decode sizes there is one row block.
+    # SPLIT_K > 1: program_id(1) takes one of SPLIT_K ranges of K and stores its scaled float32
+    # partial at Y + pid_k * stride_ys (the caller sums them and adds the bias)
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
     per_group = GROUP_M * n_n
@@ -95,10 +124,12 @@ def _w8_gemm_kernel(
     offs_k = tl.arange(0, BK)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    k_per = tl.cdiv(K, SPLIT_K * BK) * BK
+    k_start = pid_k * k_per
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_start, tl.minimum(k_start + k_per, K), BK):
         k_ok = (k0 + offs_k) < K
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
@@ -112,8 +143,8 @@ def _w8_gemm_kernel(
     acc = acc * tl.load(S + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(Y + pid_k * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+             acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 _w8_gemm_kernel = fast_launch(_w8_gemm_kernel)  # host launches via the cached CompiledKernel
@@ -135,14 +166,18 @@ def _check(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[tor
         raise ValueError(f"{who}: bias must be a contiguous [{q.shape[0]}] vector, got {tuple(bias.shape)}")
 
 
-def _gemm_config(m: int, n: int) -> tuple[int, int, int, int, int, int]:
-    """(BM, BN, BK, GROUP_M, num_warps, num_stages) for M rows of x and N outputs: the winners of
-    scripts/w8_probe.py on an H100 over llama-3-8b's projections (N 4096 / 6144 / 28672), per M range.
+def _gemm_config(m: int, n: int, k: int) -> tuple[int, ...]:
+    """(BM, BN, BK, GROUP_M, num_warps, num_stages[, SPLIT_K]) for M rows of x, N outputs and K
+    inputs: the winners of scripts/w8_probe.py on an H100 over llama-3-8b's projections (N 4096 /
+    6144 / 28672, K 4096 / 14336), per M range (M < 512; from 512 on the dispatch dequantizes).
     Small M: a narrow N tile, so that enough programs stream W; N >= 16384 (gate_up) takes wider
-    tiles earlier, since it has programs to spare."""
+    tiles earlier, since it has programs to spare; K >= 8192 (down) splits K instead."""
     wide = n >= 16384
     if m <= 16:
         return 16, 32, 256, 1, 4, 4
+    if k >= 8192:  # down (K 14336): split-K, wider tiles
+        return ((32, 64, 128, 1, 4, 4, 4) if m <= 32 else (64, 64, 256, 1, 4, 3, 2) if m <= 64
+                else (64, 128, 128, 1, 4, 3, 4) if m <= 128 else (128, 128, 64, 8, 8, 4, 4))
     if m <= 32:
         return (32, 128, 128, 1, 4, 4) if wide else (16, 32, 256, 16, 4, 4)
     if m <= 64:
@@ -157,15 +192,17 @@ def _gemm_config(m: int, n: int) -> tuple[int, int, int, int, int, int]:
 
 
 def w8_gemm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
-            config: Optional[tuple[int, int, int, int, int, int]] = None,
+            config: Optional[tuple[int, ...]] = None,
             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (float, rows contiguous) @ (q int8 [N, K] * s float32 [N])^T (+ bias [N]) -> [M, N] in
     x's dtype (or out: [M, N] contiguous, x's dtype or float32). config: (BM, BN, BK, GROUP_M,
-    num_warps, num_stages); None picks by M."""
+    num_warps, num_stages[, SPLIT_K]); None picks by M. SPLIT_K > 1: float32 partials over K ranges,
+    summed here (then the bias, then the rounding)."""
     _check(x, q, s, bias, "w8_gemm")
     m, k = x.shape
     n = q.shape[0]
-    bm, bn, bk, group_m, warps, stages = config or _gemm_config(m, n)
+    bm, bn, bk, group_m, warps, stages, *rest = config or _gemm_config(m, n, k)
+    split_k = rest[0] if rest else 1
     if x.dtype == torch.float32 and config is None:  # twice the bytes per tile: keep shared memory in bounds
         bk, stages = max(32, bk // 2), min(stages, 3)
     if out is None:
@@ -175,12 +212,24 @@ def w8_gemm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[to
                          f"{tuple(out.shape)} {out.dtype}")
     if m == 0:
         return out
-    grid = (cdiv(m, bm) * cdiv(n, bn),)
+    grid = (cdiv(m, bm) * cdiv(n, bn), split_k)
+    if split_k == 1:
+        _w8_gemm_kernel[grid](
+            x, q, s, s if bias is None else bias, out, m, n, k, x.stride(0), q.stride(0), out.stride(0), 0,
+            BM=bm, BN=bn, BK=bk, GROUP_M=group_m, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+            SPLIT_K=1, num_warps=warps, num_stages=stages,
+        )
+        return out
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     _w8_gemm_kernel[grid](
-        x, q, s, s if bias is None else bias, out, m, n, k, x.stride(0), q.stride(0), out.stride(0),
-        BM=bm, BN=bn, BK=bk, GROUP_M=group_m, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        num_warps=warps, num_stages=stages,
+        x, q, s, s, part, m, n, k, x.stride(0), q.stride(0), part.stride(1), part.stride(0),
+        BM=bm, BN=bn, BK=bk, GROUP_M=group_m, HAS_BIAS=False, IEEE=x.dtype == torch.float32,
+        SPLIT_K=split_k, num_warps=warps, num_stages=stages,
     )
+    y = part.sum(0)
+    if bias is not None:
+        y += bias.float()
+    out.copy_(y)  # one rounding, as the unsplit kernel's
     return out
 
 
@@ -189,8 +238,9 @@ def w8_gemm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[to
 # GEMV's [4, 512]). At M >= 3 the tensor-core GEMM's 16-row tile was faster (docs/BENCHMARKS.md).
 _GEMV_CFG = (8, 8, 512, 4, 4)
 GEMV_MAX_ROWS = 2
-# from this M on: dequantize and cuBLAS (faster than the Triton GEMM at 8192 rows, slower at 2048)
-_DEQUANT_M = 4096
+# from this M on: dequantize in one pass (dequantize_int8_fast), then cuBLAS: faster than the Triton
+# GEMM from 512 rows on (docs/BENCHMARKS.md run 31)
+_DEQUANT_M = 512
 
 
 def _dequant_min_m() -> int:
@@ -207,7 +257,7 @@ def w8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[
     docstring); elsewhere (CPU): the dequantized weight through F.linear."""
     m = x.shape[0]
     if not x.is_cuda or m >= _dequant_min_m():
-        y = torch.nn.functional.linear(x, dequantize_int8(q, s, x.dtype), bias)
+        y = torch.nn.functional.linear(x, dequantize_int8_fast(q, s, x.dtype), bias)
         return y.float() if float_out else y
     if m <= GEMV_MAX_ROWS:
         _check(x, q, s, bias, "w8_linear")

@@ -74,3 +74,18 @@ def test_engine_int8_graphs_equal_eager_bf16():
     graphs, llm = run(dtype="bfloat16")
     assert llm.llm_engine.runner.graphs is not None
     assert graphs == eager
+
+
+def test_dequantize_fast_equals_reference_and_split_k(poison_outputs):
+    from pageflash.kernels.w8_linear import dequantize_int8, dequantize_int8_fast, w8_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = torch.randn(6144, 4096 + 40, device="cuda", generator=g) * 0.02  # K not a multiple of the block
+    q, s = quantize_int8(w)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(dequantize_int8_fast(q, s, dt), dequantize_int8(q, s, dt))
+    x = torch.randn(100, 4136, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(6144, device="cuda", generator=g).to(torch.bfloat16)
+    ref = w8_linear_ref(x.float(), q, s) + b.float()
+    for split in (2, 4):
+        _close(w8_gemm(x, q, s, b, config=(64, 128, 128, 1, 4, 3, split)), ref)
