@@ -110,6 +110,9 @@ class ModelRunner:
         c = self.cfg
         act = max_num_batched_tokens * (6 * c.hidden_size + 3 * c.intermediate_size + c.q_size + 2 * c.kv_size)
         act = act * self.dtype.itemsize + max_num_seqs * c.vocab_size * 4 * 4
+        if self.quantization is not None:  # large products dequantize one weight at a time (kernels/w8_linear.py)
+            act += self.dtype.itemsize * max((m.out_features * m.in_features for m in self.model.modules()
+                                               if getattr(m, "weight_scale", None) is not None), default=0)
         budget = int(total * gpu_memory_utilization) - used - act - (512 << 20)
         if budget < per_block:
             raise ValueError(
