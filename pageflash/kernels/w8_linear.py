@@ -253,19 +253,17 @@ def _dequant_min_m() -> int:
 def w8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
               float_out: bool = False) -> torch.Tensor:
     """x [M, K] @ (q * s)^T (+ bias) -> [M, N] in x's dtype (float_out: widened to float32 after the
-    rounding, as ``.float()`` of it). CUDA: the GEMV at M <= 4, else the Triton GEMM (module
-    docstring); elsewhere (CPU): the dequantized weight through F.linear."""
+    rounding, as ``.float()`` of it). CUDA: the GEMV at 1 <= M <= GEMV_MAX_ROWS without a bias, the
+    Triton GEMM below _DEQUANT_M rows (and for a bias, which it adds in float32 before the one
+    rounding, as F.linear does), then dequantize + cuBLAS (module docstring); elsewhere (CPU): the
+    dequantized weight through F.linear."""
     m = x.shape[0]
     if not x.is_cuda or m >= _dequant_min_m():
         y = torch.nn.functional.linear(x, dequantize_int8_fast(q, s, x.dtype), bias)
         return y.float() if float_out else y
-    if m <= GEMV_MAX_ROWS:
+    if 1 <= m <= GEMV_MAX_ROWS and bias is None:
         _check(x, q, s, bias, "w8_linear")
-        out = torch.empty(m, q.shape[0], dtype=torch.float32 if float_out and bias is None else x.dtype,
-                          device=x.device)
-        y = gemv(x, q, *_GEMV_CFG, out=out, scale=s)
-        if bias is not None:
-            y = y + bias
-        return y.float() if float_out else y
-    y = w8_gemm(x, q, s, bias)
+        y = gemv(x, q, *_GEMV_CFG, scale=s)
+    else:
+        y = w8_gemm(x, q, s, bias)
     return y.float() if float_out else y

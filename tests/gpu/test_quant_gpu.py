@@ -89,3 +89,16 @@ def test_dequantize_fast_equals_reference_and_split_k(poison_outputs):
     ref = w8_linear_ref(x.float(), q, s) + b.float()
     for split in (2, 4):
         _close(w8_gemm(x, q, s, b, config=(64, 128, 128, 1, 4, 3, split)), ref)
+
+
+def test_w8_linear_bias_rounds_once_at_every_batch_size():
+    """A biased projection (Qwen2's qkv) gives a row the same bits at batch 1, 2 and 3: the bias is
+    added in float32 before the one rounding on every path (the GEMV takes only unbiased rows)."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    w = torch.randn(1024, 4096, device="cuda", generator=g) * 0.02
+    q, s = quantize_int8(w)
+    x = torch.randn(3, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    b = (torch.randn(1024, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    ys = [w8_linear(x[:m], q, s, b) for m in (1, 2, 3)]
+    assert torch.equal(ys[0][0], ys[1][0]) and torch.equal(ys[1][0], ys[2][0])
+    assert w8_linear(x[:0], q, s).shape == (0, 1024)
