@@ -124,6 +124,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
         if w.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != (n,) or scale.stride(0) != 1:
             raise ValueError(f"gemv: a scale needs int8 w and a contiguous float32 [{n}] scale; got w {w.dtype}, "
                              f"scale {scale.dtype} {tuple(scale.shape)}")
+        if not x.is_floating_point():
+            raise ValueError(f"gemv: x must be a float tensor, got {x.dtype}")
     elif x.dtype != w.dtype:
         raise ValueError(f"gemv: dtype mismatch: x {x.dtype}, w {w.dtype}")
     if x.stride(1) != 1 or w.stride(1) != 1:
