@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto")
     g.add_argument("--quantization", "-q", default=None, choices=["int8"],
                    help="weight-only quantization of the decoder layers at load (int8: per-row int8 codes)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3"],
+                   help="KV cache element type (auto: the model's dtype; int8 / fp8 (e4m3): codes with one "
+                        "float32 scale per token and KV head, about half the bytes of bf16)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N's tokens are processed (default: on for CUDA)")
@@ -62,7 +65,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
         load_format=a.load_format, attention_backend=a.attention_backend,
-        quantization=getattr(a, "quantization", None), enforce_eager=a.enforce_eager,
+        quantization=getattr(a, "quantization", None), kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"),
+        enforce_eager=a.enforce_eager,
         async_scheduling=getattr(a, "async_scheduling", None),
         speculative_config=getattr(a, "speculative_config", None),
     )

@@ -34,6 +34,7 @@ class LLM:
         load_format: str = "auto",
         attention_backend: str = "auto",
         quantization: Optional[str] = None,
+        kv_cache_dtype: str = "auto",
         enforce_eager: bool = False,
         async_scheduling: Optional[bool] = None,
         speculative_config: Optional[Union[dict, str, Any]] = None,
@@ -47,7 +48,7 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
                 load_format=load_format, attention_backend=attention_backend, quantization=quantization,
-                enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+                kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                 speculative_config=speculative_config,
             )
         )

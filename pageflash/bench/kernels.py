@@ -10,7 +10,9 @@
   CUDA-graph replays (both sides), which also checks that the decode path is graph-safe. Also timed
   over the same cache with each sequence's pages in order (what a fresh pool hands a long prompt), and
   over SDPA's own contiguous buffers seen as a paged cache (``contiguous_as_cache``: the same bytes in
-  the same places as SDPA reads them, so kernel against kernel).
+  the same places as SDPA reads them, so kernel against kernel). And over a quantized cache
+  (kv_cache_dtype int8 / fp8: the same keys as 1-byte codes plus a float32 scale per token and KV
+  head), GB/s of the bytes it reads.
 - backward: the prefill shapes, TFLOP/s with FLOPs = 2.5 x forward, vs SDPA's backward.
 
 Timing: ``triton.testing.do_bench`` (median); random inputs. ``--sweep`` also times a few tile
@@ -272,6 +274,7 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
     import torch.nn.functional as F
 
     from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode
+    from pageflash.layers.attention import quantize_kv_ref
 
     hq, hkv, d = DECODE_HEADS
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -312,6 +315,20 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
         if splits > 1:  # combine fused into the split kernel (TritonBackend(fused_combine=True))
             row["ours_fused_us"] = 1e3 * _bench(
                 lambda: flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits, counters=counters), graph=True)
+        # a quantized cache (kv_cache_dtype int8 / fp8): the same keys as codes + a float32 scale per
+        # (token, KV head); bytes read = codes + scales
+        for name, code in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+            kq, ks = quantize_kv_ref(kc, code)
+            vq, vs = quantize_kv_ref(vc, code)
+            sc = (ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous())
+            del ks, vs
+            qbytes = 2 * b * L * hkv * (d * code.itemsize + 4)
+            torch.cuda.synchronize()
+            ms = _bench(lambda: flash_decode(q, kq, vq, bt, sl, d**-0.5, num_splits=splits, kv_scales=sc), graph=True)
+            row[f"ours_{name}_us"] = ms * 1e3
+            row[f"ours_{name}_GBs"] = qbytes / (ms * 1e-3) / 1e9
+            row[f"ours_{name}_pct_copy"] = 100 * row[f"ours_{name}_GBs"] / bw
+            del kq, vq, sc
         if sweep:
             res = {}
             for a, st, bn, w, s in [(1, 1, 64, 4, 2), (1, 1, 64, 4, 3), (1, 0, 64, 4, 2), (0, 0, 64, 4, 3),
@@ -453,6 +470,16 @@ def print_tables(result: dict) -> None:
                   + ", ".join(f"{k} {_fmt(r.get(f'ours_engine_{k}_us'), 1)} "
                               f"({_fmt(su / r[f'ours_engine_{k}_us'] if su and r.get(f'ours_engine_{k}_us') else None, 3)})"
                               for k in ("fresh", "churned")))
+        print("quantized KV cache (codes + a float32 scale per token and KV head; GB/s of those bytes), us "
+              "(bf16 ours / that, sdpa bf16 / that):")
+        for r in result["decode"]:
+            su = r.get("sdpa_us")
+            print(f"  B{r['shape'][0]} L{r['shape'][1]}: "
+                  + ", ".join(f"{k} {_fmt(r.get(f'ours_{k}_us'), 1)} ({_fmt(r.get(f'ours_{k}_GBs'))} GB/s, "
+                              f"{_fmt(r.get(f'ours_{k}_pct_copy'))}% copy; "
+                              f"{_fmt(r['ours_us'] / r[f'ours_{k}_us'] if r.get(f'ours_{k}_us') else None, 2)}x, "
+                              f"{_fmt(su / r[f'ours_{k}_us'] if su and r.get(f'ours_{k}_us') else None, 2)}x)"
+                              for k in ("int8", "fp8")))
         print("eager launches (do_bench, L2 flushed between calls), us:")
         for r in result["decode"]:
             print(f"  B{r['shape'][0]} L{r['shape'][1]}: ours {_fmt(r.get('ours_eager_us'), 1)}, "

@@ -61,6 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str, copy_bandwid
     g.add_argument("--attention-backend", default=None)
     g.add_argument("--quantization", "-q", default=None, choices=["int8"],
                    help="weight-only quantization at load (default: none)")
+    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8", "fp8_e4m3"],
+                   help="KV cache element type (default: auto, the model's dtype)")
     g.add_argument("--enforce-eager", action="store_const", const=True, default=None,
                    help="no CUDA graphs (passed only if the engine accepts enforce_eager)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -80,7 +82,7 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str, copy_bandwid
 ENGINE_KEYS = (
     "model", "tokenizer", "load_format", "dtype", "device", "block_size", "num_kv_blocks",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "enable_prefix_caching", "seed", "attention_backend", "quantization", "enforce_eager", "async_scheduling",
+    "enable_prefix_caching", "seed", "attention_backend", "quantization", "kv_cache_dtype", "enforce_eager", "async_scheduling",
 )
 
 
@@ -174,9 +176,25 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def kv_elem_bytes(eng: Any) -> int:
-    kv = getattr(getattr(eng, "runner", None), "kv_cache", None)
-    return kv.dtype.itemsize if kv is not None else eng.dtype.itemsize
+def dtype_label(result: dict[str, Any]) -> str:
+    """The model's dtype, "+int8" for quantized weights, "/kv:int8" for a quantized KV cache."""
+    label = result["dtype"]
+    if result.get("quantization"):
+        label += f"+{result['quantization']}"
+    if result.get("kv_cache_dtype") not in (None, "auto"):
+        label += f"/kv:{result['kv_cache_dtype']}"
+    return label
+
+
+def kv_elem_bytes(eng: Any) -> float:
+    """Cache bytes per K/V element: the dtype's size, plus a quantized cache's scale shared by a row."""
+    runner = getattr(eng, "runner", None)
+    kv = getattr(runner, "kv_cache", None)
+    if kv is None:
+        return eng.dtype.itemsize
+    if getattr(runner, "kv_scale", None) is not None:
+        return kv.dtype.itemsize + 4 / kv.shape[-1]
+    return kv.dtype.itemsize
 
 
 def fmt(v: Any, spec: str = ".1f") -> str:
@@ -343,8 +361,7 @@ def print_report(result: dict[str, Any], file=None) -> None:
     rows = []
     for r in result["results"]:
         rows.append([
-            result["model"], result["dtype"] + (f"+{result['quantization']}" if result.get("quantization") else ""),
-            result["device"], str(r["batch_size"]), fmt(r["ttft_ms"]),
+            result["model"], dtype_label(result), result["device"], str(r["batch_size"]), fmt(r["ttft_ms"]),
             fmt(r["decode_tok_s_per_seq"]), fmt(r["decode_tok_s_total"]), fmt(r["step_ms_median"], ".2f"),
             fmt(r["achieved_gbps"]), fmt(r["roofline_pct"]), fmt(r["roofline_tok_s_total"]),
             fmt(r["compute_pct"], ".2f"),
@@ -489,6 +506,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         "load_format": kwargs.get("load_format"),
         "dtype": dtype_name(eng.dtype),
         "quantization": kwargs.get("quantization"),
+        "kv_cache_dtype": kwargs.get("kv_cache_dtype") or "auto",
         "device": eng.device.type,
         "input_len": a.input_len,
         "output_len": a.output_len,

@@ -174,16 +174,17 @@ def weight_bytes(cfg: ModelConfig, weight_bytes_per_param: float) -> int:
     return round(matmul_params(cfg) * weight_bytes_per_param)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_bytes_per_elem: int) -> int:
-    """K and V bytes of one cached token across all layers."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_bytes_per_elem
+def kv_bytes_per_token(cfg: ModelConfig, kv_bytes_per_elem: float) -> int:
+    """K and V bytes of one cached token across all layers (kv_bytes_per_elem: a quantized cache's
+    code size plus its per-row scale's share, e.g. 1 + 4 / head_dim)."""
+    return round(2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_bytes_per_elem)
 
 
 def decode_step_bytes(
     cfg: ModelConfig,
     context_lens: Union[int, Iterable[int]],
     weight_bytes_per_param: float,
-    kv_bytes_per_elem: Optional[int] = None,
+    kv_bytes_per_elem: Optional[float] = None,
     batch_size: Optional[int] = None,
 ) -> int:
     """Bytes one decode step reads: weights (once) + the K/V of every sequence's context.

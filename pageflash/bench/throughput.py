@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 from pageflash.bench.latency import (
     add_engine_args,
     check_plot_available,
+    dtype_label,
     dtype_name,
     env_info,
     fmt,
@@ -101,12 +102,18 @@ def run_stats(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def kv_blocks(eng: Any) -> Optional[int]:
+    """Blocks in the engine's KV pool (None when it has none to tell)."""
+    kv = getattr(getattr(eng, "runner", None), "kv_cache", None)
+    return int(kv.shape[2]) if kv is not None else None
+
+
 def print_report(result: dict[str, Any], file=None) -> None:
     file = sys.stdout if file is None else file
     headers = ["model", "dtype", "device", "prompts", "in tok", "out tok", "wall s", "req/s", "TTFT ms",
                "out tok/s", "total tok/s", "TFLOP/s", "% compute"]
     row = [
-        result["model"], result["dtype"], result["device"], str(result["num_prompts"]),
+        result["model"], dtype_label(result), result["device"], str(result["num_prompts"]),
         str(result["prompt_tokens"]), str(result["output_tokens"]), fmt(result["wall_s"], ".2f"),
         fmt(result["requests_per_s"], ".2f"), fmt(result["ttft_ms_mean"]), fmt(result["output_tok_s"]),
         fmt(result["total_tok_s"]), fmt(result["achieved_tflops"], ".2f"), fmt(result["compute_ceiling_pct"]),
@@ -278,6 +285,9 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         "model": a.model,
         "load_format": kwargs.get("load_format"),
         "dtype": dtype_name(eng.dtype),
+        "quantization": kwargs.get("quantization"),
+        "kv_cache_dtype": kwargs.get("kv_cache_dtype") or "auto",
+        "kv_cache_blocks": kv_blocks(eng),
         "device": eng.device.type,
         "workload": workload,
         "num_prompts": len(outs),

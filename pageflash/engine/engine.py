@@ -26,6 +26,7 @@ from pageflash.engine.sampler import Sampler, SamplingBatch, SamplingRow
 from pageflash.engine.scheduler import Scheduler, SchedulerOutput
 from pageflash.engine.sequence import Request
 from pageflash.engine.structured import StructuredOutputs
+from pageflash.layers.attention import KV_CACHE_DTYPES
 from pageflash.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import CompletionOutput, Logprob, RequestOutput
@@ -65,6 +66,9 @@ class EngineConfig:
     # weight-only quantization of the decoder layers' projections at load (None: as loaded); "int8":
     # per-row symmetric int8 codes (layers/linear.py, kernels/w8_linear.py)
     quantization: Optional[str] = None
+    # the KV cache's element type: "auto" (the model's dtype), or quantized codes with one float32
+    # scale per (token, KV head): "int8", "fp8" / "fp8_e4m3" (layers/attention.py)
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # schedule and launch step N+1 before step N's sampled tokens reach the host, and process them
     # while the device runs N+1 (None: on for CUDA). With speculative decoding only for the steps
@@ -106,6 +110,9 @@ class EngineConfig:
             if self.quantization not in QUANTIZATION_METHODS:
                 raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, got "
                                  f"{self.quantization!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if self.speculative_config is not None:
@@ -197,7 +204,7 @@ class LLMEngine:
 
         self.runner = ModelRunner(
             self.model_config, self.source, self.device, self.dtype, config.block_size,
-            self.max_model_len, config.attention_backend, config.seed, config.quantization,
+            self.max_model_len, config.attention_backend, config.seed, config.quantization, config.kv_cache_dtype,
         )
         # Speculative decoding loads its draft model / heads before the KV pool is sized.
         self.spec: Optional[SpecDecoder] = None

@@ -23,7 +23,7 @@ from pageflash.engine.scheduler import SchedulerOutput
 from pageflash.envs import int_env
 from pageflash.kernels.launch import precompile
 from pageflash.transfer import copy_to, to_device
-from pageflash.layers.attention import AttentionMetadata, get_backend
+from pageflash.layers.attention import KV_CACHE_DTYPES, AttentionMetadata, get_backend
 from pageflash.model.llama import LlamaForCausalLM
 from pageflash.model.loader import ModelSource, init_dummy_weights, iter_weights
 
@@ -46,6 +46,12 @@ class StepResult:
     prompt_hidden: Optional[torch.Tensor] = None
 
 
+def kv_bytes_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache itself, or for float8 codes its bytes (uint8): indexing copies of float8 tensors are
+    not implemented on every device."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -58,6 +64,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         seed: int = 0,
         quantization: Optional[str] = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.cfg = model_cfg
         self.device = device
@@ -65,10 +72,17 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.quantization = quantization
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        # the cache's element type: the model's, or the codes' of a quantized cache
+        self.kv_dtype = dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
         self.model = self._build_model(source, seed)
         self.backend = get_backend(attention_backend, device)
         self.kv_cache: Optional[torch.Tensor] = None  # [L, 2, num_blocks, block_size, Hkv, D]
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # a quantized cache's scales: float32 [L, 2, num_blocks, Hkv, block_size], one per (token, KV head)
+        self.kv_scale: Optional[torch.Tensor] = None
+        # per layer: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) for a quantized cache
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.graphs: Optional[DecodeGraphs] = None
         self.step_graphs: Optional[StepGraphs] = None
         self.graph_pool = None  # CUDA graph memory pool shared by every graph of this runner
@@ -94,9 +108,16 @@ class ModelRunner:
             model.quantize_(self.quantization)
         return model.eval()
 
+    @property
+    def kv_quantized(self) -> bool:
+        return self.kv_dtype != self.dtype
+
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block over all layers: K and V, plus a quantized cache's float32 scale per
+        (token, KV head)."""
         c = self.cfg
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+        per_row = c.head_dim * self.kv_dtype.itemsize + (4 if self.kv_quantized else 0)
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * per_row
 
     def auto_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """KV blocks that fit: on CUDA, the share of device memory left after weights and a peak-activation
@@ -125,14 +146,22 @@ class ModelRunner:
         c = self.cfg
         shape = (c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         try:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            if self.kv_quantized:
+                self.kv_scale = torch.zeros(shape[:3] + (c.num_key_value_heads, self.block_size),
+                                            dtype=torch.float32, device=self.device)
         except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is one) or too large to address
-            nbytes = math.prod(shape) * self.dtype.itemsize
+            self.kv_cache = self.kv_scale = None
+            nbytes = num_blocks * self.kv_bytes_per_block()
             raise ValueError(
                 f"the KV cache of {num_blocks} blocks of {self.block_size} tokens ({nbytes / 2**30:.1f} GiB) does not "
                 f"fit on {self.device}: lower num_kv_blocks (or gpu_memory_utilization), block_size or max_model_len"
             ) from e
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(c.num_hidden_layers)]
+        if self.kv_scale is None:
+            self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(c.num_hidden_layers)]
+        else:
+            self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1], self.kv_scale[i, 0], self.kv_scale[i, 1])
+                              for i in range(c.num_hidden_layers)]
 
     def capture_decode_graphs(self, max_batch: int) -> None:
         """Capture decode-step CUDA graphs for batch sizes up to max_batch (CUDA + graph-safe backend)."""
@@ -170,7 +199,10 @@ class ModelRunner:
         if copies:
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            codes = kv_bytes_view(self.kv_cache)
+            codes[:, :, dst] = codes[:, :, src]
+            if self.kv_scale is not None:
+                self.kv_scale[:, :, dst] = self.kv_scale[:, :, src]
 
     # -- the step ---------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]], fixes: Optional[list] = None):

@@ -139,10 +139,12 @@ class TritonBackend:
         plan: TritonPlan,
         scale: float,
         rope: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+        kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D].
         rope: (positions [T], cos, sin): rotate q and k in the launch that stores K/V -- in place, or
-        (decode steps) in registers inside the decode kernel, leaving q and k as they were."""
+        (decode steps) in registers inside the decode kernel, leaving q and k as they were.
+        kv_scales: (k_scale, v_scale) of a quantized cache (pageflash.layers.attention's module doc)."""
         meta = plan.meta
         hkv = k_cache.shape[2]
         if plan.decode:
@@ -152,14 +154,17 @@ class TritonBackend:
                 return flash_decode(
                     q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits,
                     counters=counters, rope=rope, k_new=k, v_new=v, slot_mapping=meta.slot_mapping,
+                    kv_scales=kv_scales,
                 )
         if rope is not None:
-            apply_rotary(q, k, *rope, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
+            apply_rotary(q, k, *rope, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping,
+                         kv_scales=kv_scales)
         else:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         if plan.decode:
             return flash_decode(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits, counters=counters
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits, counters=counters,
+                kv_scales=kv_scales,
             )
         if plan.fresh_prefill:
             out, _ = flash_attn_varlen_fwd(q, k, v, meta.query_start_loc, meta.max_query_len, True, scale)
@@ -178,7 +183,7 @@ class TritonBackend:
         return paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
             meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask,
-            tiles=tiles, config=cfg, num_splits=splits,
+            tiles=tiles, config=cfg, num_splits=splits, kv_scales=kv_scales,
         )
 
 

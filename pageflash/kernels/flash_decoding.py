@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
-from pageflash.kernels.kv_store import check_store_args
+from pageflash.kernels.kv_store import check_kv_scales, check_store_args, kv_round
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.attention import _decode_batched_ref
 
@@ -87,10 +87,12 @@ def _decode_split_kernel(
     stride_bt, bt_width,
     qk_scale, num_splits,
     KN, VN, POS, COS, SIN, SLOTS, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos, stride_sin,
+    KS, VS, stride_sb, stride_sh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
     BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False,
+    QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -156,13 +158,34 @@ def _decode_split_kernel(
         st_mask = kn_mask & ((tl.zeros([BLOCK_D], dtype=tl.int64) + slot) >= 0)
         sblk = tl.maximum(slot, 0) // PAGE_SIZE
         soff = tl.maximum(slot, 0) % PAGE_SIZE
-        tl.store(KC + sblk * stride_kcb + soff * stride_kcs + kvh * stride_kch + offs_d,
-                 kn.to(KC.dtype.element_ty), mask=st_mask)
-        tl.store(VC + sblk * stride_vcb + soff * stride_vcs + kvh * stride_vch + offs_d,
-                 vn.to(VC.dtype.element_ty), mask=st_mask)
+        if QUANT:
+            # quantized as kv_store.store_quantized_rows does; the registers then hold what the cache
+            # reads back (code x scale), as every other key
+            s_at = sblk * stride_sb + kvh * stride_sh + soff
+            s_ok = owner & (slot >= 0)
+            knf = kn.to(tl.float32)
+            s_k = tl.max(tl.abs(knf), 0) / QMAX
+            kq = kv_round(knf / tl.where(s_k > 0.0, s_k, 1.0), QMAX, CODE_INT).to(KC.dtype.element_ty)
+            tl.store(KC + sblk * stride_kcb + soff * stride_kcs + kvh * stride_kch + offs_d, kq, mask=st_mask)
+            tl.store(KS + s_at, s_k, mask=s_ok)
+            kn = kq.to(tl.float32) * s_k
+            vnf = vn.to(tl.float32)
+            s_v = tl.max(tl.abs(vnf), 0) / QMAX
+            vq = kv_round(vnf / tl.where(s_v > 0.0, s_v, 1.0), QMAX, CODE_INT).to(VC.dtype.element_ty)
+            tl.store(VC + sblk * stride_vcb + soff * stride_vcs + kvh * stride_vch + offs_d, vq, mask=st_mask)
+            tl.store(VS + s_at, s_v, mask=s_ok)
+            vn = vq.to(tl.float32) * s_v
+        else:
+            tl.store(KC + sblk * stride_kcb + soff * stride_kcs + kvh * stride_kch + offs_d,
+                     kn.to(KC.dtype.element_ty), mask=st_mask)
+            tl.store(VC + sblk * stride_vcb + soff * stride_vcs + kvh * stride_vch + offs_d,
+                     vn.to(VC.dtype.element_ty), mask=st_mask)
     bt_row = BT + b64 * stride_bt
     k_base = KC + kvh * stride_kch
     v_base = VC + kvh * stride_vch
+    if QUANT:
+        ks_base = KS + kvh * stride_sh
+        vs_base = VS + kvh * stride_sh
 
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -191,14 +214,25 @@ def _decode_split_kernel(
             ld_mask = kv_ok[:, None]
         k = tl.load(k_base + blk[:, None] * stride_kcb + slot_n * stride_kcs + offs_d[None, :], mask=ld_mask, other=0.0)
         v = tl.load(v_base + blk[:, None] * stride_vcb + slot_n * stride_vcs + offs_d[None, :], mask=ld_mask, other=0.0)
+        if QUANT:  # codes (exact in q's dtype) into the dots; the scales multiply scores and weights
+            s_at = blk * stride_sb + (j % PAGE_SIZE)
+            k_sc = tl.load(ks_base + s_at, mask=kv_ok, other=0.0)
+            v_sc = tl.load(vs_base + s_at, mask=kv_ok, other=0.0)
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if QUANT:
+            qk = qk * k_sc[None, :]
         qk = tl.where(kv_ok[None, :], qk * qk_scale, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        if QUANT:
+            acc = tl.dot((p * v_sc[None, :]).to(v.dtype), v, acc, input_precision=PREC)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_ij
     if ROPE:
         # the new key, from registers (the owner only: everyone else adds a zero weight)
@@ -371,6 +405,7 @@ def flash_decode(
     k_new: Optional[torch.Tensor] = None,
     v_new: Optional[torch.Tensor] = None,
     slot_mapping: Optional[torch.Tensor] = None,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its K/V already stored), caches
     [num_blocks, block_size, Hkv, D], block_tables int32 [B, W], seq_lens int32 [B] (>= 1).
@@ -385,7 +420,10 @@ def flash_decode(
     projections (q is not modified); each query is rotated at its position, the new key rotated, and
     both k and v written to the cache at the token's slot (-1: not stored), exactly as
     ``apply_rotary(q, k_new, *rope, v=v_new, k_cache=..., v_cache=..., slot_mapping=...)`` followed by
-    this call without rope would; key seq_len - 1 (the new token's) is taken from registers."""
+    this call without rope would; key seq_len - 1 (the new token's) is taken from registers.
+
+    kv_scales=(k_scale, v_scale), float32 [num_blocks, Hkv, block_size]: the caches hold int8 /
+    float8_e4m3fn codes, one scale per (token, KV head) (pageflash.layers.attention's module doc)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"flash_decode: q must be [B, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
@@ -395,8 +433,11 @@ def flash_decode(
     _, page, hkv, dk = k_cache.shape
     if dk != d or hq % hkv:
         raise ValueError(f"flash_decode: q heads/dim {(hq, d)} incompatible with cache heads/dim {(hkv, dk)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    qargs, qconst = check_kv_scales(k_cache, v_cache, kv_scales, "flash_decode")
+    if not qconst["QUANT"] and not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"flash_decode: dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"flash_decode: q must be float16/bfloat16/float32, got {q.dtype}")
     qs, ks, vs, bts = q.stride(), k_cache.stride(), v_cache.stride(), block_tables.stride()
     if qs[-1] != 1 or ks[-1] != 1 or vs[-1] != 1:
         raise ValueError("flash_decode: q and caches must be contiguous in head_dim")
@@ -459,7 +500,7 @@ def flash_decode(
         ks[0], ks[1], ks[2],
         vs[0], vs[1], vs[2],
         bts[0], block_tables.shape[1],
-        scale * LOG2E, num_splits, *rope_args,
+        scale * LOG2E, num_splits, *rope_args, *qargs, **qconst,
         GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1, FUSED=fused, BT_AHEAD=cfg.get("BT_AHEAD", 0),
         STRIDED=bool(cfg.get("STRIDED", False)),
@@ -511,6 +552,7 @@ def flash_decode_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Reference (float32 math, q's dtype out): the batched decode of pageflash.layers.attention."""
     from pageflash.layers.attention import AttentionMetadata
@@ -526,4 +568,4 @@ def flash_decode_ref(
         seq_lens_cpu=lens,
         block_size=k_cache.shape[1],
     )
-    return _decode_batched_ref(q, k_cache, v_cache, meta, scale)
+    return _decode_batched_ref(q, k_cache, v_cache, meta, scale, kv_scales)

@@ -3,9 +3,15 @@
 Cache layout (see pageflash.layers.attention): ``[num_blocks, block_size, num_kv_heads, head_dim]``;
 slot ``s`` is block ``s // block_size``, offset ``s % block_size``. A slot of -1 means "do not store"
 (padding tokens, e.g. in a CUDA-graph-padded batch).
+
+Quantized caches (int8 / float8_e4m3fn codes) get one float32 scale per (token, KV head) in
+``k_scale`` / ``v_scale`` ``[num_blocks, num_kv_heads, block_size]``, computed here from the row
+being stored (``quantize_kv_ref``'s arithmetic, operation for operation).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -13,9 +19,50 @@ import triton.language as tl
 
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.launch import fast_launch
-from pageflash.layers.attention import store_kv_ref
+from pageflash.layers.attention import kv_code_max, store_kv_ref
 
 __all__ = ["store_kv", "store_kv_ref"]
+
+_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+@triton.jit
+def e4m3_round(y):
+    """float32 y (|y| <= 448) rounded to the nearest float8 e4m3 value, ties to even, as float32 --
+    so that the conversion to the code dtype is exact. (Triton's interpreter converts float32 to e4m3
+    without carrying a round-up into the exponent: 124.3 became 64. On the GPU the conversion is
+    right either way; doing it here keeps the two, and torch, equal.) Normal range: the 20 low
+    mantissa bits rounded off in the integer domain; below 2**-6 (e4m3's subnormals) steps of 2**-9."""
+    bits = y.to(tl.int32, bitcast=True)
+    neg = bits < 0  # the sign bit (-0.0 included)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    z = tl.abs(y) * 512.0
+    r = tl.floor(z + 0.5)
+    r = tl.where((r - z == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r) / 512.0
+    return tl.where(tl.abs(y) < 0.015625, tl.where(neg, -r, r), normal)
+
+
+@triton.jit
+def kv_round(y, QMAX: tl.constexpr, CODE_INT: tl.constexpr):
+    """y = x / scale (|y| <= QMAX) as the value its code holds: int8 rounds half up and clamps,
+    e4m3 rounds to nearest even (``e4m3_round``); the conversion to the code dtype is then exact."""
+    if CODE_INT:
+        y = tl.minimum(tl.maximum(tl.floor(y + 0.5), -QMAX), QMAX)
+    else:
+        y = e4m3_round(y)
+    return y
+
+
+@triton.jit
+def store_quantized_rows(x, dst, scale_dst, mask, row_mask, QMAX: tl.constexpr, CODE_INT: tl.constexpr):
+    """Quantize the rows of x [R, C] (masked entries 0) with one scale each: codes to dst [R, C]
+    (pointers), scales to scale_dst [R]."""
+    xf = x.to(tl.float32)
+    s = tl.max(tl.abs(xf), 1) / QMAX
+    y = kv_round(xf / tl.where(s > 0.0, s, 1.0)[:, None], QMAX, CODE_INT)
+    tl.store(dst, y.to(dst.dtype.element_ty), mask=mask)
+    tl.store(scale_dst, s, mask=row_mask)
 
 
 @triton.jit
@@ -35,23 +82,53 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
+    KS, VS, stride_sb, stride_sh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     blk, off, keep = slot_page(SLOTS, t, PAGE_SIZE, BLOCK_H, BLOCK_D)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = keep & (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM)
-    k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(KC + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :],
-             k.to(KC.dtype.element_ty), mask=mask)
-    tl.store(VC + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :],
-             v.to(VC.dtype.element_ty), mask=mask)
+    k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+    v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+    kc = KC + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
+    vc = VC + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+    if QUANT:
+        s_off = blk * stride_sb + h * stride_sh + off
+        row_mask = tl.max(mask.to(tl.int32), 1) > 0
+        store_quantized_rows(k, kc, KS + s_off, mask, row_mask, QMAX, CODE_INT)
+        store_quantized_rows(v, vc, VS + s_off, mask, row_mask, QMAX, CODE_INT)
+    else:
+        tl.store(kc, k.to(KC.dtype.element_ty), mask=mask)
+        tl.store(vc, v.to(VC.dtype.element_ty), mask=mask)
 
 
 _store_kv_kernel = fast_launch(_store_kv_kernel)  # host launches via the cached CompiledKernel
+
+
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]], who: str) -> tuple:
+    """A quantized cache's scales against its caches; returns the kernels' arguments
+    (KS, VS, stride_sb, stride_sh) and constexprs (QUANT, QMAX, CODE_INT)."""
+    if kv_scales is None:
+        if k_cache.dtype in _CODE_DTYPES or v_cache.dtype in _CODE_DTYPES:
+            raise ValueError(f"{who}: a {k_cache.dtype} cache holds quantized codes and needs kv_scales")
+        return (None, None, 0, 0), dict(QUANT=False, QMAX=1.0, CODE_INT=False)
+    ks, vs = kv_scales
+    nb, bs, h, _ = k_cache.shape
+    if k_cache.dtype not in _CODE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"{who}: kv_scales go with int8 / float8_e4m3fn caches, got {k_cache.dtype}/{v_cache.dtype}")
+    for name, x in (("k_scale", ks), ("v_scale", vs)):
+        if x.shape != (nb, h, bs) or x.dtype != torch.float32 or x.stride(2) != 1:
+            raise ValueError(f"{who}: {name} must be float32 [{nb}, {h}, {bs}] contiguous in the block, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+    if ks.stride() != vs.stride():
+        raise ValueError(f"{who}: k_scale and v_scale must share strides, got {ks.stride()} and {vs.stride()}")
+    return (ks, vs, ks.stride(0), ks.stride(1)), dict(
+        QUANT=True, QMAX=kv_code_max(k_cache.dtype), CODE_INT=k_cache.dtype == torch.int8)
 
 
 def check_store_args(
@@ -78,11 +155,14 @@ def check_store_args(
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> None:
     """Write k, v ([T, Hkv, D]) into k_cache, v_cache ([num_blocks, block_size, Hkv, D]) at
-    slot_mapping ([T] int32/int64, -1 = skip). In place; no host synchronisation."""
+    slot_mapping ([T] int32/int64, -1 = skip); into a quantized cache with kv_scales (k_scale,
+    v_scale [num_blocks, Hkv, block_size] float32). In place; no host synchronisation."""
     check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    qargs, qconst = check_kv_scales(k_cache, v_cache, kv_scales, "store_kv")
     t, h, d = k.shape
     if t == 0:
         return
@@ -91,8 +171,8 @@ def store_kv(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=h, HEAD_DIM=d,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *qargs,
+        NUM_HEADS=h, HEAD_DIM=d, **qconst,
         BLOCK_H=next_pow2(h), BLOCK_D=next_pow2(d), PAGE_SIZE=k_cache.shape[1],
         num_warps=4 if h * d >= 2048 else 2,
     )

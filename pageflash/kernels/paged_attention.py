@@ -29,6 +29,7 @@ import triton.language as tl
 
 from pageflash.kernels.flash_decoding import split_range
 from pageflash.kernels.host_math import next_pow2
+from pageflash.kernels.kv_store import check_kv_scales
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.attention import paged_attention_ref
 from pageflash.transfer import to_device
@@ -42,8 +43,10 @@ LOG2E = 1.4426950408889634
 def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                  lo, hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale, offs_n, offs_d, bt_width,
+                 ks_base, vs_base, stride_sb,
                  MASKED: tl.constexpr, USE_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr):
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr,
+                 QUANT: tl.constexpr):
     if BT_AHEAD:
         # a tile's block ids are loaded one iteration ahead (masked by the table's width only): its K/V
         # copies then depend on no load of their own iteration, and Triton's pipeliner gives them
@@ -76,7 +79,18 @@ def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                 k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
             else:
                 k = tl.load(k_ptrs)
+        if QUANT:  # codes (exact in q's dtype) into the dots; the scales multiply scores and weights
+            s_at = blk * stride_sb + (j % PAGE_SIZE)
+            if MASKED:
+                k_sc = tl.load(ks_base + s_at, mask=kv_ok, other=0.0)
+                v_sc = tl.load(vs_base + s_at, mask=kv_ok, other=0.0)
+            else:
+                k_sc = tl.load(ks_base + s_at)
+                v_sc = tl.load(vs_base + s_at)
+            k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if QUANT:
+            qk = qk * k_sc[None, :]
         if MASKED:
             ok = kv_ok[None, :]
             if USE_TREE:
@@ -102,7 +116,11 @@ def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                 v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
             else:
                 v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        if QUANT:
+            v = v.to(q.dtype)
+            acc = tl.dot((p * v_sc[None, :]).to(v.dtype), v, acc, input_precision=PREC)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -117,9 +135,11 @@ def _paged_prefill_kernel(
     stride_vcb, stride_vcs, stride_vch,
     stride_bt, stride_tree, bt_width,
     qk_scale, num_splits,
+    KS, VS, stride_sb, stride_sh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_TREE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr = 0,
+    QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -146,6 +166,12 @@ def _paged_prefill_kernel(
     bt_row = BT + seq.to(tl.int64) * stride_bt
     kv_off_k = kvh * stride_kch
     kv_off_v = kvh * stride_vch
+    if QUANT:
+        ks_base = KS + kvh * stride_sh
+        vs_base = VS + kvh * stride_sh
+    else:
+        ks_base = KS
+        vs_base = VS
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -163,13 +189,13 @@ def _paged_prefill_kernel(
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  lo, tl.minimum(full, hi), seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
-                                 qk_scale, offs_n, offs_d, bt_width, False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                 PAGE_SIZE, PREC, BT_AHEAD)
+                                 qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb,
+                                 False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT)
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  tl.maximum(full, lo), hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
-                                 qk_scale, offs_n, offs_d, bt_width, True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                 PAGE_SIZE, PREC, BT_AHEAD)
+                                 qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb,
+                                 True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -239,8 +265,10 @@ def paged_attention(
     tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     config: Optional[dict] = None,
     num_splits: int = 1,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """Attention of the new queries over the paged cache (their K/V already stored).
+    """Attention of the new queries over the paged cache (their K/V already stored; with kv_scales
+    (k_scale, v_scale) float32 [num_blocks, Hkv, block_size], a quantized cache of int8 / e4m3 codes).
 
     q: [T, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D]; query_start_loc int32 [S+1];
     seq_lens int32 [S]; block_tables int32 [S, W]; tree_mask bool/uint8 [T, >= max_query_len] or None
@@ -259,8 +287,11 @@ def paged_attention(
     _, page, hkv, dk = k_cache.shape
     if dk != d or hq % hkv:
         raise ValueError(f"paged_attention: q heads/dim {(hq, d)} incompatible with cache heads/dim {(hkv, dk)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    qargs, qconst = check_kv_scales(k_cache, v_cache, kv_scales, "paged_attention")
+    if not qconst["QUANT"] and not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"paged_attention: dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"paged_attention: q must be float16/bfloat16/float32, got {q.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention: q and caches must be contiguous in head_dim")
     s = len(seq_lens_cpu)
@@ -312,11 +343,11 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), tree_mask.stride(0) if tree_mask is not None else 0, block_tables.shape[1],
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, *qargs,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page,
         USE_TREE=tree_mask is not None, SPLIT=split, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        BT_AHEAD=cfg.get("BT_AHEAD", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BT_AHEAD=cfg.get("BT_AHEAD", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **qconst,
     )
     if split:
         from pageflash.kernels.flash_decoding import combine_partials

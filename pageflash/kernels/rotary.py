@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
-from pageflash.kernels.kv_store import check_store_args, slot_page
+from pageflash.kernels.kv_store import check_kv_scales, check_store_args, kv_round, slot_page
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.rotary import _rotate
 
@@ -51,13 +51,29 @@ def _rotate_heads(base, stride_h, num_heads, h0, c, s,
 
 
 @triton.jit
+def _store_halves_q(x1, x2, dst, scale_dst, mask, row_mask, HALF: tl.constexpr, QMAX: tl.constexpr,
+                    CODE_INT: tl.constexpr):
+    """Quantize rows given as two halves [R, HALF] (masked entries 0) with one scale per row: codes
+    to dst / dst + HALF, scales to scale_dst [R]."""
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1)) / QMAX
+    den = tl.where(s > 0.0, s, 1.0)[:, None]
+    tl.store(dst, kv_round(f1 / den, QMAX, CODE_INT).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, kv_round(f2 / den, QMAX, CODE_INT).to(dst.dtype.element_ty), mask=mask)
+    tl.store(scale_dst, s, mask=row_mask)
+
+
+@triton.jit
 def _rotary_kernel(
     Q, K, POS, COS, SIN,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
     HQ, HKV,
     V, KC, VC, SLOTS, stride_vt, stride_vh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    KS, VS, stride_sb, stride_sh,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     STORE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
 ):
     # grid (T, cdiv(HQ, BLOCK_H) + cdiv(HKV, BLOCK_H)): a program owns BLOCK_H heads of q or of k
     # STORE: the k programs also write their rotated k heads and the same v heads into the paged
@@ -79,12 +95,21 @@ def _rotary_kernel(
             h = h0 + tl.arange(0, BLOCK_H)
             mask = keep & (h[:, None] < HKV) & (d[None, :] < HALF)
             kc = KC + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
-            tl.store(kc, o1.to(KC.dtype.element_ty), mask=mask)
-            tl.store(kc + HALF, o2.to(KC.dtype.element_ty), mask=mask)
             pv = V + t * stride_vt + h[:, None] * stride_vh + d[None, :]
             vc = VC + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
-            tl.store(vc, tl.load(pv, mask=mask).to(VC.dtype.element_ty), mask=mask)
-            tl.store(vc + HALF, tl.load(pv + HALF, mask=mask).to(VC.dtype.element_ty), mask=mask)
+            if QUANT:
+                # one scale per (token, head) over both halves: kv_store.store_quantized_rows' arithmetic
+                row_mask = (h < HKV) & (tl.max(keep.to(tl.int32), 1) > 0)
+                s_off = blk * stride_sb + h * stride_sh + off
+                _store_halves_q(o1, o2, kc, KS + s_off, mask, row_mask, HALF, QMAX, CODE_INT)
+                v1 = tl.load(pv, mask=mask, other=0.0)
+                v2 = tl.load(pv + HALF, mask=mask, other=0.0)
+                _store_halves_q(v1, v2, vc, VS + s_off, mask, row_mask, HALF, QMAX, CODE_INT)
+            else:
+                tl.store(kc, o1.to(KC.dtype.element_ty), mask=mask)
+                tl.store(kc + HALF, o2.to(KC.dtype.element_ty), mask=mask)
+                tl.store(vc, tl.load(pv, mask=mask).to(VC.dtype.element_ty), mask=mask)
+                tl.store(vc + HALF, tl.load(pv + HALF, mask=mask).to(VC.dtype.element_ty), mask=mask)
 
 
 _rotary_kernel = fast_launch(_rotary_kernel)  # host launches via the cached CompiledKernel
@@ -109,7 +134,7 @@ def rotary_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int, 
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     v: Optional[torch.Tensor] = None, k_cache: Optional[torch.Tensor] = None, v_cache: Optional[torch.Tensor] = None,
-    slot_mapping: Optional[torch.Tensor] = None,
+    slot_mapping: Optional[torch.Tensor] = None, kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (and return them) at positions [T] (int64/int32).
 
@@ -119,7 +144,8 @@ def apply_rotary(
 
     With v, k_cache, v_cache and slot_mapping (all or none), the same launch also writes the rotated
     k and v into the paged caches, exactly as ``store_kv(k, v, k_cache, v_cache, slot_mapping)``
-    would after the rotation (the decode step's separate store launch goes away).
+    would after the rotation (the decode step's separate store launch goes away); kv_scales: a
+    quantized cache's scales, as store_kv takes them.
     """
     given = [a is not None for a in (v, k_cache, v_cache, slot_mapping)]
     store = all(given)
@@ -127,6 +153,11 @@ def apply_rotary(
         raise ValueError("apply_rotary: v, k_cache, v_cache and slot_mapping go together")
     if store:
         check_store_args(k, v, k_cache, v_cache, slot_mapping)
+        qargs, qconst = check_kv_scales(k_cache, v_cache, kv_scales, "apply_rotary")
+    elif kv_scales is not None:
+        raise ValueError("apply_rotary: kv_scales go with k_cache and v_cache")
+    else:
+        qargs, qconst = (None, None, 0, 0), {}
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"apply_rotary: q and k must be [T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     t, hq, d = q.shape
@@ -167,7 +198,7 @@ def apply_rotary(
     _rotary_kernel[grid](
         q, k, positions, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        hq, hkv, *extra,
+        hq, hkv, *extra, *qargs, **qconst,
         HALF=half, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half),
         STORE=store, PAGE_SIZE=k_cache.shape[1] if store else 1,
         num_warps=num_warps, enable_fp_fusion=False,

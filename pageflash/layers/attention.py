@@ -9,6 +9,12 @@ Conventions shared by every backend:
 - KV cache of one layer: ``k_cache`` and ``v_cache`` of shape
   ``[num_blocks, block_size, num_kv_heads, head_dim]``. Slot ``s`` is block ``s // block_size``,
   offset ``s % block_size``.
+- Quantized KV cache (``kv_cache_dtype`` "int8" or "fp8"): the caches hold codes (int8 /
+  float8_e4m3fn) and ``forward`` gets ``kv_scales=(k_scale, v_scale)``, float32
+  ``[num_blocks, num_kv_heads, block_size]``: one scale per (token, KV head), symmetric
+  (``quantize_kv_ref``). A key reads as ``code * scale``. Every read of the cache dequantizes; a
+  prefill with nothing cached (every query's keys are this step's) attends over the unquantized
+  k and v it was given, as vLLM's backends do.
 - A step holds ``num_seqs`` sequences. Sequence ``i`` contributes ``query_len_i`` new tokens
   (rows ``query_start_loc[i]:query_start_loc[i+1]`` of q/k/v) and, after this step, holds
   ``seq_len_i`` tokens of KV: ``context_len_i = seq_len_i - query_len_i`` tokens already in the cache
@@ -88,29 +94,79 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         plan: Any,
         scale: float,
+        kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches as in the module doc. Returns [T, Hq, D].
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches (and, for a quantized cache, kv_scales) as in the
+        module doc. Returns [T, Hq, D].
 
         A backend with ``fuses_rope = True`` also accepts ``rope=(positions, cos, sin)``: q and k
         arrive unrotated and it applies the rotary embedding (kernels/rotary.py's arithmetic) itself."""
 
 
+# kv_cache_dtype -> the codes' dtype (vLLM's names; "fp8" is e4m3)
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+def kv_code_max(dtype: torch.dtype) -> float:
+    """The largest code magnitude a scale maps a row's absolute maximum to (int8: 127, e4m3: 448)."""
+    if dtype == torch.int8:
+        return 127.0
+    if dtype == torch.float8_e4m3fn:
+        return 448.0
+    raise TypeError(f"no KV quantization to {dtype}; use one of int8, float8_e4m3fn")
+
+
+def quantize_kv_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes [..., D] of dtype, scale [...] float32), one symmetric scale per row:
+    scale = max|x| / code_max; int8 codes = clamp(floor(x / scale + 0.5), -127, 127), e4m3 codes =
+    x / scale rounded to nearest; a row of zeros gets scale 0. The Triton stores compute the same
+    operations in the same order (kernels/kv_store.py ``quantize_rows``)."""
+    qmax = kv_code_max(dtype)
+    xf = x.float()
+    s = xf.abs().amax(-1) / qmax
+    y = xf / torch.where(s > 0, s, 1.0).unsqueeze(-1)
+    if dtype == torch.int8:
+        return torch.floor(y + 0.5).clamp_(-qmax, qmax).to(torch.int8), s
+    return y.to(dtype), s
+
+
+def dequantize_kv_ref(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes [..., D] * scale [...] in float32."""
+    return codes.float() * scale.unsqueeze(-1)
+
+
 def store_kv_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> None:
-    """Write k, v ([T, Hkv, D]) into the caches at slot_mapping ([T], -1 = skip)."""
+    """Write k, v ([T, Hkv, D]) into the caches at slot_mapping ([T], -1 = skip); with kv_scales
+    (k_scale, v_scale [num_blocks, Hkv, block_size]) as codes and scales (quantize_kv_ref)."""
     nb, bs, h, d = k_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(nb * bs, h, d)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(nb * bs, h, d)[slots] = v[keep].to(v_cache.dtype)
+    for x, cache, i in ((k, k_cache, 0), (v, v_cache, 1)):
+        if kv_scales is None:
+            cache.view(nb * bs, h, d)[slots] = x[keep].to(cache.dtype)
+        else:
+            codes, s = quantize_kv_ref(x[keep], cache.dtype)
+            cache.view(nb * bs, h, d)[slots] = codes
+            kv_scales[i][slots // bs, :, slots % bs] = s
 
 
-def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one sequence's KV, contiguous: [seq_len, Hkv, D]."""
+def gather_kv_ref(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scales: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's KV, contiguous: [seq_len, Hkv, D] (with the cache's
+    scales [num_blocks, Hkv, block_size]: dequantized, float32)."""
     bs = cache.shape[1]
     nblocks = (seq_len + bs - 1) // bs
-    return cache[block_table[:nblocks].long()].flatten(0, 1)[:seq_len]
+    blocks = block_table[:nblocks].long()
+    x = cache[blocks].flatten(0, 1)[:seq_len]
+    if scales is None:
+        return x
+    return dequantize_kv_ref(x, scales[blocks].transpose(1, 2).flatten(0, 1)[:seq_len])
 
 
 def paged_attention_ref(
@@ -119,11 +175,14 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """Plain PyTorch attention of the new queries over the paged cache (K/V already stored).
+    """Plain PyTorch attention of the new queries over the paged cache (K/V already stored; with
+    kv_scales, a quantized cache, dequantized).
 
     Computes in float32 and returns q's dtype. One sequence at a time: the reference, not the fast path.
     """
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -132,8 +191,8 @@ def paged_attention_ref(
         s = starts[i]
         if qlen == 0:
             continue
-        kk = gather_kv_ref(k_cache, meta.block_tables[i], slen).float()  # [L, Hkv, D]
-        vv = gather_kv_ref(v_cache, meta.block_tables[i], slen).float()
+        kk = gather_kv_ref(k_cache, meta.block_tables[i], slen, ks).float()  # [L, Hkv, D]
+        vv = gather_kv_ref(v_cache, meta.block_tables[i], slen, vs).float()
         qq = q[s : s + qlen].float()  # [qlen, Hq, D]
         ctx = slen - qlen
         # [Hkv, group, qlen, D] x [Hkv, D, L] -> [Hkv, group, qlen, L]
@@ -191,19 +250,48 @@ class TorchBackend:
         v_cache: torch.Tensor,
         plan: Any,
         scale: float,
+        kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
-        """plan: from `plan(meta)`, or the metadata itself."""
+        """plan: from `plan(meta)`, or the metadata itself. kv_scales: a quantized cache's scales."""
         meta = plan.meta if isinstance(plan, _CpuDecodePlan) else plan
-        if q.device.type == "cpu":  # the CPU's serving path: fewer, larger ops than the reference
+        if kv_scales is not None:
+            store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+            if is_fresh_prefill(meta):
+                return causal_varlen_ref(q, k, v, meta, scale)
+        elif q.device.type == "cpu":  # the CPU's serving path: fewer, larger ops than the reference
             _store_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping)
-            if meta.is_decode_only:
-                p = plan if isinstance(plan, _CpuDecodePlan) else _CpuDecodePlan.of(meta)
-                return _decode_sdpa(q, k_cache, v_cache, p, scale)
-            return paged_attention_ref(q, k_cache, v_cache, meta, scale)
-        store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
-            return _decode_batched_ref(q, k_cache, v_cache, meta, scale)
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+            if q.device.type == "cpu":
+                p = plan if isinstance(plan, _CpuDecodePlan) else _CpuDecodePlan.of(meta)
+                return _decode_sdpa(q, k_cache, v_cache, p, scale, kv_scales)
+            return _decode_batched_ref(q, k_cache, v_cache, meta, scale, kv_scales)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, kv_scales)
+
+
+def is_fresh_prefill(meta: AttentionMetadata) -> bool:
+    """A step of prompts with nothing cached: every sequence's keys are its new tokens (causal)."""
+    return (meta.tree_mask is None and not meta.is_decode_only
+            and all(q == s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu)))
+
+
+def causal_varlen_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its new keys only (a fresh prefill), from
+    k and v as given (not from the cache): torch's SDPA in float32 per sequence, q's dtype out."""
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    start = 0
+    for n in meta.query_lens_cpu:
+        if n:
+            qq, kk, vv = (x[start:start + n].float().transpose(0, 1) for x in (q, k, v))
+            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
+                                                                 enable_gqa=gqa)
+            out[start:start + n] = o.transpose(0, 1).to(q.dtype)
+        start += n
+    return out
 
 
 def _store_kv_cpu(
@@ -225,19 +313,26 @@ def _decode_index(meta: AttentionMetadata) -> tuple[torch.Tensor, int]:
     return meta.block_tables[:, : (max_len + meta.block_size - 1) // meta.block_size].long(), max_len
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Each sequence's first max_len slots of one cache, contiguous: [B, max_len, Hkv, D]."""
-    return cache[index].flatten(1, 2)[:, :max_len]
+def _gather(cache: torch.Tensor, index: torch.Tensor, max_len: int, scales: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
+    """Each sequence's first max_len slots of one cache, contiguous: [B, max_len, Hkv, D] (with the
+    cache's scales [num_blocks, Hkv, block_size]: dequantized, float32)."""
+    x = cache[index].flatten(1, 2)[:, :max_len]
+    if scales is None:
+        return x
+    return dequantize_kv_ref(x, scales[index].transpose(2, 3).flatten(1, 2)[:, :max_len])
 
 
 def _decode_sdpa(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _CpuDecodePlan, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _CpuDecodePlan, scale: float,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Decode on the CPU: the batch's pages gathered as in _decode_batched_ref, then torch's SDPA
     (GQA without repeating K/V; the plan's length mask). Tested against _decode_batched_ref."""
     b, hq, d = q.shape
-    kk = _gather(k_cache, plan.index, plan.max_len).transpose(1, 2)  # [B, Hkv, L, D]
-    vv = _gather(v_cache, plan.index, plan.max_len).transpose(1, 2)
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
+    kk = _gather(k_cache, plan.index, plan.max_len, ks).transpose(1, 2)  # [B, Hkv, L, D]
+    vv = _gather(v_cache, plan.index, plan.max_len, vs).transpose(1, 2)
     o = torch.nn.functional.scaled_dot_product_attention(
         q.view(b, hq, 1, d), kk.to(q.dtype), vv.to(q.dtype), attn_mask=plan.mask, scale=scale,
         enable_gqa=hq != k_cache.shape[2],
@@ -246,7 +341,8 @@ def _decode_sdpa(
 
 
 def _decode_batched_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Decode (one query per sequence) for the whole batch at once: gather, pad, mask.
 
@@ -256,8 +352,9 @@ def _decode_batched_ref(
     hkv = k_cache.shape[2]
     group = hq // hkv
     index, max_len = _decode_index(meta)
-    kk = _gather(k_cache, index, max_len).float()  # [B, L, Hkv, D]
-    vv = _gather(v_cache, index, max_len).float()
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
+    kk = _gather(k_cache, index, max_len, ks).float()  # [B, L, Hkv, D]
+    vv = _gather(v_cache, index, max_len, vs).float()
     qh = q.float().view(b, hkv, group, d)
     scores = torch.einsum("bhgd,blhd->bhgl", qh, kk) * scale
     pos = torch.arange(max_len, device=q.device)

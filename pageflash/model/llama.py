@@ -56,10 +56,11 @@ class LlamaAttention(_Prefetching, nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
         backend: AttentionBackend,
         plan: Any,
     ) -> torch.Tensor:
+        """kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) for a quantized cache."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         fused_qk_norm = _fused_qk_norm(qkv, self.q_norm.weight) if self.q_norm is not None else None
@@ -74,13 +75,14 @@ class LlamaAttention(_Prefetching, nn.Module):
         if self.q_norm is not None and fused_qk_norm is None:
             q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
+        kw = {"kv_scales": kv_cache[2:]} if len(kv_cache) > 2 else {}
         if getattr(backend, "fuses_rope", False) and rotary.fusable(q, k):
             # the backend rotates q and k in the launch that stores k and v in the cache
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale,
-                                rope=(positions, rotary.cos, rotary.sin))
+                                rope=(positions, rotary.cos, rotary.sin), **kw)
         else:
             q, k = rotary(positions, q, k)
-            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale)
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale, **kw)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from pageflash.engine.model_runner import ModelRunner, StepResult
+from pageflash.engine.model_runner import ModelRunner, StepResult, kv_bytes_view
 from pageflash.engine.sampler import SamplerOutput, SamplingBatch, SamplingRow, _add_logprobs, compute_probs
 from pageflash.engine.scheduler import SchedulerOutput
 from pageflash.engine.sequence import Request
@@ -170,7 +170,7 @@ class SpecDecoder:
             dtype = eng.dtype if c.draft_dtype == "auto" else _DTYPES[c.draft_dtype]
             self.draft_runner = ModelRunner(
                 dcfg, src, eng.device, dtype, eng.config.block_size, eng.max_model_len,
-                eng.config.attention_backend, eng.config.seed, c.quantization,
+                eng.config.attention_backend, eng.config.seed, c.quantization, eng.config.kv_cache_dtype,
             )
         elif c.method == "medusa":
             from pageflash.spec.medusa import load_heads
@@ -557,10 +557,15 @@ class SpecDecoder:
                     blk, off = divmod(base + row, bs)
                     slots.append(table[blk] * bs + off)
         if src_slots:
-            kvc = self.engine.runner.kv_cache  # [L, 2, num_blocks, block_size, H, D]
+            runner = self.engine.runner
+            kvc = kv_bytes_view(runner.kv_cache)  # [L, 2, num_blocks, block_size, H, D]
             flat = kvc.view(kvc.shape[0], 2, -1, kvc.shape[4], kvc.shape[5])
             dev = kvc.device
-            flat[:, :, torch.tensor(dst_slots, device=dev)] = flat[:, :, torch.tensor(src_slots, device=dev)]
+            src, dst = torch.tensor(src_slots, device=dev), torch.tensor(dst_slots, device=dev)
+            flat[:, :, dst] = flat[:, :, src]
+            if runner.kv_scale is not None:  # [L, 2, num_blocks, H, block_size]
+                sc = runner.kv_scale
+                sc[:, :, dst // bs, :, dst % bs] = sc[:, :, src // bs, :, src % bs]
 
     def _logprobs(self, reqs, paths, emitted, starts, logits) -> list[Optional[list[tuple]]]:
         """Raw logprobs of every emitted token (and the top ones), for requests that asked.
