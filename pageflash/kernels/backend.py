@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from pageflash.kernels.flash_attention import flash_attn_varlen_fwd
-from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode
+from pageflash.kernels.flash_decoding import QUANT_SLOTS_PER_SM, choose_num_splits, flash_decode
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.kv_store import store_kv
 from pageflash.kernels.paged_attention import build_tiles, paged_attention, prefill_config
@@ -45,18 +45,21 @@ class TritonPlan:
     fresh_prefill: bool
     max_kv_len: int
     num_sms: int
-    num_splits: dict[int, int] = field(default_factory=dict)  # num_kv_heads -> splits
+    num_splits: dict[tuple[int, bool], int] = field(default_factory=dict)  # (num_kv_heads, quantized) -> splits
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # queries/tile -> list
 
     @property
     def slot_mapping(self) -> torch.Tensor:
         return self.meta.slot_mapping
 
-    def splits_for(self, num_kv_heads: int) -> int:
-        s = self.num_splits.get(num_kv_heads)
+    def splits_for(self, num_kv_heads: int, quantized: bool = False) -> int:
+        """Decode splits per sequence (quantized: a quantized cache's, QUANT_SLOTS_PER_SM)."""
+        key = (num_kv_heads, quantized)
+        s = self.num_splits.get(key)
         if s is None:
-            s = choose_num_splits(self.meta.num_seqs, num_kv_heads, self.max_kv_len, self.num_sms)
-            self.num_splits[num_kv_heads] = s
+            s = choose_num_splits(self.meta.num_seqs, num_kv_heads, self.max_kv_len, self.num_sms,
+                                  slots_per_sm=QUANT_SLOTS_PER_SM if quantized else 4)
+            self.num_splits[key] = s
         return s
 
     def tiles_for(self, queries_per_tile: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +151,7 @@ class TritonBackend:
         meta = plan.meta
         hkv = k_cache.shape[2]
         if plan.decode:
-            splits = plan.splits_for(hkv)
+            splits = plan.splits_for(hkv, kv_scales is not None)
             counters = self._decode_counters(q.device, q.shape[0] * hkv) if splits > 1 else None
             if rope is not None and self.decode_rope:  # rotary + K/V store inside the decode launch
                 return flash_decode(

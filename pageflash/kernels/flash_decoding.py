@@ -161,19 +161,19 @@ def _decode_split_kernel(
         if QUANT:
             # quantized as kv_store.store_quantized_rows does; the registers then hold what the cache
             # reads back (code x scale), as every other key
-            s_at = sblk * stride_sb + kvh * stride_sh + soff
-            s_ok = owner & (slot >= 0)
+            s_new = sblk * stride_sb + kvh * stride_sh + soff
+            st_ok = owner & (slot >= 0)
             knf = kn.to(tl.float32)
             s_k = tl.max(tl.abs(knf), 0) / QMAX
             kq = kv_round(knf / tl.where(s_k > 0.0, s_k, 1.0), QMAX, CODE_INT).to(KC.dtype.element_ty)
             tl.store(KC + sblk * stride_kcb + soff * stride_kcs + kvh * stride_kch + offs_d, kq, mask=st_mask)
-            tl.store(KS + s_at, s_k, mask=s_ok)
+            tl.store(KS + s_new, s_k, mask=st_ok)
             kn = kq.to(tl.float32) * s_k
             vnf = vn.to(tl.float32)
             s_v = tl.max(tl.abs(vnf), 0) / QMAX
             vq = kv_round(vnf / tl.where(s_v > 0.0, s_v, 1.0), QMAX, CODE_INT).to(VC.dtype.element_ty)
             tl.store(VC + sblk * stride_vcb + soff * stride_vcs + kvh * stride_vch + offs_d, vq, mask=st_mask)
-            tl.store(VS + s_at, s_v, mask=s_ok)
+            tl.store(VS + s_new, s_v, mask=st_ok)
             vn = vq.to(tl.float32) * s_v
         else:
             tl.store(KC + sblk * stride_kcb + soff * stride_kcs + kvh * stride_kch + offs_d,
@@ -347,14 +347,15 @@ _decode_combine_kernel = fast_launch(_decode_combine_kernel)  # host launches vi
 
 
 @functools.lru_cache(maxsize=64)
-def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split: bool = False) -> dict:
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split: bool = False,
+                  kv_dtype: Optional[torch.dtype] = None) -> dict:
     """BLOCK_N, num_warps, num_stages of the split kernel (static: CUDA-graph friendly), its two layout
     switches, and the combine's settings (COMBINE_*: see ``combine_partials``); ``split``: for a launch
     with num_splits > 1. BT_AHEAD=1 loads a tile's block ids one iteration ahead (the K/V copies never
     wait on the block table; with 2+ stages Triton's pipeliner then gives them num_stages - 1 buffers),
     STRIDED gives split s the tiles s, s + num_splits, ... (the first tile's address needs no seq_len;
     with pages in order, the programs sweep memory together). H100 sweeps in docs/KERNELS.md. Cached:
-    callers copy before changing it."""
+    callers copy before changing it. kv_dtype: a quantized cache's code dtype (int8 / float8_e4m3fn)."""
     # the combine: 32 columns per program over 2 warps, every split's partial loaded without waiting
     # for seq_len (H100: -0.3 to -0.5 us at batch 1 against one program per head; docs/KERNELS.md)
     comb = dict(COMBINE_BLOCK_DC=32, COMBINE_EAGER=True, COMBINE_num_warps=2)
@@ -363,6 +364,13 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     d = next_pow2(head_dim)
     if dtype == torch.float32 or d > 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True, **comb)
+    if kv_dtype is not None and kv_dtype.itemsize == 1:
+        # 1-byte codes: 128 keys a tile (the bytes of a bf16 tile of 64) through a 3-stage (int8) or
+        # 2-stage (e4m3) copy pipeline. H100, 32 / 8 heads, D 128 (scripts/kvq_decode_probe.py): the
+        # bf16 config (64 keys, 1 stage) held 41-61% of copy bandwidth, this one 60-81%; splits are
+        # halved (QUANT_SLOTS_PER_SM). Not measured at D 64.
+        return dict(BLOCK_N=128, num_warps=4, num_stages=3 if kv_dtype == torch.int8 else 2, BT_AHEAD=1,
+                    STRIDED=True, **comb)
     if d <= 64:
         # small heads (smollm2-135m: D 64): split programs take 128 keys a tile, so that a tile moves
         # as many bytes as at D 128 (H100, 9 / 3 heads: -10 to -15% at B1-B64); unsplit grids keep 64
@@ -373,6 +381,11 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     # equal to 2 stages (~39 KB) over shuffled pages, 0.5-2% faster over pages in order and over
     # SDPA's contiguous buffers (at D 64, 1 stage is 0-7% slower)
     return dict(BLOCK_N=64, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True, **comb)
+
+
+# a quantized cache's decode programs (3-stage pipelines of 128-key tiles) fill an SM with fewer
+# programs: half the splits measured 5-10% faster at B1-B8 on H100 (scripts/kvq_decode_probe.py)
+QUANT_SLOTS_PER_SM = 2
 
 
 def choose_num_splits(
@@ -481,7 +494,7 @@ def flash_decode(
     if b == 0:
         return o
     group = hq // hkv
-    cfg = dict(decode_config(d, q.dtype, q.device, num_splits > 1))
+    cfg = dict(decode_config(d, q.dtype, q.device, num_splits > 1, k_cache.dtype if qconst["QUANT"] else None))
     cfg.update(config or {})
     block_d = max(16, next_pow2(d))
     if num_splits > 1:
