@@ -24,7 +24,7 @@ if [[ $what == kernels ]]; then
 fi
 if [[ $what == engine ]]; then
   lat() { python3 -m pageflash.cli bench latency --model llama-3-8b --input-len ${INPUT_LEN:-2048} \
-            --output-len ${OUTPUT_LEN:-128} --batch-size ${BATCHES:-1 16 64} --disable-tqdm \
+            --output-len ${OUTPUT_LEN:-128} --batch-size ${BATCHES:-1 16 64} --num-iters ${ITERS:-2} --disable-tqdm \
             --json "$OUT/$1.json" "${@:2}" 2>&1 | grep -E "^llama-3-8b" | sed "s/^/$1 /"; }
   for i in ${ROUNDS:-1}; do
     lat "auto_$i"; lat "int8_$i" --kv-cache-dtype int8; lat "fp8_$i" --kv-cache-dtype fp8

@@ -359,6 +359,8 @@ def test_flash_decode_empty_sequence_slot(splits, fused):
         ([(12, 4), (0, 3)], True),  # tree decode
         ([(300, 4), (20, 3)], True),  # tree verify over a long context: keys split (Flash-Decoding)
         ([(290, 5)], False),  # chain verify over a long context: keys split
+        ([(16, 1), (30, 1), (0, 40)], False),  # decodes first, then a prefill: the decodes via Flash-Decoding
+        ([(5, 1), (100, 1), (33, 20), (7, 1)], False),  # only the leading decodes go there
     ],
 )
 def test_backend_vs_torch(specs, tree, dtype):
@@ -370,6 +372,8 @@ def test_backend_vs_torch(specs, tree, dtype):
     plan = be.plan(meta)
     assert plan.decode == meta.is_decode_only
     assert plan.fresh_prefill == (not plan.decode and not tree and all(c == 0 for c, _ in specs))
+    lead = next((i for i, (_, n) in enumerate(specs) if n != 1), len(specs))
+    assert plan.decode_prefix == (lead if not plan.fresh_prefill and max(n for _, n in specs) > 16 else 0)
     if max(meta.query_lens_cpu) > 1 and max(meta.seq_lens_cpu) > 256:  # the split path is taken
         from pageflash.kernels.backend import MAX_SPLIT_QUERY_LEN
         from pageflash.kernels.flash_decoding import choose_num_splits as cns

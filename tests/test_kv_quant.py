@@ -202,6 +202,7 @@ def test_paged_attention_quantized(code, dtype, specs, tree, splits):
     ([(0, 9), (0, 1), (0, 20)], False),  # fresh prefill: exact k and v
     ([(0, 9), (17, 1), (3, 16)], False),  # mixed
     ([(300, 4), (20, 3)], True),  # tree verify, keys split
+    ([(16, 1), (40, 1), (5, 30), (3, 1)], False),  # the leading decodes via Flash-Decoding
 ])
 def test_backend_vs_torch_quantized(code, specs, tree):
     """Both backends store the same codes and scales and attend alike; a fresh prefill attends over

@@ -1,6 +1,9 @@
 """The Triton attention backend ("triton"): store K/V, then Flash-Decoding for decode-only steps,
 the contiguous varlen FlashAttention-2 kernel for prefills with nothing cached yet, and the paged
-prefill kernel for everything else (chunked prefill, prefix hits, multi-token and tree decode). Interface and conventions: pageflash.layers.attention.
+prefill kernel for everything else (chunked prefill, prefix hits, multi-token and tree decode) --
+except that a step mixing prefill chunks with decodes sends its leading decode sequences (the
+scheduler puts running requests first) to Flash-Decoding (``TritonPlan.decode_prefix``).
+Interface and conventions: pageflash.layers.attention.
 
 ``plan`` does the per-step index arithmetic once (host-side, from the metadata's CPU lists); the
 pieces that depend on the model's head counts (decode split count, prefill work list, which depends
@@ -45,7 +48,12 @@ class TritonPlan:
     fresh_prefill: bool
     max_kv_len: int
     num_sms: int
-    num_splits: dict[tuple[int, bool], int] = field(default_factory=dict)  # (num_kv_heads, quantized) -> splits
+    # a step with prefill chunks (queries > MAX_SPLIT_QUERY_LEN) whose first sequences are decodes (one
+    # query each, as the scheduler puts running requests first): that many go to Flash-Decoding, the
+    # rest to the paged kernel (whose query tiles a single query would leave mostly empty)
+    decode_prefix: int = 0
+    # (num_kv_heads, quantized) -> decode splits; ("prefix", num_kv_heads, quantized) -> decode_prefix's
+    num_splits: dict[tuple, int] = field(default_factory=dict)
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # queries/tile -> list
 
     @property
@@ -65,7 +73,8 @@ class TritonPlan:
     def tiles_for(self, queries_per_tile: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.tiles.get(queries_per_tile)
         if t is None:
-            t = build_tiles(self.meta.query_lens_cpu, self.meta.seq_lens_cpu, queries_per_tile, device)
+            t = build_tiles(self.meta.query_lens_cpu, self.meta.seq_lens_cpu, queries_per_tile, device,
+                            first_seq=self.decode_prefix)
             self.tiles[queries_per_tile] = t
         return t
 
@@ -91,6 +100,8 @@ class TritonBackend:
         if fused_combine is None:
             fused_combine = os.environ.get("PAGEFLASH_FUSED_COMBINE", "0") == "1"
         self._fused_combine = fused_combine
+        # mixed steps: their leading decode sequences through Flash-Decoding (TritonPlan.decode_prefix)
+        self.mixed_decode = os.environ.get("PAGEFLASH_MIXED_DECODE", "1") != "0"
         self._counters: Optional[torch.Tensor] = None
         self._old_counters: list[torch.Tensor] = []  # captured graphs may still use a replaced buffer
 
@@ -124,12 +135,20 @@ class TritonBackend:
             and meta.tree_mask is None
             and all(q == s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
         )
+        prefix = 0
+        if self.mixed_decode and not decode and not fresh and meta.tree_mask is None \
+                and meta.max_query_len > MAX_SPLIT_QUERY_LEN:
+            for n in meta.query_lens_cpu:
+                if n != 1:
+                    break
+                prefix += 1
         return TritonPlan(
             meta=meta,
             decode=decode,
             fresh_prefill=fresh,
             max_kv_len=int(meta.block_tables.shape[1]) * meta.block_size,
             num_sms=self._sms(dev),
+            decode_prefix=prefix,
         )
 
     def forward(
@@ -183,11 +202,21 @@ class TritonBackend:
             # 4-16 splits won 24 -> 9-12 us: scripts/bench_verify_attn.py)
             weight = max(1, cfg["BLOCK_M"] // 16)
             splits = choose_num_splits(tiles[0].numel() * weight, hkv, plan.max_kv_len, plan.num_sms)
-        return paged_attention(
+        out = paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
             meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask,
             tiles=tiles, config=cfg, num_splits=splits, kv_scales=kv_scales,
         )
+        nd = plan.decode_prefix
+        if nd:  # the leading decode sequences' rows (0..nd-1: one each), left unwritten above
+            key = ("prefix", hkv, kv_scales is not None)
+            dsplits = plan.num_splits.get(key)
+            if dsplits is None:
+                dsplits = plan.num_splits[key] = choose_num_splits(
+                    nd, hkv, plan.max_kv_len, plan.num_sms, slots_per_sm=QUANT_SLOTS_PER_SM if kv_scales else 4)
+            flash_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                         num_splits=dsplits, kv_scales=kv_scales, out=out[:nd])
+        return out
 
 
 register_backend("triton", TritonBackend)

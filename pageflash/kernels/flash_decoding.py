@@ -419,6 +419,7 @@ def flash_decode(
     v_new: Optional[torch.Tensor] = None,
     slot_mapping: Optional[torch.Tensor] = None,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its K/V already stored), caches
     [num_blocks, block_size, Hkv, D], block_tables int32 [B, W], seq_lens int32 [B] (>= 1).
@@ -436,7 +437,10 @@ def flash_decode(
     this call without rope would; key seq_len - 1 (the new token's) is taken from registers.
 
     kv_scales=(k_scale, v_scale), float32 [num_blocks, Hkv, block_size]: the caches hold int8 /
-    float8_e4m3fn codes, one scale per (token, KV head) (pageflash.layers.attention's module doc)."""
+    float8_e4m3fn codes, one scale per (token, KV head) (pageflash.layers.attention's module doc).
+
+    out: where to write the result ([B, Hq, D] of q's dtype, D contiguous; e.g. rows of a larger
+    step's output); a new tensor when None."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"flash_decode: q must be [B, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
@@ -489,7 +493,13 @@ def flash_decode(
     else:
         # unused without ROPE: None arguments are constexprs to Triton, so they cost no per-launch binding
         rope_args = (None,) * 12
-    o = torch.empty_like(q)
+    if out is None:
+        o = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device:
+        raise ValueError(f"flash_decode: out must be {q.dtype} {tuple(q.shape)} contiguous in head_dim, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    else:
+        o = out
     os_ = o.stride()
     if b == 0:
         return o

@@ -236,12 +236,16 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.d
 
 
 def build_tiles(
-    query_lens: Sequence[int], seq_lens: Sequence[int], queries_per_tile: int, device: torch.device
+    query_lens: Sequence[int], seq_lens: Sequence[int], queries_per_tile: int, device: torch.device,
+    first_seq: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Host-side work list: (tile_seq, tile_qblock), int32 [num_tiles] on device, heaviest tile first
-    (a tile's work is the number of keys it reads)."""
+    (a tile's work is the number of keys it reads). Sequences before first_seq get no tiles (their
+    rows are left to another kernel)."""
     work = []
     for i, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+        if i < first_seq:
+            continue
         ctx = sl - ql
         for qb in range((ql + queries_per_tile - 1) // queries_per_tile):
             work.append((min(sl, ctx + (qb + 1) * queries_per_tile), i, qb))

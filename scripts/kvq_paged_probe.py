@@ -1,0 +1,61 @@
+"""H100 probe: the paged prefill kernel over a quantized KV cache in a W-offline-like mixed step
+(decode sequences with 300-1500 keys beside a 1024-token prefill chunk), llama-3-8b heads, over tile
+configs; bf16 beside it. Usage: PYTHONPATH=. python scripts/kvq_paged_probe.py"""
+
+import torch
+
+from pageflash.bench.kernels import _bench
+from pageflash.kernels.paged_attention import build_tiles, paged_attention, prefill_config
+from pageflash.layers.attention import quantize_kv_ref
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+CONFIGS = [(64, 8, 3), (128, 8, 3), (128, 8, 2), (64, 8, 4), (128, 4, 3), (128, 8, 4)]
+
+
+def main() -> None:
+    g = torch.Generator().manual_seed(0)
+    specs = [(int(c), 1) for c in torch.randint(300, 1500, (240,), generator=g)] + [(512, 1024)]
+    lens = [c + n for c, n in specs]
+    nbs = [-(-s // PAGE) for s in lens]
+    total = sum(nbs)
+    bt = torch.zeros(len(specs), max(nbs), dtype=torch.int32)
+    perm = torch.randperm(total, generator=g)
+    o = 0
+    for i, n in enumerate(nbs):
+        bt[i, :n] = perm[o:o + n].int()
+        o += n
+    bt = bt.cuda()
+    kc = torch.randn(total, PAGE, HKV, D, device="cuda").to(torch.bfloat16)
+    vc = torch.randn_like(kc)
+    qlens = [n for _, n in specs]
+    t = sum(qlens)
+    q = torch.randn(t, HQ, D, device="cuda").to(torch.bfloat16)
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    keys = sum(lens)
+    base = prefill_config(D, HQ // HKV, max(qlens), torch.bfloat16, q.device)
+    caches = {"bf16": (kc, vc, None)}
+    for name, code in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        kq, ks = quantize_kv_ref(kc, code)
+        vq, vs = quantize_kv_ref(vc, code)
+        caches[name] = (kq, vq, (ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous()))
+    for name, (k_, v_, sc) in caches.items():
+        per_key = HKV * D * 2 * (2 if sc is None else 1) + (0 if sc is None else HKV * 8)
+        res = {}
+        for bn, w, st in CONFIGS:
+            cfg = dict(base, BLOCK_N=bn, num_warps=w, num_stages=st)
+            tiles = build_tiles(qlens, lens, cfg["BLOCK_M"] // 4, q.device)
+            torch.cuda.synchronize()
+            try:
+                ms = _bench(lambda: paged_attention(q, k_, v_, qsl, sl, bt, D**-0.5, qlens, lens, tiles=tiles,
+                                                    config=cfg, kv_scales=sc), graph=True)
+            except Exception as e:
+                print(f"{name} n{bn} w{w} s{st}: {type(e).__name__}")
+                continue
+            res[f"n{bn} w{w} s{st}"] = ms * 1e3
+        print(f"{name}: " + ", ".join(f"{k} {v:.1f} us ({keys * per_key / v / 1e3:.0f} GB/s)"
+                                      for k, v in sorted(res.items(), key=lambda kv: kv[1])), flush=True)
+
+
+if __name__ == "__main__":
+    main()
