@@ -367,6 +367,7 @@ def test_backend_vs_torch(specs, tree, dtype):
     q, k, v, kc, vc, meta = make_case(specs, 4, 2, 64, 16, dtype, tree=tree, seed=len(specs))
     be = get_backend("triton", torch.device("cpu"))
     assert isinstance(be, TritonBackend) and be.name == "triton"
+    be.mixed_decode_min = {False: 0, True: 0}  # a mixed step's leading decodes go to Flash-Decoding
     kc2, vc2 = kc.clone(), vc.clone()
     ref = TorchBackend().forward(q, k, v, kc, vc, TorchBackend().plan(meta), 0.125)
     plan = be.plan(meta)
@@ -453,3 +454,28 @@ def test_torch_backend_cpu_decode_path(heads, d, dtype, lens):
     TorchBackend().forward(q, k, v, kc2, vc2, TorchBackend().plan(meta), d**-0.5)
     store_kv_ref(k, v, kc3, vc.clone(), meta.slot_mapping)
     assert torch.equal(kc2, kc3)
+
+
+def test_mixed_step_leading_decodes_threshold(monkeypatch):
+    """A mixed step's leading decodes go to Flash-Decoding only when they give at least
+    mixed_decode_min programs per SM; either way the output equals the reference backend's, and the
+    rows the paged kernel leaves to Flash-Decoding are written (outputs are NaN-poisoned)."""
+    specs = [(16, 1), (30, 1), (9, 1), (0, 40)]
+    q, k, v, kc, vc, meta = make_case(specs, 4, 2, 64, 16, torch.float32, seed=3)
+    ref = TorchBackend().forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+    calls = []
+    import pageflash.kernels.backend as backend_mod
+
+    real = backend_mod.flash_decode
+    monkeypatch.setattr(backend_mod, "flash_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for need, used in ((3, True), (4, False)):  # 3 decodes x 2 KV heads = 6 programs on 2 SMs
+        be = TritonBackend(num_sms=2)
+        be.mixed_decode_min = {False: need, True: need}
+        plan = be.plan(meta)
+        assert plan.decode_prefix == 3
+        calls.clear()
+        out = be.forward(q, k, v, kc.clone(), vc.clone(), plan, 0.125)
+        assert calls == ([3] if used else [])
+        assert rel_err(out, ref) < TOL[torch.float32]
+    monkeypatch.setenv("PAGEFLASH_MIXED_DECODE", "0")
+    assert TritonBackend().plan(meta).decode_prefix == 0

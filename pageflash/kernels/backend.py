@@ -49,12 +49,14 @@ class TritonPlan:
     max_kv_len: int
     num_sms: int
     # a step with prefill chunks (queries > MAX_SPLIT_QUERY_LEN) whose first sequences are decodes (one
-    # query each, as the scheduler puts running requests first): that many go to Flash-Decoding, the
-    # rest to the paged kernel (whose query tiles a single query would leave mostly empty)
+    # query each, as the scheduler puts running requests first): that many may go to Flash-Decoding
+    # (TritonBackend.mixed_decode_min), the rest to the paged kernel (whose query tiles a single
+    # query would leave mostly empty)
     decode_prefix: int = 0
     # (num_kv_heads, quantized) -> decode splits; ("prefix", num_kv_heads, quantized) -> decode_prefix's
     num_splits: dict[tuple, int] = field(default_factory=dict)
-    tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # queries/tile -> list
+    # (queries per tile, first sequence with tiles) -> work list
+    tiles: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -70,12 +72,13 @@ class TritonPlan:
             self.num_splits[key] = s
         return s
 
-    def tiles_for(self, queries_per_tile: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self.tiles.get(queries_per_tile)
+    def tiles_for(self, queries_per_tile: int, device: torch.device, first_seq: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.tiles.get((queries_per_tile, first_seq))
         if t is None:
             t = build_tiles(self.meta.query_lens_cpu, self.meta.seq_lens_cpu, queries_per_tile, device,
-                            first_seq=self.decode_prefix)
-            self.tiles[queries_per_tile] = t
+                            first_seq=first_seq)
+            self.tiles[(queries_per_tile, first_seq)] = t
         return t
 
 
@@ -101,7 +104,13 @@ class TritonBackend:
             fused_combine = os.environ.get("PAGEFLASH_FUSED_COMBINE", "0") == "1"
         self._fused_combine = fused_combine
         # mixed steps: their leading decode sequences through Flash-Decoding (TritonPlan.decode_prefix)
+        # when they are at least this many (decode programs, sequences x KV heads) per SM; the two
+        # kernels then run one after the other, which costs more than it saves for a few decodes. H100,
+        # llama-3-8b heads, one layer of a mixed step (scripts/mixed_step_probe.py), paged -> split us:
+        # 240 decodes + a 1024-token chunk: bf16 468 -> 424, int8 756 -> 357; 64 + 2048: bf16 273 -> 292,
+        # int8 465 -> 388; 16 + 512: bf16 73 -> 175, int8 121 -> 314. PAGEFLASH_MIXED_DECODE=0: never.
         self.mixed_decode = os.environ.get("PAGEFLASH_MIXED_DECODE", "1") != "0"
+        self.mixed_decode_min = {False: 8, True: 2}  # quantized cache? -> programs per SM
         self._counters: Optional[torch.Tensor] = None
         self._old_counters: list[torch.Tensor] = []  # captured graphs may still use a replaced buffer
 
@@ -194,7 +203,10 @@ class TritonBackend:
         group = q.shape[1] // hkv
         cfg = prefill_config(q.shape[2], group, meta.max_query_len, q.dtype, q.device)
         per_tile = cfg["BLOCK_M"] // next_pow2(group)
-        tiles = plan.tiles_for(per_tile, q.device)
+        nd = plan.decode_prefix
+        if nd * hkv < self.mixed_decode_min[kv_scales is not None] * plan.num_sms:
+            nd = 0
+        tiles = plan.tiles_for(per_tile, q.device, first_seq=nd)
         splits = 1
         if meta.max_query_len <= MAX_SPLIT_QUERY_LEN:  # few queries over the cache (verify steps): split the keys
             # a tile of BLOCK_M rows weighs like BLOCK_M / 16 decode programs (H100: at 64 sequences x 6
@@ -207,7 +219,6 @@ class TritonBackend:
             meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask,
             tiles=tiles, config=cfg, num_splits=splits, kv_scales=kv_scales,
         )
-        nd = plan.decode_prefix
         if nd:  # the leading decode sequences' rows (0..nd-1: one each), left unwritten above
             key = ("prefix", hkv, kv_scales is not None)
             dsplits = plan.num_splits.get(key)
