@@ -252,6 +252,13 @@ def test_kernels_reject_mismatched_caches_and_scales():
     with pytest.raises(ValueError, match="needs kv_scales"):
         paged_attention(q, kq, vq, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.1,
                         meta.query_lens_cpu, meta.seq_lens_cpu)
+    # the reference backend checks the same (codes must never be read as values)
+    with pytest.raises(ValueError, match="needs kv_scales"):
+        TorchBackend().forward(q, k, v, kq, vq, meta, 0.1)
+    with pytest.raises(ValueError, match="k_scale must be float32"):
+        TorchBackend().forward(q, k, v, kq, vq, meta, 0.1, kv_scales=(ks[:, :1], vs))
+    with pytest.raises(TypeError, match="go with int8 / float8_e4m3fn caches"):
+        TorchBackend().forward(q, k, v, kc, vc, meta, 0.1, kv_scales=(ks, vs))
 
 
 # ---- the engine -----------------------------------------------------------------------------------
@@ -349,12 +356,13 @@ def test_engine_spec_tree_on_quantized_cache_is_lossless(folder, kv):
 
 
 def test_kv_cache_dtype_sizes_the_pool_and_rejects_bad_values(folder, monkeypatch):
-    monkeypatch.setenv("PAGEFLASH_CPU_KV_CACHE_GB", "0.01")
+    monkeypatch.setenv("PAGEFLASH_CPU_KV_CACHE_GB", "0.002")  # under the max_num_seqs x max_model_len cap
     base = LLM(folder, block_size=16, max_model_len=96).llm_engine.runner
     q8 = LLM(folder, kv_cache_dtype="int8", block_size=16, max_model_len=96).llm_engine.runner
-    # float32 model: 4 bytes per element vs 1 byte + 4 bytes of scale per 32-element row
-    assert base.kv_bytes_per_block() == 2 * 2 * 16 * 2 * 32 * 4
-    assert q8.kv_bytes_per_block() == 2 * 2 * 16 * 2 * (32 + 4)
+    # float32 model (head_dim 16): 4 bytes per element vs 1 byte + 4 bytes of scale per 16-element row
+    assert base.cfg.head_dim == 16
+    assert base.kv_bytes_per_block() == 2 * 2 * 16 * 2 * 16 * 4
+    assert q8.kv_bytes_per_block() == 2 * 2 * 16 * 2 * (16 + 4)
     assert q8.kv_cache.shape[2] > 3 * base.kv_cache.shape[2]
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or one of"):
         LLM(folder, kv_cache_dtype="int4")

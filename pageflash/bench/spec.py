@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                   help="weight-only quantization of the target at load (default: none)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3"],
+                   help="KV cache element type (default: the model's dtype)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap host work with the device in steps without drafts (default: on for CUDA)")
     g.add_argument("--seed", type=int, default=0)
@@ -207,7 +211,8 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
 
     kw: dict[str, Any] = dict(model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
                               max_model_len=a.max_model_len, seed=a.seed, enforce_eager=a.enforce_eager,
-                              async_scheduling=a.async_scheduling)
+                              async_scheduling=a.async_scheduling, quantization=a.quantization,
+                              kv_cache_dtype=a.kv_cache_dtype)
     for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(a, k) is not None:
             kw[k] = getattr(a, k)
@@ -349,6 +354,8 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         "benchmark": "spec",
         "model": a.model,
         "dtype": str(eng.dtype).replace("torch.", ""),
+        "quantization": a.quantization,
+        "kv_cache_dtype": a.kv_cache_dtype,
         "device": eng.device.type,
         "max_tokens": a.max_tokens,
         "text_tokens": a.text_tokens,

@@ -23,7 +23,8 @@ from pageflash.engine.scheduler import SchedulerOutput
 from pageflash.envs import int_env
 from pageflash.kernels.launch import precompile
 from pageflash.transfer import copy_to, to_device
-from pageflash.layers.attention import KV_CACHE_DTYPES, AttentionMetadata, get_backend
+from pageflash.layers.attention import KV_CACHE_DTYPES, AttentionMetadata, get_backend, kv_bytes_view
+from pageflash.layers.rotary import RotaryEmbedding
 from pageflash.model.llama import LlamaForCausalLM
 from pageflash.model.loader import ModelSource, init_dummy_weights, iter_weights
 
@@ -44,12 +45,6 @@ class StepResult:
     # prompt's chunk times the vocabulary would be gigabytes of float32).
     prompt_rows: Optional[list[tuple[int, int]]] = None
     prompt_hidden: Optional[torch.Tensor] = None
-
-
-def kv_bytes_view(cache: torch.Tensor) -> torch.Tensor:
-    """The cache itself, or for float8 codes its bytes (uint8): indexing copies of float8 tensors are
-    not implemented on every device."""
-    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
 class ModelRunner:
@@ -76,8 +71,13 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         # the cache's element type: the model's, or the codes' of a quantized cache
         self.kv_dtype = dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
-        self.model = self._build_model(source, seed)
         self.backend = get_backend(attention_backend, device)
+        if self.kv_dtype == torch.float8_e4m3fn and device.type == "cuda" and self.backend.name == "triton" \
+                and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer "
+                             f"(Ada, Hopper) for the Triton kernels' float8 conversions; this one is "
+                             f"{torch.cuda.get_device_capability(device)}: use kv_cache_dtype='int8'")
+        self.model = self._build_model(source, seed)
         self.kv_cache: Optional[torch.Tensor] = None  # [L, 2, num_blocks, block_size, Hkv, D]
         # a quantized cache's scales: float32 [L, 2, num_blocks, Hkv, block_size], one per (token, KV head)
         self.kv_scale: Optional[torch.Tensor] = None
@@ -89,10 +89,14 @@ class ModelRunner:
 
     # -- setup ------------------------------------------------------------------------------------
     def _build_model(self, source: ModelSource, seed: int) -> LlamaForCausalLM:
+        # A checkpoint to quantize onto a GPU is loaded into host memory first and moved over one
+        # decoder layer at a time, each quantized on arrival: the GPU then never holds more than the
+        # quantized model plus one layer in its 16-bit dtype (dummy weights are made on the device).
+        staged = self.quantization is not None and source.kind != "config" and self.device.type != "cpu"
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device("cpu" if staged else self.device):
                 model = LlamaForCausalLM(self.cfg, max_positions=self.max_model_len)
         finally:
             torch.set_default_dtype(prev)
@@ -105,7 +109,10 @@ class ModelRunner:
             if missing:
                 raise ValueError(f"checkpoint {source.path!r} is missing weights: {sorted(missing)[:5]}...")
         if self.quantization is not None:
-            model.quantize_(self.quantization)
+            model.quantize_(self.quantization, device=self.device if staged else None)
+        if staged:  # the rotary tables as the device computes them (as an unstaged model has them)
+            with torch.device(self.device):
+                model.rotary = RotaryEmbedding(self.cfg, max_positions=self.max_model_len)
         return model.eval()
 
     @property

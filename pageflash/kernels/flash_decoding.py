@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
-from pageflash.kernels.kv_store import check_kv_scales, check_store_args, kv_round
+from pageflash.kernels.kv_store import check_store_args, kv_round, kv_scale_args
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.attention import _decode_batched_ref
 
@@ -450,7 +450,7 @@ def flash_decode(
     _, page, hkv, dk = k_cache.shape
     if dk != d or hq % hkv:
         raise ValueError(f"flash_decode: q heads/dim {(hq, d)} incompatible with cache heads/dim {(hkv, dk)}")
-    qargs, qconst = check_kv_scales(k_cache, v_cache, kv_scales, "flash_decode")
+    qargs, qconst = kv_scale_args(k_cache, v_cache, kv_scales, "flash_decode")
     if not qconst["QUANT"] and not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"flash_decode: dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):

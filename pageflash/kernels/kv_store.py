@@ -19,11 +19,9 @@ import triton.language as tl
 
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.launch import fast_launch
-from pageflash.layers.attention import kv_code_max, store_kv_ref
+from pageflash.layers.attention import check_kv_scales, kv_code_max, store_kv_ref
 
 __all__ = ["store_kv", "store_kv_ref"]
-
-_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 @triton.jit
@@ -109,24 +107,14 @@ def _store_kv_kernel(
 _store_kv_kernel = fast_launch(_store_kv_kernel)  # host launches via the cached CompiledKernel
 
 
-def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]], who: str) -> tuple:
-    """A quantized cache's scales against its caches; returns the kernels' arguments
-    (KS, VS, stride_sb, stride_sh) and constexprs (QUANT, QMAX, CODE_INT)."""
+def kv_scale_args(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]], who: str) -> tuple:
+    """check_kv_scales, then the kernels' arguments (KS, VS, stride_sb, stride_sh) and constexprs
+    (QUANT, QMAX, CODE_INT)."""
+    check_kv_scales(k_cache, v_cache, kv_scales, who)
     if kv_scales is None:
-        if k_cache.dtype in _CODE_DTYPES or v_cache.dtype in _CODE_DTYPES:
-            raise ValueError(f"{who}: a {k_cache.dtype} cache holds quantized codes and needs kv_scales")
         return (None, None, 0, 0), dict(QUANT=False, QMAX=1.0, CODE_INT=False)
     ks, vs = kv_scales
-    nb, bs, h, _ = k_cache.shape
-    if k_cache.dtype not in _CODE_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"{who}: kv_scales go with int8 / float8_e4m3fn caches, got {k_cache.dtype}/{v_cache.dtype}")
-    for name, x in (("k_scale", ks), ("v_scale", vs)):
-        if x.shape != (nb, h, bs) or x.dtype != torch.float32 or x.stride(2) != 1:
-            raise ValueError(f"{who}: {name} must be float32 [{nb}, {h}, {bs}] contiguous in the block, got "
-                             f"{x.dtype} {tuple(x.shape)}")
-    if ks.stride() != vs.stride():
-        raise ValueError(f"{who}: k_scale and v_scale must share strides, got {ks.stride()} and {vs.stride()}")
     return (ks, vs, ks.stride(0), ks.stride(1)), dict(
         QUANT=True, QMAX=kv_code_max(k_cache.dtype), CODE_INT=k_cache.dtype == torch.int8)
 
@@ -162,7 +150,7 @@ def store_kv(
     slot_mapping ([T] int32/int64, -1 = skip); into a quantized cache with kv_scales (k_scale,
     v_scale [num_blocks, Hkv, block_size] float32). In place; no host synchronisation."""
     check_store_args(k, v, k_cache, v_cache, slot_mapping)
-    qargs, qconst = check_kv_scales(k_cache, v_cache, kv_scales, "store_kv")
+    qargs, qconst = kv_scale_args(k_cache, v_cache, kv_scales, "store_kv")
     t, h, d = k.shape
     if t == 0:
         return

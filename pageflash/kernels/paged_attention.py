@@ -29,7 +29,7 @@ import triton.language as tl
 
 from pageflash.kernels.flash_decoding import split_range
 from pageflash.kernels.host_math import next_pow2
-from pageflash.kernels.kv_store import check_kv_scales
+from pageflash.kernels.kv_store import kv_scale_args
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.attention import paged_attention_ref
 from pageflash.transfer import to_device
@@ -291,7 +291,7 @@ def paged_attention(
     _, page, hkv, dk = k_cache.shape
     if dk != d or hq % hkv:
         raise ValueError(f"paged_attention: q heads/dim {(hq, d)} incompatible with cache heads/dim {(hkv, dk)}")
-    qargs, qconst = check_kv_scales(k_cache, v_cache, kv_scales, "paged_attention")
+    qargs, qconst = kv_scale_args(k_cache, v_cache, kv_scales, "paged_attention")
     if not qconst["QUANT"] and not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"paged_attention: dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):

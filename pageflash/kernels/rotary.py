@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
-from pageflash.kernels.kv_store import check_kv_scales, check_store_args, kv_round, slot_page
+from pageflash.kernels.kv_store import check_store_args, kv_round, kv_scale_args, slot_page
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.rotary import _rotate
 
@@ -153,7 +153,7 @@ def apply_rotary(
         raise ValueError("apply_rotary: v, k_cache, v_cache and slot_mapping go together")
     if store:
         check_store_args(k, v, k_cache, v_cache, slot_mapping)
-        qargs, qconst = check_kv_scales(k_cache, v_cache, kv_scales, "apply_rotary")
+        qargs, qconst = kv_scale_args(k_cache, v_cache, kv_scales, "apply_rotary")
     elif kv_scales is not None:
         raise ValueError("apply_rotary: kv_scales go with k_cache and v_cache")
     else:

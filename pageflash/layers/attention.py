@@ -137,6 +137,34 @@ def dequantize_kv_ref(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale.unsqueeze(-1)
 
 
+def kv_bytes_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache itself, or for float8 codes its bytes (uint8): indexing float8 tensors (gathers,
+    index_put, index_copy_) is not implemented on every device and torch version."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]], who: str) -> None:
+    """A quantized cache (int8 / float8_e4m3fn codes) comes with its scales, float32
+    [num_blocks, Hkv, block_size] contiguous in the block, both with the same strides; a cache of
+    another dtype comes without. Raises naming the problem."""
+    codes = tuple({torch.int8, torch.float8_e4m3fn})
+    if kv_scales is None:
+        if k_cache.dtype in codes or v_cache.dtype in codes:
+            raise ValueError(f"{who}: a {k_cache.dtype} cache holds quantized codes and needs kv_scales")
+        return
+    ks, vs = kv_scales
+    nb, bs, h, _ = k_cache.shape
+    if k_cache.dtype not in codes or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"{who}: kv_scales go with int8 / float8_e4m3fn caches, got {k_cache.dtype}/{v_cache.dtype}")
+    for name, x in (("k_scale", ks), ("v_scale", vs)):
+        if x.shape != (nb, h, bs) or x.dtype != torch.float32 or x.stride(2) != 1:
+            raise ValueError(f"{who}: {name} must be float32 [{nb}, {h}, {bs}] contiguous in the block, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+    if ks.stride() != vs.stride():
+        raise ValueError(f"{who}: k_scale and v_scale must share strides, got {ks.stride()} and {vs.stride()}")
+
+
 def store_kv_ref(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
@@ -151,7 +179,7 @@ def store_kv_ref(
             cache.view(nb * bs, h, d)[slots] = x[keep].to(cache.dtype)
         else:
             codes, s = quantize_kv_ref(x[keep], cache.dtype)
-            cache.view(nb * bs, h, d)[slots] = codes
+            kv_bytes_view(cache).view(nb * bs, h, d)[slots] = kv_bytes_view(codes)
             kv_scales[i][slots // bs, :, slots % bs] = s
 
 
@@ -163,7 +191,7 @@ def gather_kv_ref(
     bs = cache.shape[1]
     nblocks = (seq_len + bs - 1) // bs
     blocks = block_table[:nblocks].long()
-    x = cache[blocks].flatten(0, 1)[:seq_len]
+    x = kv_bytes_view(cache)[blocks].view(cache.dtype).flatten(0, 1)[:seq_len]
     if scales is None:
         return x
     return dequantize_kv_ref(x, scales[blocks].transpose(1, 2).flatten(0, 1)[:seq_len])
@@ -254,6 +282,7 @@ class TorchBackend:
     ) -> torch.Tensor:
         """plan: from `plan(meta)`, or the metadata itself. kv_scales: a quantized cache's scales."""
         meta = plan.meta if isinstance(plan, _CpuDecodePlan) else plan
+        check_kv_scales(k_cache, v_cache, kv_scales, "TorchBackend.forward")
         if kv_scales is not None:
             store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
             if is_fresh_prefill(meta):
@@ -317,7 +346,7 @@ def _gather(cache: torch.Tensor, index: torch.Tensor, max_len: int, scales: Opti
             ) -> torch.Tensor:
     """Each sequence's first max_len slots of one cache, contiguous: [B, max_len, Hkv, D] (with the
     cache's scales [num_blocks, Hkv, block_size]: dequantized, float32)."""
-    x = cache[index].flatten(1, 2)[:, :max_len]
+    x = kv_bytes_view(cache)[index].view(cache.dtype).flatten(1, 2)[:, :max_len]
     if scales is None:
         return x
     return dequantize_kv_ref(x, scales[index].transpose(2, 3).flatten(1, 2)[:, :max_len])

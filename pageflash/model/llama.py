@@ -157,13 +157,19 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
             self.prefetcher.join()
         return x
 
-    def quantize_(self, method: str) -> None:
+    def quantize_(self, method: str, device: Optional[torch.device] = None) -> None:
         """Quantize every decoder layer's projections in place (Linear.quantize_); the embedding table
-        and the LM head stay in the model's dtype (as vLLM's weight-only methods keep them). On CUDA
-        each layer's 16-bit weights are freed as it is done, so the peak is the unquantized model."""
-        for m in self.layers.modules():
-            if isinstance(m, Linear):
-                m.quantize_(method)
+        and the LM head stay in the model's dtype (as vLLM's weight-only methods keep them).
+        device: move the model there, one decoder layer at a time, each quantized once it arrives (a
+        model loaded in host memory then never occupies the device at its unquantized size)."""
+        for layer in self.layers:
+            if device is not None:
+                layer.to(device)
+            for m in layer.modules():
+                if isinstance(m, Linear):
+                    m.quantize_(method)
+        if device is not None:
+            self.to(device)
         if self.embed_tokens.weight.is_cuda:
             torch.cuda.empty_cache()
 

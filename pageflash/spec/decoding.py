@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from pageflash.engine.model_runner import ModelRunner, StepResult, kv_bytes_view
+from pageflash.engine.model_runner import ModelRunner, StepResult
+from pageflash.layers.attention import kv_bytes_view
 from pageflash.engine.sampler import SamplerOutput, SamplingBatch, SamplingRow, _add_logprobs, compute_probs
 from pageflash.engine.scheduler import SchedulerOutput
 from pageflash.engine.sequence import Request
