@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
-from pageflash.kernels.kv_store import check_store_args, kv_round, kv_scale_args
+from pageflash.kernels.kv_store import check_store_args, kv_scale_args, store_quantized_row
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.attention import _decode_batched_ref
 
@@ -163,18 +163,10 @@ def _decode_split_kernel(
             # reads back (code x scale), as every other key
             s_new = sblk * stride_sb + kvh * stride_sh + soff
             st_ok = owner & (slot >= 0)
-            knf = kn.to(tl.float32)
-            s_k = tl.max(tl.abs(knf), 0) / QMAX
-            kq = kv_round(knf / tl.where(s_k > 0.0, s_k, 1.0), QMAX, CODE_INT).to(KC.dtype.element_ty)
-            tl.store(KC + sblk * stride_kcb + soff * stride_kcs + kvh * stride_kch + offs_d, kq, mask=st_mask)
-            tl.store(KS + s_new, s_k, mask=st_ok)
-            kn = kq.to(tl.float32) * s_k
-            vnf = vn.to(tl.float32)
-            s_v = tl.max(tl.abs(vnf), 0) / QMAX
-            vq = kv_round(vnf / tl.where(s_v > 0.0, s_v, 1.0), QMAX, CODE_INT).to(VC.dtype.element_ty)
-            tl.store(VC + sblk * stride_vcb + soff * stride_vcs + kvh * stride_vch + offs_d, vq, mask=st_mask)
-            tl.store(VS + s_new, s_v, mask=st_ok)
-            vn = vq.to(tl.float32) * s_v
+            kn = store_quantized_row(kn, KC + sblk * stride_kcb + soff * stride_kcs + kvh * stride_kch + offs_d,
+                                     KS + s_new, st_mask, st_ok, QMAX, CODE_INT)
+            vn = store_quantized_row(vn, VC + sblk * stride_vcb + soff * stride_vcs + kvh * stride_vch + offs_d,
+                                     VS + s_new, st_mask, st_ok, QMAX, CODE_INT)
         else:
             tl.store(KC + sblk * stride_kcb + soff * stride_kcs + kvh * stride_kch + offs_d,
                      kn.to(KC.dtype.element_ty), mask=st_mask)

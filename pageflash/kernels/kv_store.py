@@ -53,6 +53,18 @@ def kv_round(y, QMAX: tl.constexpr, CODE_INT: tl.constexpr):
 
 
 @triton.jit
+def store_quantized_row(x, dst, scale_dst, mask, scale_mask, QMAX: tl.constexpr, CODE_INT: tl.constexpr):
+    """One row x [C] (masked entries 0) quantized with one scale: codes to dst (pointers [C]), the
+    scale to scale_dst; returns what the cache now reads back (code x scale, float32)."""
+    xf = x.to(tl.float32)
+    s = tl.max(tl.abs(xf), 0) / QMAX
+    q = kv_round(xf / tl.where(s > 0.0, s, 1.0), QMAX, CODE_INT).to(dst.dtype.element_ty)
+    tl.store(dst, q, mask=mask)
+    tl.store(scale_dst, s, mask=scale_mask)
+    return q.to(tl.float32) * s
+
+
+@triton.jit
 def store_quantized_rows(x, dst, scale_dst, mask, row_mask, QMAX: tl.constexpr, CODE_INT: tl.constexpr):
     """Quantize the rows of x [R, C] (masked entries 0) with one scale each: codes to dst [R, C]
     (pointers), scales to scale_dst [R]."""

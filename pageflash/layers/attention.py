@@ -122,7 +122,7 @@ def quantize_kv_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     """x [..., D] -> (codes [..., D] of dtype, scale [...] float32), one symmetric scale per row:
     scale = max|x| / code_max; int8 codes = clamp(floor(x / scale + 0.5), -127, 127), e4m3 codes =
     x / scale rounded to nearest; a row of zeros gets scale 0. The Triton stores compute the same
-    operations in the same order (kernels/kv_store.py ``quantize_rows``)."""
+    operations in the same order (kernels/kv_store.py ``store_quantized_rows``)."""
     qmax = kv_code_max(dtype)
     xf = x.float()
     s = xf.abs().amax(-1) / qmax
@@ -148,7 +148,7 @@ def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor,
     """A quantized cache (int8 / float8_e4m3fn codes) comes with its scales, float32
     [num_blocks, Hkv, block_size] contiguous in the block, both with the same strides; a cache of
     another dtype comes without. Raises naming the problem."""
-    codes = tuple({torch.int8, torch.float8_e4m3fn})
+    codes = (torch.int8, torch.float8_e4m3fn)
     if kv_scales is None:
         if k_cache.dtype in codes or v_cache.dtype in codes:
             raise ValueError(f"{who}: a {k_cache.dtype} cache holds quantized codes and needs kv_scales")
