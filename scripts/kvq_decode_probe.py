@@ -1,9 +1,10 @@
 """H100 probe: Flash-Decoding over a quantized KV cache (int8 / fp8 codes + a float32 scale per token
 and KV head) at the W-attn-decode shapes, over tile configs (BLOCK_N, num_warps, num_stages) and split
 counts; bf16 with its own config beside it. Prints GB/s of the bytes each reads and the best config
-per (shape, code). Usage: PYTHONPATH=. python scripts/kvq_decode_probe.py [out.json]"""
+per (shape, code). Usage: [KVQ_CONFIGS="128,4,3 128,4,4"] PYTHONPATH=. python scripts/kvq_decode_probe.py [out.json]"""
 
 import json
+import os
 import sys
 
 import torch
@@ -14,6 +15,8 @@ from pageflash.layers.attention import quantize_kv_ref
 
 CONFIGS = [(64, 4, 1), (64, 4, 2), (64, 8, 2), (128, 4, 1), (128, 4, 2), (128, 8, 1), (128, 8, 2), (128, 4, 3),
            (256, 8, 1), (256, 8, 2)]
+if os.environ.get("KVQ_CONFIGS"):  # e.g. "128,4,3 128,4,4 128,8,3": BLOCK_N,num_warps,num_stages each
+    CONFIGS = [tuple(int(v) for v in c.split(",")) for c in os.environ["KVQ_CONFIGS"].split()]
 
 
 def main() -> None:
