@@ -273,7 +273,7 @@ def decode_config_mismatches(configs: list[dict], cases=DECODE_CHECK_CASES, tol:
 def bench_decode(sweep: bool, bw: float) -> list[dict]:
     import torch.nn.functional as F
 
-    from pageflash.kernels.flash_decoding import QUANT_SLOTS_PER_SM, choose_num_splits, flash_decode
+    from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode
     from pageflash.layers.attention import quantize_kv_ref
 
     hq, hkv, d = DECODE_HEADS
@@ -323,9 +323,8 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
             sc = (ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous())
             del ks, vs
             qbytes = 2 * b * L * hkv * (d * code.itemsize + 4)
-            qsplits = choose_num_splits(b, hkv, nb * PAGE, sms, slots_per_sm=QUANT_SLOTS_PER_SM)  # as the backend
             torch.cuda.synchronize()
-            ms = _bench(lambda: flash_decode(q, kq, vq, bt, sl, d**-0.5, num_splits=qsplits, kv_scales=sc), graph=True)
+            ms = _bench(lambda: flash_decode(q, kq, vq, bt, sl, d**-0.5, num_splits=splits, kv_scales=sc), graph=True)
             row[f"ours_{name}_us"] = ms * 1e3
             row[f"ours_{name}_GBs"] = qbytes / (ms * 1e-3) / 1e9
             row[f"ours_{name}_pct_copy"] = 100 * row[f"ours_{name}_GBs"] / bw

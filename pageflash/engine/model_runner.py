@@ -413,8 +413,7 @@ class DecodeGraphs:
                 steps.append((b, plan, False))
                 if 0 < self.short_blocks < self.max_blocks:
                     short = r.backend.plan(self._meta(b, self.short_blocks))
-                    q = r.kv_quantized
-                    if _decode_splits(short, hkv, q) != _decode_splits(plan, hkv, q):
+                    if _decode_splits(short, hkv) != _decode_splits(plan, hkv):
                         steps.append((b, short, True))
             if _precompile_from_env():
                 # every step's Triton kernels compiled at once on a thread pool (their first launches
@@ -536,11 +535,10 @@ def _short_kv_from_env() -> int:
     return int_env("PAGEFLASH_DECODE_SHORT_KV", _SHORT_KV)
 
 
-def _decode_splits(plan: Any, num_kv_heads: int, quantized: bool = False) -> Optional[int]:
-    """The decode split count a plan gives (over a quantized cache or not), or None for a backend
-    that does not split."""
+def _decode_splits(plan: Any, num_kv_heads: int) -> Optional[int]:
+    """The decode split count a plan gives, or None for a backend that does not split."""
     f = getattr(plan, "splits_for", None)
-    return f(num_kv_heads, quantized) if f is not None else None
+    return f(num_kv_heads) if f is not None else None
 
 
 # Batch-1 decode graphs prefetch the head of the o, qkv and gate_up weights into L2 while the

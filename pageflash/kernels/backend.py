@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from pageflash.kernels.flash_attention import flash_attn_varlen_fwd
-from pageflash.kernels.flash_decoding import QUANT_SLOTS_PER_SM, choose_num_splits, flash_decode
+from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.kv_store import store_kv
 from pageflash.kernels.paged_attention import build_tiles, paged_attention, prefill_config
@@ -53,8 +53,8 @@ class TritonPlan:
     # (TritonBackend.mixed_decode_min), the rest to the paged kernel (whose query tiles a single
     # query would leave mostly empty)
     decode_prefix: int = 0
-    # (num_kv_heads, quantized) -> decode splits; ("prefix", num_kv_heads, quantized) -> decode_prefix's
-    num_splits: dict[tuple, int] = field(default_factory=dict)
+    # num_kv_heads -> decode splits; ("prefix", num_kv_heads) -> those of the decode_prefix sequences
+    num_splits: dict = field(default_factory=dict)
     # (queries per tile, first sequence with tiles) -> work list
     tiles: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -62,14 +62,11 @@ class TritonPlan:
     def slot_mapping(self) -> torch.Tensor:
         return self.meta.slot_mapping
 
-    def splits_for(self, num_kv_heads: int, quantized: bool = False) -> int:
-        """Decode splits per sequence (quantized: a quantized cache's, QUANT_SLOTS_PER_SM)."""
-        key = (num_kv_heads, quantized)
-        s = self.num_splits.get(key)
+    def splits_for(self, num_kv_heads: int) -> int:
+        s = self.num_splits.get(num_kv_heads)
         if s is None:
-            s = choose_num_splits(self.meta.num_seqs, num_kv_heads, self.max_kv_len, self.num_sms,
-                                  slots_per_sm=QUANT_SLOTS_PER_SM if quantized else 4)
-            self.num_splits[key] = s
+            s = choose_num_splits(self.meta.num_seqs, num_kv_heads, self.max_kv_len, self.num_sms)
+            self.num_splits[num_kv_heads] = s
         return s
 
     def tiles_for(self, queries_per_tile: int, device: torch.device, first_seq: int = 0
@@ -179,7 +176,7 @@ class TritonBackend:
         meta = plan.meta
         hkv = k_cache.shape[2]
         if plan.decode:
-            splits = plan.splits_for(hkv, kv_scales is not None)
+            splits = plan.splits_for(hkv)
             counters = self._decode_counters(q.device, q.shape[0] * hkv) if splits > 1 else None
             if rope is not None and self.decode_rope:  # rotary + K/V store inside the decode launch
                 return flash_decode(
@@ -220,11 +217,10 @@ class TritonBackend:
             tiles=tiles, config=cfg, num_splits=splits, kv_scales=kv_scales,
         )
         if nd:  # the leading decode sequences' rows (0..nd-1: one each), left unwritten above
-            key = ("prefix", hkv, kv_scales is not None)
+            key = ("prefix", hkv)
             dsplits = plan.num_splits.get(key)
             if dsplits is None:
-                dsplits = plan.num_splits[key] = choose_num_splits(
-                    nd, hkv, plan.max_kv_len, plan.num_sms, slots_per_sm=QUANT_SLOTS_PER_SM if kv_scales else 4)
+                dsplits = plan.num_splits[key] = choose_num_splits(nd, hkv, plan.max_kv_len, plan.num_sms)
             flash_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                          num_splits=dsplits, kv_scales=kv_scales, out=out[:nd])
         return out

@@ -357,12 +357,12 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     if dtype == torch.float32 or d > 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2, BT_AHEAD=1, STRIDED=True, **comb)
     if kv_dtype is not None and kv_dtype.itemsize == 1:
-        # 1-byte codes: 128 keys a tile (the bytes of a bf16 tile of 64) through a 3-stage (int8) or
-        # 2-stage (e4m3) copy pipeline. H100, 32 / 8 heads, D 128 (scripts/kvq_decode_probe.py): the
-        # bf16 config (64 keys, 1 stage) held 41-61% of copy bandwidth, this one 60-81%; splits are
-        # halved (QUANT_SLOTS_PER_SM). Not measured at D 64.
-        return dict(BLOCK_N=128, num_warps=4, num_stages=3 if kv_dtype == torch.int8 else 2, BT_AHEAD=1,
-                    STRIDED=True, **comb)
+        # 1-byte codes: 64-key tiles through a 3-stage copy pipeline, 2 warps a program (more programs
+        # per SM: the widening of the codes is latency-bound, not the copy). H100, 32 / 8 heads, D 128
+        # (scripts/kvq_decode_probe.py, docs/BENCHMARKS.md run 32): the bf16 config (64 keys, 4 warps,
+        # 1 stage) held 41-61% of copy bandwidth, 128 keys / 4 warps / 3 stages 60-81%, this one 65-87%
+        # (int8; e4m3 58-78%). Not measured at D 64.
+        return dict(BLOCK_N=64, num_warps=2, num_stages=3, BT_AHEAD=1, STRIDED=True, **comb)
     if d <= 64:
         # small heads (smollm2-135m: D 64): split programs take 128 keys a tile, so that a tile moves
         # as many bytes as at D 128 (H100, 9 / 3 heads: -10 to -15% at B1-B64); unsplit grids keep 64
@@ -373,11 +373,6 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     # equal to 2 stages (~39 KB) over shuffled pages, 0.5-2% faster over pages in order and over
     # SDPA's contiguous buffers (at D 64, 1 stage is 0-7% slower)
     return dict(BLOCK_N=64, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True, **comb)
-
-
-# a quantized cache's decode programs (3-stage pipelines of 128-key tiles) fill an SM with fewer
-# programs: half the splits measured 5-10% faster at B1-B8 on H100 (scripts/kvq_decode_probe.py)
-QUANT_SLOTS_PER_SM = 2
 
 
 def choose_num_splits(
