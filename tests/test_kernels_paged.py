@@ -367,7 +367,7 @@ def test_backend_vs_torch(specs, tree, dtype):
     q, k, v, kc, vc, meta = make_case(specs, 4, 2, 64, 16, dtype, tree=tree, seed=len(specs))
     be = get_backend("triton", torch.device("cpu"))
     assert isinstance(be, TritonBackend) and be.name == "triton"
-    be.mixed_decode_min = {False: 0, True: 0}  # a mixed step's leading decodes go to Flash-Decoding
+    be.mixed_decode_min = 0  # a mixed step's leading decodes go to Flash-Decoding
     kc2, vc2 = kc.clone(), vc.clone()
     ref = TorchBackend().forward(q, k, v, kc, vc, TorchBackend().plan(meta), 0.125)
     plan = be.plan(meta)
@@ -470,7 +470,7 @@ def test_mixed_step_leading_decodes_threshold(monkeypatch):
     monkeypatch.setattr(backend_mod, "flash_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     for need, used in ((3, True), (4, False)):  # 3 decodes x 2 KV heads = 6 programs on 2 SMs
         be = TritonBackend(num_sms=2)
-        be.mixed_decode_min = {False: need, True: need}
+        be.mixed_decode_min = need
         plan = be.plan(meta)
         assert plan.decode_prefix == 3
         calls.clear()

@@ -213,7 +213,7 @@ def test_backend_vs_torch_quantized(code, specs, tree):
     c2 = [x.clone() for x in (kq, vq, ks, vs)]
     ref = TorchBackend().forward(q, k, v, c1[0], c1[1], TorchBackend().plan(meta), 0.125, kv_scales=(c1[2], c1[3]))
     be = get_backend("triton", torch.device("cpu"))
-    be.mixed_decode_min = {False: 0, True: 0}  # a mixed step's leading decodes go to Flash-Decoding
+    be.mixed_decode_min = 0  # a mixed step's leading decodes go to Flash-Decoding
     plan = be.plan(meta)
     out = be.forward(q, k, v, c2[0], c2[1], plan, 0.125, kv_scales=(c2[2], c2[3]))
     assert all(torch.equal(_bytes(a) if a.dtype != torch.float32 else a, _bytes(b) if b.dtype != torch.float32 else b)

@@ -104,10 +104,10 @@ class TritonBackend:
         # when they are at least this many (decode programs, sequences x KV heads) per SM; the two
         # kernels then run one after the other, which costs more than it saves for a few decodes. H100,
         # llama-3-8b heads, one layer of a mixed step (scripts/mixed_step_probe.py), paged -> split us:
-        # 240 decodes + a 1024-token chunk: bf16 468 -> 424, int8 756 -> 357; 64 + 2048: bf16 273 -> 292,
-        # int8 465 -> 388; 16 + 512: bf16 73 -> 175, int8 121 -> 314. PAGEFLASH_MIXED_DECODE=0: never.
+        # 240 decodes + a 1024-token chunk: bf16 468 -> 424, int8 432 -> 341; 64 + 2048: bf16 273 -> 292,
+        # int8 352 -> 359; 16 + 512: bf16 73 -> 175. PAGEFLASH_MIXED_DECODE=0: never.
         self.mixed_decode = os.environ.get("PAGEFLASH_MIXED_DECODE", "1") != "0"
-        self.mixed_decode_min = {False: 8, True: 2}  # quantized cache? -> programs per SM
+        self.mixed_decode_min = 8
         self._counters: Optional[torch.Tensor] = None
         self._old_counters: list[torch.Tensor] = []  # captured graphs may still use a replaced buffer
 
@@ -198,10 +198,11 @@ class TritonBackend:
             out, _ = flash_attn_varlen_fwd(q, k, v, meta.query_start_loc, meta.max_query_len, True, scale)
             return out
         group = q.shape[1] // hkv
-        cfg = prefill_config(q.shape[2], group, meta.max_query_len, q.dtype, q.device)
+        cfg = prefill_config(q.shape[2], group, meta.max_query_len, q.dtype, q.device,
+                             k_cache.dtype if kv_scales is not None else None)
         per_tile = cfg["BLOCK_M"] // next_pow2(group)
         nd = plan.decode_prefix
-        if nd * hkv < self.mixed_decode_min[kv_scales is not None] * plan.num_sms:
+        if nd * hkv < self.mixed_decode_min * plan.num_sms:
             nd = 0
         tiles = plan.tiles_for(per_tile, q.device, first_seq=nd)
         splits = 1

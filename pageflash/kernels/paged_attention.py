@@ -215,9 +215,10 @@ _paged_prefill_kernel = fast_launch(_paged_prefill_kernel)  # host launches via 
 
 
 @functools.lru_cache(maxsize=256)
-def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """BLOCK_M (= queries per tile x padded group), BLOCK_N, num_warps, num_stages for the paged kernel,
-    and BT_AHEAD (a tile's block ids loaded one iteration ahead: see flash_decoding.decode_config).
+def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype, device: torch.device,
+                   kv_dtype: Optional[torch.dtype] = None) -> dict:
+    """BLOCK_M (= queries per tile x padded group), BLOCK_N, num_warps, num_stages for the paged kernel
+    (kv_dtype: a quantized cache's code dtype), and BT_AHEAD (a tile's block ids loaded one iteration ahead: see flash_decoding.decode_config).
     Cached: callers copy before changing it."""
     group_pad = next_pow2(group)
     rows = next_pow2(max(1, max_query_len) * group_pad)
@@ -230,6 +231,12 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.d
     if big:
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=1 if d > 128 and dtype == torch.float32 else 2,
                     BT_AHEAD=1)
+    if kv_dtype is not None and kv_dtype.itemsize == 1:
+        # a quantized cache (kv_dtype: its codes): 64x64 tiles, 4 warps, 2 stages. H100, llama-3-8b
+        # heads (scripts/kvq_paged_probe.py): int8 four 1024-token chunks 513 -> 469 us, a mixed step
+        # of 240 decodes + a 1024-token chunk 744 -> 409 us against the bf16 cache's 128x64 w8 s3
+        # (e4m3 573 -> 568, 822 -> 481); the bf16 cache keeps 128x64 (296 vs 322 us on the chunks)
+        return dict(BLOCK_M=max(16, min(rows, 64), group_pad), BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1)
     if block_m >= 128:  # H100 sweep (scripts/paged_ahead_probe.py): 128x64 w8 s3 with the block ids ahead
         return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, BT_AHEAD=1)
     return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, BT_AHEAD=1)
@@ -313,7 +320,8 @@ def paged_attention(
     if t == 0 or s == 0:
         return o
     group = hq // hkv
-    cfg = dict(prefill_config(d, group, max(query_lens_cpu), q.dtype, q.device))
+    cfg = dict(prefill_config(d, group, max(query_lens_cpu), q.dtype, q.device,
+                              k_cache.dtype if qconst["QUANT"] else None))
     cfg.update(config or {})
     group_pad = next_pow2(group)
     if cfg["BLOCK_M"] % group_pad:
