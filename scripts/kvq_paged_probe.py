@@ -10,6 +10,8 @@ from pageflash.bench.kernels import _bench
 from pageflash.kernels.paged_attention import build_tiles, paged_attention, prefill_config
 from pageflash.layers.attention import quantize_kv_ref
 
+from mixed_step_probe import step_metadata  # (scripts/ is on the path when this file runs)
+
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 4)]
 if os.environ.get("KVQ_CONFIGS"):  # "BLOCK_M,BLOCK_N,num_warps,num_stages ..."
@@ -21,23 +23,13 @@ def main() -> None:
     specs = [(int(c), 1) for c in torch.randint(300, 1500, (240,), generator=g)] + [(512, 1024)]
     if os.environ.get("KVQ_STEP") == "chunks":  # prefill chunks only: 4 x 1024 new tokens over 1024 cached
         specs = [(1024, 1024)] * 4
-    lens = [c + n for c, n in specs]
-    nbs = [-(-s // PAGE) for s in lens]
-    total = sum(nbs)
-    bt = torch.zeros(len(specs), max(nbs), dtype=torch.int32)
-    perm = torch.randperm(total, generator=g)
-    o = 0
-    for i, n in enumerate(nbs):
-        bt[i, :n] = perm[o:o + n].int()
-        o += n
-    bt = bt.cuda()
+    meta, total = step_metadata(specs, g)
+    bt, qsl, sl, qlens, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.query_lens_cpu, \
+        meta.seq_lens_cpu
     kc = torch.randn(total, PAGE, HKV, D, device="cuda").to(torch.bfloat16)
     vc = torch.randn_like(kc)
-    qlens = [n for _, n in specs]
     t = sum(qlens)
     q = torch.randn(t, HQ, D, device="cuda").to(torch.bfloat16)
-    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     keys = sum(lens)
     base = prefill_config(D, HQ // HKV, max(qlens), torch.bfloat16, q.device)
     caches = {"bf16": (kc, vc, None)}

@@ -12,27 +12,34 @@ from pageflash.layers.attention import AttentionMetadata
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
+def step_metadata(specs, g: torch.Generator) -> tuple[AttentionMetadata, int]:
+    """A step's metadata on CUDA for specs [(cached tokens, new tokens)] per sequence, the sequences'
+    blocks shuffled over a pool of exactly their blocks; returns (meta, pool size in blocks)."""
+    lens = [c + n for c, n in specs]
+    nbs = [-(-s // PAGE) for s in lens]
+    total = sum(nbs)
+    bt = torch.zeros(len(specs), max(nbs), dtype=torch.int32)
+    perm = torch.randperm(total, generator=g)
+    o = 0
+    slots = []
+    for i, ((c, n), nb) in enumerate(zip(specs, nbs)):
+        bt[i, :nb] = perm[o:o + nb].int()
+        o += nb
+        slots += [int(bt[i, p // PAGE]) * PAGE + p % PAGE for p in range(c, c + n)]
+    qlens = [n for _, n in specs]
+    meta = AttentionMetadata(
+        torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda"),
+        torch.tensor(lens, dtype=torch.int32, device="cuda"), bt.cuda(),
+        torch.tensor(slots, device="cuda"), qlens, lens, PAGE)
+    return meta, total
+
+
 def main() -> None:
     g = torch.Generator().manual_seed(0)
     for n_dec, chunk in ((240, 1024), (64, 2048), (16, 512)):
         specs = [(int(c), 1) for c in torch.randint(300, 1500, (n_dec,), generator=g)] + [(512, chunk)]
-        lens = [c + n for c, n in specs]
-        nbs = [-(-s // PAGE) for s in lens]
-        total = sum(nbs)
-        bt = torch.zeros(len(specs), max(nbs), dtype=torch.int32)
-        perm = torch.randperm(total, generator=g)
-        o = 0
-        slots = []
-        for i, ((c, n), nb) in enumerate(zip(specs, nbs)):
-            bt[i, :nb] = perm[o:o + nb].int()
-            o += nb
-            slots += [int(bt[i, p // PAGE]) * PAGE + p % PAGE for p in range(c, c + n)]
-        qlens = [n for _, n in specs]
-        t = sum(qlens)
-        meta = AttentionMetadata(
-            torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda"),
-            torch.tensor(lens, dtype=torch.int32, device="cuda"), bt.cuda(),
-            torch.tensor(slots, device="cuda"), qlens, lens, PAGE)
+        meta, total = step_metadata(specs, g)
+        t = meta.num_tokens
         q = torch.randn(t, HQ, D, device="cuda").to(torch.bfloat16)
         k = torch.randn(t, HKV, D, device="cuda").to(torch.bfloat16)
         v = torch.randn_like(k)

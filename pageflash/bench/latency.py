@@ -187,14 +187,13 @@ def dtype_label(result: dict[str, Any]) -> str:
 
 
 def kv_elem_bytes(eng: Any) -> float:
-    """Cache bytes per K/V element: the dtype's size, plus a quantized cache's scale shared by a row."""
+    """Cache bytes per K/V element (ModelRunner.kv_bytes_per_block's, which counts a quantized
+    cache's scales) per element of a block."""
     runner = getattr(eng, "runner", None)
     kv = getattr(runner, "kv_cache", None)
     if kv is None:
         return eng.dtype.itemsize
-    if getattr(runner, "kv_scale", None) is not None:
-        return kv.dtype.itemsize + 4 / kv.shape[-1]
-    return kv.dtype.itemsize
+    return runner.kv_bytes_per_block() / (kv[:, :, 0].numel())
 
 
 def fmt(v: Any, spec: str = ".1f") -> str:

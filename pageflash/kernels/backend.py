@@ -25,7 +25,7 @@ from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.kv_store import store_kv
 from pageflash.kernels.paged_attention import build_tiles, paged_attention, prefill_config
 from pageflash.kernels.rotary import apply_rotary
-from pageflash.layers.attention import AttentionMetadata, register_backend
+from pageflash.layers.attention import AttentionMetadata, is_fresh_prefill, register_backend
 
 __all__ = ["TritonBackend", "TritonPlan"]
 
@@ -136,11 +136,7 @@ class TritonBackend:
     def plan(self, meta: AttentionMetadata) -> TritonPlan:
         dev = meta.seq_lens.device
         decode = meta.is_decode_only
-        fresh = (
-            not decode
-            and meta.tree_mask is None
-            and all(q == s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
-        )
+        fresh = is_fresh_prefill(meta)
         prefix = 0
         if self.mixed_decode and not decode and not fresh and meta.tree_mask is None \
                 and meta.max_query_len > MAX_SPLIT_QUERY_LEN:

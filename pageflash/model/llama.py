@@ -75,14 +75,14 @@ class LlamaAttention(_Prefetching, nn.Module):
         if self.q_norm is not None and fused_qk_norm is None:
             q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
-        kw = {"kv_scales": kv_cache[2:]} if len(kv_cache) > 2 else {}
+        kv_scales = kv_cache[2:] or None
         if getattr(backend, "fuses_rope", False) and rotary.fusable(q, k):
             # the backend rotates q and k in the launch that stores k and v in the cache
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale,
-                                rope=(positions, rotary.cos, rotary.sin), **kw)
+                                rope=(positions, rotary.cos, rotary.sin), kv_scales=kv_scales)
         else:
             q, k = rotary(positions, q, k)
-            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale, **kw)
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale, kv_scales=kv_scales)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
