@@ -6,15 +6,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # architecture -> HF model_type
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3"}
+                "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                "Qwen3MoeForCausalLM": "qwen3_moe"}
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shapes and constants of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2)."""
+    """The shapes and constants of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2),
+    and of its mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE: num_experts > 0)."""
 
     vocab_size: int
     hidden_size: int
@@ -34,6 +37,14 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: Optional[int] = None
+    # mixture of experts (0 experts: every layer has a dense MLP of intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = True  # renormalize the top-k routing probabilities to sum to 1 (Mixtral, Qwen3-MoE)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -49,6 +60,16 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"model config: architecture {self.architecture!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.num_experts:
+            for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+                v = getattr(self, name)
+                if not isinstance(v, int) or v < 1:
+                    raise ValueError(f"model config: {name} must be a positive integer for a mixture of experts, got {v!r}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
+                                 f"num_experts ({self.num_experts})")
+        elif self.architecture in MOE_ARCHITECTURES:
+            raise ValueError(f"model config: {self.architecture} needs num_experts > 0")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("llama3", "linear", "default"):
@@ -62,14 +83,39 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def num_params(self, include_embedding: bool = True) -> int:
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer i has a sparse mixture-of-experts block (else a dense MLP)."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def num_params(self, include_embedding: bool = True, experts_read: Optional[float] = None) -> int:
+        """Parameters of the model. experts_read: count only this many routed experts per MoE layer
+        (e.g. the experts one step activates; None: all of them)."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
         per_layer += 2 * self.head_dim if self.qk_norm else 0
-        n = L * per_layer + h
+        per_layer += (self.q_size + 2 * self.kv_size) if self.attention_bias else 0
+        n = L * per_layer + h + (L - self.num_moe_layers) * 3 * h * i
+        if self.num_moe_layers:
+            e = self.num_experts if experts_read is None else experts_read
+            moe = round(e * 3 * h * self.moe_intermediate_size) + self.num_experts * h  # experts + router
+            if self.shared_expert_intermediate_size:
+                moe += 3 * h * self.shared_expert_intermediate_size + h
+            n += self.num_moe_layers * moe
         emb = self.vocab_size * h
         n += emb if not self.tie_word_embeddings else 0  # lm_head
         return n + (emb if include_embedding else 0)
+
+    def experts_per_step(self, num_tokens: int) -> float:
+        """Expected distinct routed experts a step of num_tokens tokens reads per MoE layer, if tokens
+        pick experts uniformly: E (1 - (1 - k / E)^T)."""
+        if not self.num_experts:
+            return 0.0
+        e, k = self.num_experts, self.num_experts_per_tok
+        return e * (1.0 - (1.0 - k / e) ** max(0, num_tokens))
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -91,6 +137,8 @@ class ModelConfig:
             rope_theta = d["rope_parameters"].get("rope_theta")
             if d["rope_parameters"].get("rope_type", "default") != "default":
                 rope_scaling = d["rope_parameters"]
+        moe = model_type in ("mixtral", "qwen2_moe", "qwen3_moe") or arch in MOE_ARCHITECTURES
+        num_experts = int((d.get("num_experts") or d.get("num_local_experts") or 0) if moe else 0)
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -104,12 +152,20 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(d.get("qkv_bias", d.get("attention_bias", model_type in ("qwen2", "qwen2_moe")))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             architecture=arch,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(d, model_type),
+            num_experts=num_experts,
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if num_experts else 0,
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]) if num_experts else 0,
+            # Mixtral always renormalizes; the Qwen MoE configs say (HF's default there: False)
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)) if model_type in ("qwen2_moe", "qwen3_moe") else True,
+            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0) if num_experts else 0,
+            decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -125,8 +181,17 @@ class ModelConfig:
             tie_word_embeddings=self.tie_word_embeddings, hidden_act="silu",
             bos_token_id=self.bos_token_id, eos_token_id=list(self.eos_token_ids) or None,
         )
-        if model_type in ("llama", "qwen3"):
+        if model_type in ("llama", "qwen3", "qwen3_moe"):
             d["attention_bias"] = self.attention_bias
+        if model_type == "qwen2_moe":
+            d["qkv_bias"] = self.attention_bias
+        if self.num_experts:
+            d.update(num_experts_per_tok=self.num_experts_per_tok, decoder_sparse_step=self.decoder_sparse_step,
+                     mlp_only_layers=list(self.mlp_only_layers))
+            d["num_local_experts" if model_type == "mixtral" else "num_experts"] = self.num_experts
+            if model_type != "mixtral":
+                d.update(moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                         shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         if self.sliding_window is not None:
             d["sliding_window"] = self.sliding_window
             d["use_sliding_window"] = True
@@ -137,12 +202,12 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> Optional[int]:
     """The attention window of a config whose layers slide (Mistral v0.1; Qwen2/3 with
     use_sliding_window, from layer max_window_layers on), else None."""
     w = d.get("sliding_window")
-    if not w or not d.get("use_sliding_window", model_type == "mistral"):
+    if not w or not d.get("use_sliding_window", model_type in ("mistral", "mixtral")):
         return None
     types = d.get("layer_types")
     if isinstance(types, list) and "sliding_attention" not in types:
         return None
-    if model_type in ("qwen2", "qwen3") and d.get("max_window_layers", d["num_hidden_layers"]) >= d["num_hidden_layers"]:
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and d.get("max_window_layers", d["num_hidden_layers"]) >= d["num_hidden_layers"]:
         return None  # transformers slides only layers from max_window_layers on
     return int(w)
 

@@ -1,7 +1,8 @@
 """Greedy output of the engine equals HF transformers token for token, on the same weights.
 
 The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized by both sides) on raw and chat
-prompts in one batch; small random Llama / Qwen2 / Qwen3 / MQA / GQA models in float32; again with a KV
+prompts in one batch; small random Llama / Qwen2 / Qwen3 / MQA / GQA / Mixtral / Qwen2-MoE / Qwen3-MoE
+models in float32; again with a KV
 pool so small that preemption must happen, and with prefix-cache hits.
 """
 
@@ -108,6 +109,18 @@ CONFIGS = {
                           num_key_value_heads=2, head_dim=32, rope_theta=1000000.0, attention_bias=False),
     "mistral": dict(BASE, model_type="mistral", architectures=["MistralForCausalLM"], num_attention_heads=4,
                     num_key_value_heads=2, rope_theta=1000000.0, sliding_window=None),
+    # mixtures of experts: top-2 of 4 renormalized; Qwen3-MoE top-2 of 6 with a dense layer (mlp_only_layers)
+    # and q/k norm; Qwen2-MoE top-3 of 4 not renormalized, a gated shared expert, every 2nd layer sparse
+    "mixtral": dict(BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], num_attention_heads=4,
+                    num_key_value_heads=2, rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3-moe": dict(BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
+                      num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True,
+                      mlp_only_layers=[1]),
+    "qwen2-moe": dict(BASE, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_attention_heads=4,
+                      num_key_value_heads=2, rope_theta=1000000.0, num_experts=4, num_experts_per_tok=3,
+                      moe_intermediate_size=40, shared_expert_intermediate_size=56, norm_topk_prob=False,
+                      decoder_sparse_step=1),
 }
 
 

@@ -372,7 +372,8 @@ def print_report(result: dict[str, Any], file=None) -> None:
     print(f"== pageflash bench latency: {result['model']} ({result['load_format']}), input {result['input_len']}, "
           f"output {result['output_len']}, {result['num_iters']} iters, {result['env']['device_name']}", file=file)
     print(f"copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s ({result['copy_bandwidth_source']}); "
-          f"weights read per step {result['weight_bytes'] / 1e9:.3f} GB; "
+          f"weights read per step {result['weight_bytes'] / 1e9:.3f} GB"
+          f"{' (all experts; each batch size reads its expected share)' if result.get('moe') else ''}; "
           f"cold start {cs['total_s']:.2f} s (engine {cs['engine_init_s']:.2f} s + first token "
           f"{cs['first_token_s'] * 1e3:.0f} ms)"
           + (f"; GEMM {result['gemm_tflops']:.0f} TFLOP/s ({result['gemm_tflops_source']})"
@@ -516,6 +517,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         "gemm_tflops": gemm,
         "gemm_tflops_source": gemm_source,
         "weight_bytes": roofline.weight_bytes(cfg, roof["weight_bytes_per_param"]),
+        "moe": bool(cfg.num_experts),
         "kv_bytes_per_token": roofline.kv_bytes_per_token(cfg, roof["kv_bytes_per_elem"]),
         "cold_start": {
             "engine_init_s": engine_init_s,

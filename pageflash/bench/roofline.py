@@ -15,6 +15,10 @@ Cost model (a Llama-family decoder, ``ModelConfig``):
   + 2 (K and V) * layers * kv_heads * head_dim * kv bytes * sum_i L_i. L_i counts the keys token i
   attends to (its own included). Not counted (each < 0.1% at batch 1): the embedding rows gathered,
   the one K/V slot written per sequence, activations and logits.
+- Mixtures of experts: a step of T tokens reads the experts its tokens pick. Bytes count the expected
+  distinct experts per MoE layer if tokens pick uniformly, E (1 - (1 - k/E)^T) (``ModelConfig.
+  experts_per_step``: k at batch 1, nearly all E at batch 64 for 128 experts top 8); FLOPs count the
+  k experts each token runs (the "active" parameters).
 - FLOPs per token at context L = 2 * matmul parameters + 4 * layers * q_heads * head_dim * L
   (QK^T and PV, 2 FLOPs per multiply-add each). A causal prompt of n tokens costs
   sum_{p < n} flops_per_token(p + 1).
@@ -153,9 +157,10 @@ def device_name(device: Union[str, torch.device]) -> str:
 # ---- cost model -----------------------------------------------------------------------------------
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters read per token except the embedding gather: layers, final norm, LM head (tied or not)."""
-    n = cfg.num_params(include_embedding=False)
+def matmul_params(cfg: ModelConfig, experts_read: Optional[float] = None) -> int:
+    """Parameters read per token except the embedding gather: layers, final norm, LM head (tied or not).
+    experts_read: routed experts counted per MoE layer (None: all; dense models have none)."""
+    n = cfg.num_params(include_embedding=False, experts_read=experts_read)
     if cfg.tie_word_embeddings:  # num_params leaves the tied table out; it is read as the LM head
         n += cfg.vocab_size * cfg.hidden_size
     return n
@@ -169,9 +174,17 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
     return n + model.norm.weight.nbytes + model.head_weight.nbytes
 
 
-def weight_bytes(cfg: ModelConfig, weight_bytes_per_param: float) -> int:
-    """Bytes of weights one forward step reads (any batch size): matmul_params * bytes per parameter."""
-    return round(matmul_params(cfg) * weight_bytes_per_param)
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token's forward multiplies by: matmul_params with k experts per MoE layer."""
+    return matmul_params(cfg, experts_read=cfg.num_experts_per_tok if cfg.num_experts else None)
+
+
+def weight_bytes(cfg: ModelConfig, weight_bytes_per_param: float, num_tokens: Optional[int] = None) -> int:
+    """Bytes of weights one forward step of num_tokens tokens reads: matmul_params * bytes per parameter
+    (any step size for a dense model; a mixture of experts counts the experts num_tokens tokens are
+    expected to pick, or all of them when num_tokens is None)."""
+    experts = cfg.experts_per_step(num_tokens) if cfg.num_experts and num_tokens is not None else None
+    return round(matmul_params(cfg, experts) * weight_bytes_per_param)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_bytes_per_elem: float) -> int:
@@ -187,7 +200,8 @@ def decode_step_bytes(
     kv_bytes_per_elem: Optional[float] = None,
     batch_size: Optional[int] = None,
 ) -> int:
-    """Bytes one decode step reads: weights (once) + the K/V of every sequence's context.
+    """Bytes one decode step reads: weights (once; a mixture of experts' expected share for this many
+    sequences) + the K/V of every sequence's context.
 
     context_lens: one int per sequence (keys each new token attends to, itself included), or a single
     int L together with batch_size B (B sequences of context L).
@@ -195,25 +209,28 @@ def decode_step_bytes(
     if kv_bytes_per_elem is None:
         kv_bytes_per_elem = weight_bytes_per_param
     if isinstance(context_lens, int):
-        total_ctx = context_lens * (1 if batch_size is None else batch_size)
+        num_seqs = 1 if batch_size is None else batch_size
+        total_ctx = context_lens * num_seqs
     else:
         if batch_size is not None:
             raise ValueError("batch_size is only for a single int context length")
-        total_ctx = sum(context_lens)
-    return weight_bytes(cfg, weight_bytes_per_param) + kv_bytes_per_token(cfg, kv_bytes_per_elem) * total_ctx
+        lens = list(context_lens)
+        num_seqs, total_ctx = len(lens), sum(lens)
+    return (weight_bytes(cfg, weight_bytes_per_param, num_seqs)
+            + kv_bytes_per_token(cfg, kv_bytes_per_elem) * total_ctx)
 
 
 def flops_per_token(cfg: ModelConfig, context_len: float) -> float:
     """Forward FLOPs of one token attending to context_len keys: 2 * matmul params + attention."""
     attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context_len
-    return 2 * matmul_params(cfg) + attn
+    return 2 * active_params(cfg) + attn
 
 
 def decode_step_flops(cfg: ModelConfig, context_lens: Iterable[int]) -> float:
     """Forward FLOPs of one decode step: one token per sequence, sequence i attending to context_lens[i] keys."""
     lens = list(context_lens)
     attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * sum(lens)
-    return 2.0 * matmul_params(cfg) * len(lens) + attn
+    return 2.0 * active_params(cfg) * len(lens) + attn
 
 
 def sequence_flops(cfg: ModelConfig, num_prompt_tokens: int, num_output_tokens: int) -> float:
@@ -221,4 +238,4 @@ def sequence_flops(cfg: ModelConfig, num_prompt_tokens: int, num_output_tokens: 
     are fed through the model (T = n + m - 1 tokens, token at position p attends to p + 1 keys)."""
     t = num_prompt_tokens + max(num_output_tokens, 1) - 1
     attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * (t * (t + 1) // 2)
-    return 2.0 * matmul_params(cfg) * t + attn
+    return 2.0 * active_params(cfg) * t + attn

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2) over a flat varlen token batch.
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2; with mixture-of-experts layers:
+Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen token batch.
 
 All sequences of a step are concatenated into one token dimension T; attention goes through the
 backend with the step's plan (see pageflash/layers/attention.py), so prefill chunks, decodes and
@@ -18,6 +19,7 @@ from pageflash.layers import triton_kernel
 from pageflash.layers.activation import silu_and_mul
 from pageflash.layers.attention import AttentionBackend
 from pageflash.layers.linear import GateUpLinear, Linear, QKVLinear, VocabEmbedding, gate_up_silu, linear
+from pageflash.layers.moe import SparseMoE
 from pageflash.layers.norm import RMSNorm
 from pageflash.layers.rotary import RotaryEmbedding
 
@@ -87,10 +89,10 @@ class LlamaAttention(_Prefetching, nn.Module):
 
 
 class LlamaMLP(_Prefetching, nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = GateUpLinear(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # decode at batch 1: SiLU in the GEMV's epilogue
@@ -104,11 +106,17 @@ class LlamaMLP(_Prefetching, nn.Module):
         return self.down_proj(act)
 
 
+def _moe_block(cfg: ModelConfig) -> SparseMoE:
+    shared = cfg.shared_expert_intermediate_size
+    return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                     cfg.norm_topk_prob, shared_expert=LlamaMLP(cfg.hidden_size, shared) if shared else None)
+
+
 class LlamaDecoderLayer(_Prefetching, nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = _moe_block(cfg) if cfg.is_moe_layer(index) else LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -119,7 +127,8 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rotary, kv_cache, backend, plan)
-        self._prefetch("gate_up", self.mlp.gate_up_proj.weight)  # while the post-attention norm runs
+        if isinstance(self.mlp, LlamaMLP):  # (an MoE block's weights depend on the routing)
+            self._prefetch("gate_up", self.mlp.gate_up_proj.weight)  # while the post-attention norm runs
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -132,7 +141,7 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(cfg, max_positions)
@@ -158,15 +167,16 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         return x
 
     def quantize_(self, method: str, device: Optional[torch.device] = None) -> None:
-        """Quantize every decoder layer's projections in place (Linear.quantize_); the embedding table
-        and the LM head stay in the model's dtype (as vLLM's weight-only methods keep them).
+        """Quantize every decoder layer's projections in place (Linear.quantize_); the embedding table,
+        the LM head, MoE routers and MoE experts stay in the model's dtype (vLLM's weight-only methods
+        keep the first three so; experts: no INT8 grouped GEMM yet).
         device: move the model there, one decoder layer at a time, each quantized once it arrives (a
         model loaded in host memory then never occupies the device at its unquantized size)."""
         for layer in self.layers:
             if device is not None:
                 layer.to(device)
             for m in layer.modules():
-                if isinstance(m, Linear):
+                if isinstance(m, Linear) and getattr(m, "quantizable", True):
                     m.quantize_(method)
         if device is not None:
             self.to(device)
@@ -194,19 +204,31 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
 
+    _EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
+                     "down_proj": "down", "gate_up_proj": "gate_up"}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load (HF name, tensor) pairs; returns the parameter names that were filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        expert_shards: dict[str, set[str]] = {}  # fused expert parameter -> the per-expert shards loaded
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            name = name.removeprefix("model.")
+            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's block name
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding table serves as the head
             shard = None
             m = re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.", name)
-            if m:
+            e = re.fullmatch(r"(layers\.\d+\.mlp)\.experts\.(?:(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight"
+                             r"|(gate_up_proj|down_proj))", name)
+            if e:  # routed experts: per-expert matrices, or transformers >= 5's fused [E, ...] tensors
+                part = self._EXPERT_PARTS[e.group(3) or e.group(4)]
+                name = f"{e.group(1)}.{'w2' if part == 'down' else 'w13'}"
+                shard = f"{e.group(2)}:{part}" if e.group(2) is not None else None
+                if shard is not None:
+                    expert_shards.setdefault(name, set()).add(shard)
+            elif m:
                 target, shard = self._MERGED[m.group(1)]
                 name = name.replace(f".{m.group(1)}.", f".{target}.")
             if name not in params:
@@ -215,4 +237,9 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
             owner = self.get_submodule(name.rsplit(".", 1)[0])
             owner.weight_loader(param, tensor.to(param.dtype), shard)
             loaded.add(name)
+        for name, shards in expert_shards.items():  # a fused parameter is loaded once every expert's part is
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            parts = ("gate", "up") if name.endswith("w13") else ("down",)
+            if len(shards) < owner.num_experts * len(parts):
+                loaded.discard(name)
         return loaded

@@ -144,6 +144,8 @@ def _gguf_config(reader) -> ModelConfig:
     if arch not in _GGUF_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCHS)})")
     a = arch
+    if _field(reader, f"{a}.expert_count"):  # e.g. Mixtral GGUFs are "llama" with routed experts
+        raise ValueError("GGUF files of mixture-of-experts models are not supported yet; load the HF folder")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError("GGUF with rope_freqs (Llama 3.1 rope scaling) is not supported yet; load the HF folder")

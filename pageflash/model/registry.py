@@ -56,6 +56,23 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
         attention_bias=False, bos_token_id=151643, eos_token_id=151645,
     ),
+    # mixtures of experts (dummy weights: the router picks experts at random, about uniformly)
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False,
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    "qwen1.5-moe-a2.7b": dict(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1,
+        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=8192,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643,
+        eos_token_id=151643,
+    ),
 }
 
 # Short name -> (Python package that ships the file, file name inside it, pip command that installs it)

@@ -1,0 +1,256 @@
+"""Mixture-of-experts FFN over a flat token batch: a grouped GEMM in Triton (as vLLM's fused_moe).
+
+For x [T, H], w13 [E, 2I, H] (each expert's gate rows, then its up rows: HF ``gate_up_proj``),
+w2 [E, H, I], topk_weights [T, k] float32 and topk_ids [T, k] (values in [0, E)):
+
+    out[t] = sum_j topk_weights[t, j] * (silu_and_mul(x[t] @ w13[e]^T) @ w2[e]^T),  e = topk_ids[t, j]
+
+``fused_moe`` works on the T*k (token, slot) *pairs*, pair p = t*k + j:
+
+1. ``moe_align`` groups the pairs by expert, each expert's group padded to a multiple of block_m, so
+   that every block of block_m rows belongs to one expert (``sorted_ids``, ``block_expert``,
+   ``num_rows``). Torch ops only, static shapes, no host sync: CUDA-graph capturable.
+2. ``_moe_gemm_kernel``: C1[p] = x[p // k] @ w13[e]^T ([T*k, 2I], rows gathered through sorted_ids);
+3. act = silu_and_mul(C1) ([T*k, I]);
+4. ``_moe_gemm_kernel``: C2[p] = topk_weights[p] * (act[p] @ w2[e]^T), the weight applied in fp32
+   before rounding to x's dtype ([T*k, H]);
+5. out = C2.view(T, k, H).sum(1) in fp32, rounded to x's dtype.
+
+Launch shapes depend only on T, k, E, H, I (never on the routing), so the whole of ``fused_moe`` is
+CUDA-graph capturable. topk_ids out of [0, E) are not checked (that would need a sync): they leave the
+rows of their pairs unwritten (garbage output for those tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pageflash.kernels.host_math import cdiv
+from pageflash.kernels.launch import fast_launch
+from pageflash.layers.activation import silu_and_mul
+from pageflash.layers.moe import experts_ref
+
+__all__ = ["fused_moe", "fused_moe_ref", "moe_align"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+fused_moe_ref = experts_ref  # plain PyTorch, expert by expert (as transformers): layers/moe.py
+
+
+# ------------------------------------------------------------------------------------------ alignment
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static upper bound on the number of block_m-row blocks ``moe_align`` can use: each used expert
+    wastes less than one block on padding, and at most min(num_pairs, num_experts) experts are used."""
+    return cdiv(num_pairs, block_m) + min(num_pairs, num_experts)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups the T*k (token, slot) pairs (pair p = t*k + j) by expert, each group padded to a multiple
+    of block_m.
+
+    Returns (sorted_ids, block_expert, num_rows):
+    - sorted_ids int32 [max_blocks * block_m]: pair ids, expert by expert (ascending expert, ascending
+      pair id within an expert); padding slots hold the sentinel T*k;
+    - block_expert int32 [max_blocks]: the expert of each block of block_m rows (blocks at or past
+      num_rows hold num_experts - 1; kernels must skip them);
+    - num_rows int32 [1]: the padded rows in use, sum_e ceil(count_e / block_m) * block_m.
+    max_blocks = cdiv(T*k, block_m) + min(T*k, num_experts). Static shapes and no host sync: capturable
+    in a CUDA graph. topk_ids must lie in [0, num_experts) (unchecked)."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"moe_align: topk_ids must be [T, k], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"moe_align: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"moe_align: num_experts ({num_experts}) and block_m ({block_m}) must be >= 1")
+    dev = topk_ids.device
+    p = topk_ids.numel()
+    nblk = max_blocks(p, num_experts, block_m)
+    flat = topk_ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, device=dev, dtype=torch.int64)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)  # inclusive
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # pair ids grouped by expert
+    sorted_exp = flat[order]
+    rank = torch.arange(p, device=dev) - count_start[sorted_exp]
+    dest = padded_start[sorted_exp] + rank
+    sorted_ids = torch.full((nblk * block_m,), p, device=dev, dtype=torch.int32)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(nblk, device=dev, dtype=torch.int64) * block_m
+    block_expert = torch.searchsorted(padded_end, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    num_rows = padded_end[-1:].to(torch.int32)
+    return sorted_ids, block_expert, num_rows
+
+
+# ------------------------------------------------------------------------------------------ kernel
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    A, W, C, SortedIds, BlockExpert, NumRows, Scale,
+    N, K, NUM_PAIRS, A_ROW_DIV, NUM_M_BLOCKS,
+    stride_am, stride_we, stride_wn, stride_cm,
+    MUL_SCALE: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # C[pair] = A[pair // A_ROW_DIV] @ W[expert of the block]^T (* Scale[pair]); W is [E, N, K].
+    # 1-D grid over NUM_M_BLOCKS * cdiv(N, BLOCK_N), grouped GROUP_M m-blocks at a time.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(NUM_M_BLOCKS - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    num_rows = tl.load(NumRows)
+    if pid_m * BLOCK_M >= num_rows:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedIds + offs_m)
+    row_mask = pair < NUM_PAIRS
+    a_row = tl.where(row_mask, pair // A_ROW_DIV, 0).to(tl.int64)
+    expert = tl.load(BlockExpert + pid_m).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + a_row[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
+    w_ptrs = W + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if MUL_SCALE:
+        s = tl.load(Scale + tl.where(row_mask, pair, 0), mask=row_mask, other=0.0).to(tl.float32)
+        acc = acc * s[:, None]
+    c_ptrs = C + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+_moe_gemm_kernel = fast_launch(_moe_gemm_kernel)  # host launches via the cached CompiledKernel
+
+
+def _config(num_pairs: int, n: int, k: int) -> dict:
+    """Tiles and launch options for one grouped GEMM, by the (host-known) number of pairs only, never
+    by the routing. BLOCK_M is also the alignment of moe_align. n, k: the GEMM's N and K (for tuning)."""
+    if num_pairs <= 64:  # decode-sized: few rows per expert, spread the weights over many programs
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _grouped_gemm(
+    a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+    num_rows: torch.Tensor, scale: Optional[torch.Tensor], a_row_div: int, cfg: dict,
+) -> None:
+    num_pairs, n = c.shape
+    k = a.shape[1]
+    num_m = block_expert.shape[0]
+    grid = (num_m * cdiv(n, cfg["BLOCK_N"]),)
+    _moe_gemm_kernel[grid](
+        a, w, c, sorted_ids, block_expert, num_rows, scale if scale is not None else c,
+        n, k, num_pairs, a_row_div, num_m,
+        a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        MUL_SCALE=scale is not None, PREC=_prec(a.dtype), **cfg,
+    )
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def _check(x, w13, w2, topk_weights, topk_ids, out) -> tuple[int, int, int, int, int]:
+    """Returns (T, H, E, I, k) after validating shapes, dtypes, devices and contiguity."""
+    if x.dim() != 2:
+        raise ValueError(f"fused_moe: x must be [T, H], got {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"fused_moe: x dtype must be float16/bfloat16/float32, got {x.dtype}")
+    t, h = x.shape
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"fused_moe: w13 must be [E, 2I, H] and w2 [E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    e, two_i, h13 = w13.shape
+    if h13 != h:
+        raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} has hidden size {h13}, x has {h}")
+    if two_i % 2:
+        raise ValueError(f"fused_moe: w13's second dim must be 2*I (gate rows, then up rows), got {two_i}")
+    inter = two_i // 2
+    if tuple(w2.shape) != (e, h, inter):
+        raise ValueError(f"fused_moe: w2 must be [E, H, I] = {(e, h, inter)} to match x and w13, got {tuple(w2.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(f"fused_moe: topk_ids must be [T={t}, k], got {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    if tuple(topk_weights.shape) != (t, k):
+        raise ValueError(f"fused_moe: topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused_moe: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"fused_moe: topk_weights must be float32, got {topk_weights.dtype}")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"fused_moe: w13 ({w13.dtype}) and w2 ({w2.dtype}) must have x's dtype ({x.dtype})")
+    for name, a in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if a.device != x.device:
+            raise ValueError(f"fused_moe: {name} is on {a.device}, x on {x.device}")
+    for name, a in (("x", x), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not a.is_contiguous():
+            raise ValueError(f"fused_moe: {name} must be contiguous (shape {tuple(a.shape)}, strides {a.stride()})")
+    if out is not None:
+        if tuple(out.shape) != (t, h) or out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(f"fused_moe: out must be [{t}, {h}] {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    return t, h, e, inter, k
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+) -> torch.Tensor:
+    """config: the tiles of both GEMMs (``_config``'s keys; probes sweep it), else ``_config``'s choice.
+    x [T, H] float16/bfloat16/float32; w13 [E, 2I, H] and w2 [E, H, I] in x's dtype; topk_weights
+    [T, k] float32; topk_ids [T, k] int32/int64 in [0, E) (unchecked). All contiguous, one device.
+    Returns [T, H] in x's dtype (written to out if given). No host sync: CUDA-graph capturable."""
+    t, h, e, inter, k = _check(x, w13, w2, topk_weights, topk_ids, out)
+    if out is None:
+        out = torch.empty((t, h), device=x.device, dtype=x.dtype)
+    num_pairs = t * k
+    if num_pairs == 0 or h == 0:
+        return out
+    if inter == 0:
+        return out.zero_()
+    cfg1 = config or _config(num_pairs, 2 * inter, h)
+    cfg2 = config or _config(num_pairs, h, inter)
+    assert cfg1["BLOCK_M"] == cfg2["BLOCK_M"], "both GEMMs share one alignment"
+    sorted_ids, block_expert, num_rows = moe_align(topk_ids, e, cfg1["BLOCK_M"])
+
+    c1 = torch.empty((num_pairs, 2 * inter), device=x.device, dtype=x.dtype)
+    _grouped_gemm(x, w13, c1, sorted_ids, block_expert, num_rows, None, k, cfg1)
+    act = silu_and_mul(c1)
+    if not act.is_contiguous():
+        act = act.contiguous()
+    c2 = torch.empty((num_pairs, h), device=x.device, dtype=x.dtype)
+    _grouped_gemm(act, w2, c2, sorted_ids, block_expert, num_rows, topk_weights, 1, cfg2)
+    if k == 1:
+        out.copy_(c2)
+    else:
+        out.copy_(c2.view(t, k, h).sum(1, dtype=torch.float32))
+    return out

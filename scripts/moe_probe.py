@@ -1,0 +1,186 @@
+"""GPU probe: the fused MoE kernels (kernels/fused_moe.py) at real MoE layer shapes, tile configs x
+tokens, against the expert-by-expert reference and against the roofline.
+
+Per (model layer, T): bf16 error against experts_ref in float32; time of one whole fused_moe (align +
+two grouped GEMMs + SiLU + the k-sum) replayed from a CUDA graph; bytes = the experts the routing
+actually hits (w13 + w2) over that time against the copy bandwidth; TFLOP/s = 2 * T * k * 3 * H * I
+over the time, against cuBLAS on a dense GEMM pair of the same FLOPs ([T*k, H] x [H, 2I], [T*k, I] x
+[I, H]). Routing: top-k of random logits (about uniform over experts).
+Peer, same weights and routing: transformers' experts module (Qwen3MoeExperts, the layout ours loads)
+with its experts_implementation "grouped_mm" (torch._grouped_mm) and "eager", timed eagerly (CUDA
+events around many calls), beside ours timed the same way.
+
+  PYTHONPATH=. python3 scripts/moe_probe.py [--configs] [--tokens 1 8 64 ...] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from pageflash.bench.roofline import measure_copy_bandwidth
+from pageflash.kernels import fused_moe as fm
+from pageflash.layers.moe import experts_ref, route
+
+SHAPES = {  # name: (H, I, E, k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+}
+CANDIDATES = [
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3),
+    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=2, num_stages=4),
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+]
+
+
+def graph_time_us(fn, iters: int = 30, reps: int = 5) -> float:
+    """Median µs of one fn() replayed from a CUDA graph (iters calls per replay)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def eager_time_us(fn, iters: int = 20, reps: int = 5) -> float:
+    """Median µs of one fn() called eagerly (host launches included), iters calls per measurement."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def hf_experts(h: int, inter: int, e: int, k: int, w13: torch.Tensor, w2: torch.Tensor, impl: str):
+    """transformers' Qwen3MoeExperts over these weights with experts_implementation impl, or None."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+        cfg = AutoConfig.for_model("qwen3_moe", hidden_size=h, moe_intermediate_size=inter, num_experts=e,
+                                   num_experts_per_tok=k)
+        cfg._experts_implementation = impl
+        m = Qwen3MoeExperts(cfg).to(device=w13.device, dtype=w13.dtype)
+        m.gate_up_proj.data = w13
+        m.down_proj.data = w2
+        return m
+    except Exception as ex:  # an older transformers without experts implementations
+        print(f"transformers experts ({impl}) unavailable: {ex!r}"[:200])
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", action="store_true", help="sweep CANDIDATES (else the default config only)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 4096])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    copy = measure_copy_bandwidth(dev)
+    rows, log = [], []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for name in a.shapes:
+        h, inter, e, k = SHAPES[name]
+        w13 = (torch.randn(e, 2 * inter, h, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+        w2 = (torch.randn(e, h, inter, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+        expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+        for t in a.tokens:
+            x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+            logits = torch.randn(t, e, device=dev, generator=g)
+            wts, ids = route(logits, k, True)
+            ref = experts_ref(x.float(), w13.float(), w2.float(), wts, ids)
+            hit = int(torch.unique(ids).numel())
+            nbytes = hit * expert_bytes + x.nbytes * 2
+            flops = 2.0 * t * k * 3 * h * inter
+            # dense cuBLAS of the same FLOPs
+            xa = torch.randn(t * k, h, device=dev, dtype=torch.bfloat16)
+            wa = torch.randn(2 * inter, h, device=dev, dtype=torch.bfloat16)
+            xb = torch.randn(t * k, inter, device=dev, dtype=torch.bfloat16)
+            wb = torch.randn(h, inter, device=dev, dtype=torch.bfloat16)
+            dense_us = graph_time_us(lambda: (xa @ wa.t(), xb @ wb.t()))
+            cands = CANDIDATES if a.configs else [None]
+            best = None
+            for cfg in cands:
+                try:
+                    out = fm.fused_moe(x, w13, w2, wts, ids, config=cfg)
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    us = graph_time_us(lambda: fm.fused_moe(x, w13, w2, wts, ids, config=cfg))
+                except Exception as ex:  # e.g. out of shared memory
+                    log.append(dict(shape=name, T=t, config=cfg, error=repr(ex)[:200]))
+                    continue
+                r = dict(shape=name, T=t, config=cfg or fm._config(t * k, 2 * inter, h), us=us, rel_err=err,
+                         experts_hit=hit, gbps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / copy,
+                         tflops=flops / us / 1e6, dense_us=dense_us)
+                log.append(r)
+                if best is None or us < best["us"]:
+                    best = r
+            if best is not None:
+                bc = best["config"]
+                best["ours_eager_us"] = eager_time_us(lambda: fm.fused_moe(x, w13, w2, wts, ids, config=bc))
+                for impl in ("grouped_mm", "eager"):
+                    if impl == "eager" and t > 256:
+                        continue
+                    m = hf_experts(h, inter, e, k, w13, w2, impl)
+                    if m is None:
+                        continue
+                    wb = wts.to(torch.bfloat16)
+                    with torch.no_grad():
+                        y = m(x, ids, wb)
+                        best[f"hf_{impl}_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+                        best[f"hf_{impl}_us"] = eager_time_us(lambda: m(x, ids, wb))
+                rows.append(best)
+            torch.cuda.empty_cache()
+    print(f"copy bandwidth {copy:.0f} GB/s")
+    print("| layer | T | best config (BM,BN,BK,w,s) | µs (graph) | rel err | experts hit | GB/s | % copy | TFLOP/s "
+          "| dense cuBLAS µs | ours eager µs | HF grouped_mm µs | HF eager µs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        c = r["config"]
+        cs = f"{c['BLOCK_M']},{c['BLOCK_N']},{c['BLOCK_K']},{c['num_warps']},{c['num_stages']}"
+        print(f"| {r['shape']} | {r['T']} | {cs} | {r['us']:.1f} | {r['rel_err']:.1e} | {r['experts_hit']} | "
+              f"{r['gbps']:.0f} | {r['pct_copy']:.0f}% | {r['tflops']:.0f} | {r['dense_us']:.1f} | "
+              f"{r['ours_eager_us']:.1f} | {r.get('hf_grouped_mm_us', float('nan')):.1f} | "
+              f"{r.get('hf_eager_us', float('nan')):.1f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(copy_gbps=copy, best=rows, all=log), f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

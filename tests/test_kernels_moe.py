@@ -1,0 +1,230 @@
+"""Mixture-of-experts FFN (pageflash.kernels.fused_moe) under the Triton interpreter: moe_align's
+grouping, the grouped-GEMM path against fused_moe_ref, fused_moe_ref against a dense per-token loop,
+and input validation.
+
+fp32 and fp16 only: bf16 arithmetic is wrong under the interpreter. Shapes are tiny (the interpreter
+is slow); H and I are not multiples of the tiles, so the masks are exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pageflash.kernels.fused_moe import fused_moe, fused_moe_ref, max_blocks, moe_align
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+DTYPES = [torch.float32, torch.float16]
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Every torch.empty / empty_like (the kernels' intermediates and outputs) starts as NaN / -12345,
+    so that an unwritten row shows up."""
+    _empty, _empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: _poison(_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _poison(_empty_like(*a, **kw)))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    assert not torch.isnan(a).any(), "NaN in output (unwritten or poisoned elements)"
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def make_inputs(t, h, inter, e, k, dtype, seed, id_dtype=torch.int64, routing="random"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(dtype)
+    if routing == "random":  # k distinct experts per token
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    elif routing == "one":  # every slot of every token to one expert (duplicates within a token)
+        ids = torch.full((t, k), e - 1)
+    elif routing == "dup":  # few experts, repeated across tokens and within a token
+        ids = torch.randint(0, 2, (t, k), generator=g)
+    else:
+        raise AssertionError(routing)
+    weights = torch.softmax(torch.randn(t, k, generator=g), dim=-1)
+    return x, w13, w2, weights.float().contiguous(), ids.to(id_dtype).contiguous()
+
+
+# ---------------------------------------------------------------------------------------- moe_align
+
+
+def check_align(ids: torch.Tensor, e: int, bm: int) -> None:
+    t, k = ids.shape
+    p = t * k
+    sorted_ids, block_expert, num_rows = moe_align(ids, e, bm)
+    nblk = max_blocks(p, e, bm)
+    assert nblk == (p + bm - 1) // bm + min(p, e)
+    assert sorted_ids.dtype == block_expert.dtype == num_rows.dtype == torch.int32
+    assert sorted_ids.shape == (nblk * bm,) and block_expert.shape == (nblk,) and num_rows.shape == (1,)
+    flat = ids.reshape(-1).long()
+    counts = torch.tensor([(flat == i).sum().item() for i in range(e)])
+    rows = int(num_rows.item())
+    assert rows == int(((counts + bm - 1) // bm * bm).sum())
+    assert rows % bm == 0 and rows <= nblk * bm
+    # every pair exactly once, everything else the sentinel, nothing past num_rows
+    real = sorted_ids[sorted_ids != p]
+    assert sorted(real.tolist()) == list(range(p))
+    assert (sorted_ids[rows:] == p).all()
+    # each used block holds only pairs of its expert; each expert's pairs fill ceil(count/bm) blocks
+    blocks_of = torch.zeros(e, dtype=torch.int64)
+    for b in range(rows // bm):
+        blk = sorted_ids[b * bm:(b + 1) * bm].long()
+        ex = int(block_expert[b])
+        assert 0 <= ex < e
+        pairs = blk[blk != p]
+        assert pairs.numel() > 0, "a used block with no pair"
+        assert (flat[pairs] == ex).all()
+        blocks_of[ex] += 1
+        # padding only at the end of an expert's group
+        n_real = pairs.numel()
+        assert (blk[:n_real] != p).all() and (blk[n_real:] == p).all()
+    assert torch.equal(blocks_of, (counts + bm - 1) // bm)
+
+
+@pytest.mark.parametrize("bm", [16, 64])
+@pytest.mark.parametrize(
+    "t,k,e,routing",
+    [(1, 1, 4, "random"), (1, 3, 8, "random"), (17, 2, 8, "random"), (33, 1, 4, "random"),
+     (40, 3, 8, "random"), (20, 2, 8, "one"), (25, 3, 4, "dup"), (5, 2, 8, "dup")],
+)
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_moe_align(t, k, e, routing, bm, id_dtype):
+    _, _, _, _, ids = make_inputs(t, 4, 4, e, k, torch.float32, seed=t * 7 + k, id_dtype=id_dtype, routing=routing)
+    check_align(ids, e, bm)
+
+
+def test_moe_align_exact_blocks_and_unused_experts():
+    """Counts that are exact multiples of block_m (no padding) next to empty experts."""
+    ids = torch.tensor([3] * 16 + [0] * 32 + [5] * 1, dtype=torch.int32).view(-1, 1)
+    check_align(ids, 8, 16)
+    sorted_ids, block_expert, num_rows = moe_align(ids, 8, 16)
+    assert num_rows.item() == 16 + 32 + 16
+    assert block_expert[:4].tolist() == [0, 0, 3, 5]
+
+
+# ---------------------------------------------------------------------------------------- reference
+
+
+def dense_moe(x, w13, w2, weights, ids):
+    """Token by token, slot by slot, all in float32 from the same (rounded) inputs."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            hid = w13[e].float() @ x[t].float()
+            act = F.silu(hid[:inter]) * hid[inter:]
+            out[t] += weights[t, j] * (w2[e].float() @ act)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k,e,routing", [(1, 1, 4, "random"), (9, 2, 8, "random"), (12, 3, 4, "dup"), (6, 2, 4, "one")])
+def test_ref_matches_dense_loop(t, k, e, routing, dtype):
+    x, w13, w2, w, ids = make_inputs(t, 24, 20, e, k, dtype, seed=100 + t, routing=routing)
+    ref = fused_moe_ref(x, w13, w2, w, ids)
+    assert ref.dtype == dtype and ref.shape == x.shape
+    dense = dense_moe(x, w13, w2, w, ids)
+    assert rel_err(ref.float(), dense) < (1e-5 if dtype == torch.float32 else 5e-3)
+
+
+# ---------------------------------------------------------------------------------------- fused_moe
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "t,e,k,routing,id_dtype",
+    [(1, 4, 1, "random", torch.int32), (3, 8, 2, "random", torch.int64), (17, 8, 3, "random", torch.int32),
+     (33, 4, 2, "random", torch.int64), (17, 4, 3, "one", torch.int64), (33, 8, 2, "dup", torch.int32)],
+)
+def test_fused_moe(t, e, k, routing, id_dtype, dtype):
+    h, inter = 48, 40
+    x, w13, w2, w, ids = make_inputs(t, h, inter, e, k, dtype, seed=t * 31 + e + k, id_dtype=id_dtype, routing=routing)
+    ref = fused_moe_ref(x, w13, w2, w, ids)
+    out = fused_moe(x, w13, w2, w, ids)
+    assert out.shape == (t, h) and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    # out= is written in full (poisoned first) and returned
+    buf = torch.full((t, h), float("nan"), dtype=dtype)
+    res = fused_moe(x, w13, w2, w, ids, out=buf)
+    assert res is buf
+    assert torch.equal(buf, out)
+
+
+def test_fused_moe_large_config():
+    """T*k > 64: the large-tile config (block_m 64) and the grouped launch order."""
+    t, e, k, h, inter = 40, 8, 2, 40, 24
+    x, w13, w2, w, ids = make_inputs(t, h, inter, e, k, torch.float32, seed=5)
+    ref = fused_moe_ref(x, w13, w2, w, ids)
+    out = fused_moe(x, w13, w2, w, ids)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k,h,inter", [(3, 2, 136, 72), (40, 2, 80, 72)])
+def test_fused_moe_k_loop(t, k, h, inter, dtype):
+    """K spans several BLOCK_K tiles (decode config: H > 128; large config: H, I > 64), N several
+    BLOCK_N tiles, and (large config) more m-blocks than one GROUP_M group."""
+    x, w13, w2, w, ids = make_inputs(t, h, inter, 8, k, dtype, seed=h + inter)
+    ref = fused_moe_ref(x, w13, w2, w, ids)
+    out = fused_moe(x, w13, w2, w, ids)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_fused_moe_weights_applied_per_slot():
+    """A slot with weight 0 contributes nothing; one with weight 1 alone gives that expert's FFN."""
+    x, w13, w2, _, _ = make_inputs(4, 32, 16, 4, 2, torch.float32, seed=9)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 1], [3, 0]], dtype=torch.int64)
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [1.0, 0.0]])
+    out = fused_moe(x, w13, w2, w, ids)
+    single = fused_moe(x, w13, w2, torch.ones(4, 1), ids[:, :1].contiguous())
+    alt = fused_moe(x, w13, w2, torch.ones(4, 1), ids[:, 1:].contiguous())
+    assert torch.allclose(out[0], single[0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(out[1], alt[1], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(out[2], single[2], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(out[3], single[3], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(single[0], alt[0])
+
+
+def test_fused_moe_empty_batch():
+    x, w13, w2, w, ids = make_inputs(0, 16, 16, 4, 2, torch.float32, seed=1)
+    out = fused_moe(x, w13, w2, w, ids)
+    assert out.shape == (0, 16)
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def test_bad_inputs():
+    x, w13, w2, w, ids = make_inputs(3, 32, 16, 4, 2, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="2\\*I"):
+        fused_moe(x, w13[:, :31], w2, w, ids)  # odd second dim
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe(x, w13[:, :24].contiguous(), w2, w, ids)  # 2I=24 -> I=12 but w2 has I=16
+    with pytest.raises(ValueError, match="hidden size"):
+        fused_moe(x[:, :16].contiguous(), w13, w2, w, ids)
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe(x, w13, w2[:, :16].contiguous(), w, ids)
+    with pytest.raises(ValueError, match="topk_weights"):
+        fused_moe(x, w13, w2, w[:, :1].contiguous(), ids)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_moe(x, w13, w2, w, ids[:2].contiguous())
+    with pytest.raises(ValueError, match="topk_ids must be int32 or int64"):
+        fused_moe(x, w13, w2, w, ids.float())
+    with pytest.raises(ValueError, match="topk_weights must be float32"):
+        fused_moe(x, w13, w2, w.half(), ids)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_moe(x, w13.half(), w2, w, ids)
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_moe(torch.randn(32, 3).t(), w13, w2, w, ids)
+    with pytest.raises(ValueError, match="out must be"):
+        fused_moe(x, w13, w2, w, ids, out=torch.empty(3, 31))
