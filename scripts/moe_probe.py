@@ -1,8 +1,9 @@
 """GPU probe: the fused MoE kernels (kernels/fused_moe.py) at real MoE layer shapes, tile configs x
 tokens, against the expert-by-expert reference and against the roofline.
 
-Per (model layer, T): bf16 error against experts_ref in float32; time of one whole fused_moe (align +
-two grouped GEMMs + SiLU + the k-sum) replayed from a CUDA graph; bytes = the experts the routing
+Per (model layer, T): bf16 error against experts_ref in float32; time of one whole routed_moe (routing
+and grouping + two grouped GEMMs + SiLU + the k-sum: the MoE block after the router's GEMM) replayed
+from a CUDA graph (and fused_moe over given routing, whose grouping is torch ops); bytes = the experts the routing
 actually hits (w13 + w2) over that time against the copy bandwidth; TFLOP/s = 2 * T * k * 3 * H * I
 over the time, against cuBLAS on a dense GEMM pair of the same FLOPs ([T*k, H] x [H, 2I], [T*k, I] x
 [I, H]). Routing: top-k of random logits (about uniform over experts).
@@ -35,6 +36,8 @@ CANDIDATES = [
     dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3),
     dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=2, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=2, num_stages=5),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5),
     dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
@@ -138,9 +141,9 @@ def main() -> None:
             best = None
             for cfg in cands:
                 try:
-                    out = fm.fused_moe(x, w13, w2, wts, ids, config=cfg)
+                    out = fm.routed_moe(x, logits, w13, w2, k, True, config=cfg)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
-                    us = graph_time_us(lambda: fm.fused_moe(x, w13, w2, wts, ids, config=cfg))
+                    us = graph_time_us(lambda: fm.routed_moe(x, logits, w13, w2, k, True, config=cfg))
                 except Exception as ex:  # e.g. out of shared memory
                     log.append(dict(shape=name, T=t, config=cfg, error=repr(ex)[:200]))
                     continue
@@ -152,7 +155,8 @@ def main() -> None:
                     best = r
             if best is not None:
                 bc = best["config"]
-                best["ours_eager_us"] = eager_time_us(lambda: fm.fused_moe(x, w13, w2, wts, ids, config=bc))
+                best["ours_eager_us"] = eager_time_us(lambda: fm.routed_moe(x, logits, w13, w2, k, True, config=bc))
+                best["ours_prerouted_us"] = graph_time_us(lambda: fm.fused_moe(x, w13, w2, wts, ids, config=bc))
                 for impl in ("grouped_mm", "eager"):
                     if impl == "eager" and t > 256:
                         continue
@@ -168,14 +172,14 @@ def main() -> None:
             torch.cuda.empty_cache()
     print(f"copy bandwidth {copy:.0f} GB/s")
     print("| layer | T | best config (BM,BN,BK,w,s) | µs (graph) | rel err | experts hit | GB/s | % copy | TFLOP/s "
-          "| dense cuBLAS µs | ours eager µs | HF grouped_mm µs | HF eager µs |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| dense cuBLAS µs | ours eager µs | fused_moe (torch grouping) µs | HF grouped_mm µs | HF eager µs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         c = r["config"]
         cs = f"{c['BLOCK_M']},{c['BLOCK_N']},{c['BLOCK_K']},{c['num_warps']},{c['num_stages']}"
         print(f"| {r['shape']} | {r['T']} | {cs} | {r['us']:.1f} | {r['rel_err']:.1e} | {r['experts_hit']} | "
               f"{r['gbps']:.0f} | {r['pct_copy']:.0f}% | {r['tflops']:.0f} | {r['dense_us']:.1f} | "
-              f"{r['ours_eager_us']:.1f} | {r.get('hf_grouped_mm_us', float('nan')):.1f} | "
+              f"{r['ours_eager_us']:.1f} | {r['ours_prerouted_us']:.1f} | {r.get('hf_grouped_mm_us', float('nan')):.1f} | "
               f"{r.get('hf_eager_us', float('nan')):.1f} |")
     if a.json:
         with open(a.json, "w") as f:

@@ -228,3 +228,74 @@ def test_bad_inputs():
         fused_moe(torch.randn(32, 3).t(), w13, w2, w, ids)
     with pytest.raises(ValueError, match="out must be"):
         fused_moe(x, w13, w2, w, ids, out=torch.empty(3, 31))
+
+
+# ---------------------------------------------------------------------------------------- route_align
+
+
+@pytest.mark.parametrize("t,e,k,renorm", [(1, 8, 2, True), (5, 6, 3, False), (17, 16, 4, True), (33, 4, 1, True),
+                                          (40, 8, 8, False), (3, 128, 8, True)])
+@pytest.mark.parametrize("bm", [16, 64])
+def test_route_align_equals_route_then_moe_align(t, e, k, renorm, bm):
+    """One launch gives route()'s experts and weights and moe_align()'s grouping (the same stable
+    order), for full and partial expert counts (E a power of two or not, k = E)."""
+    from pageflash.kernels.fused_moe import route_align
+    from pageflash.layers.moe import route
+
+    g = torch.Generator().manual_seed(t * 100 + e)
+    logits = torch.randn(t, e, generator=g) * 3
+    w, ids, sorted_ids, block_expert, num_rows = route_align(logits, k, renorm, bm)
+    want_w, want_ids = route(logits, k, renorm)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+    ws, wb, wn = moe_align(want_ids, e, bm)
+    assert int(num_rows) == int(wn)
+    assert torch.equal(sorted_ids, ws)
+    used = int(wn) // bm
+    assert torch.equal(block_expert[:used], wb[:used])
+    assert (block_expert >= 0).all() and (block_expert < e).all()
+
+
+def test_route_align_strided_logits_and_one_expert():
+    """Logits as a strided view (a column slice of a wider output); every token on one expert."""
+    from pageflash.kernels.fused_moe import route_align
+
+    wide = torch.full((9, 20), -5.0)
+    wide[:, 3] = 4.0
+    wide[:, 7] = 1.0
+    w, ids, sorted_ids, block_expert, num_rows = route_align(wide[:, :12], 2, True, 16)
+    assert ids[:, 0].eq(3).all() and ids[:, 1].eq(7).all()
+    assert int(num_rows) == 32
+    assert sorted_ids[:16].tolist() == list(range(0, 18, 2)) + [18] * 7
+    assert sorted_ids[16:32].tolist() == list(range(1, 18, 2)) + [18] * 7
+    assert block_expert[:2].tolist() == [3, 7]
+
+
+@pytest.mark.parametrize("t,e,k,renorm", [(1, 8, 2, True), (6, 5, 2, False), (37, 4, 3, True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_routed_moe_equals_route_and_reference(t, e, k, renorm, dtype):
+    from pageflash.kernels.fused_moe import route_align_fits, routed_moe
+    from pageflash.layers.moe import route
+
+    x, w13, w2, _, _ = make_inputs(t, 48, 40, e, k, dtype, seed=t)
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(5)).to(dtype)
+    assert route_align_fits(t, e, k)
+    out = routed_moe(x, logits, w13, w2, k, renorm)
+    w, ids = route(logits, k, renorm)
+    assert rel_err(out, fused_moe_ref(x, w13, w2, w, ids)) < TOL[dtype]
+
+
+def test_routed_moe_beyond_one_program(monkeypatch):
+    """Steps too large for route_align's program take route() + moe_align() (same result)."""
+    import pageflash.kernels.fused_moe as fm
+    from pageflash.layers.moe import route
+
+    x, w13, w2, _, _ = make_inputs(20, 48, 40, 8, 2, torch.float32, seed=3)
+    logits = torch.randn(20, 8, generator=torch.Generator().manual_seed(6))
+    monkeypatch.setattr(fm, "ROUTE_ALIGN_MAX_ELEMS", 64)
+    assert not fm.route_align_fits(20, 8, 2)
+    out = fm.routed_moe(x, logits, w13, w2, 2, True)
+    w, ids = route(logits, 2, True)
+    assert rel_err(out, fused_moe_ref(x, w13, w2, w, ids)) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="top_k"):
+        fm.routed_moe(x, logits, w13, w2, 9, True)

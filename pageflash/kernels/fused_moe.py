@@ -29,12 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pageflash.kernels.host_math import cdiv
+from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.activation import silu_and_mul
 from pageflash.layers.moe import experts_ref
 
-__all__ = ["fused_moe", "fused_moe_ref", "moe_align"]
+__all__ = ["fused_moe", "fused_moe_ref", "moe_align", "route_align", "routed_moe"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -92,6 +92,109 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_expert = torch.searchsorted(padded_end, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
     num_rows = padded_end[-1:].to(torch.int32)
     return sorted_ids, block_expert, num_rows
+
+
+@triton.jit
+def _route_align_kernel(
+    Logits, Weights, Ids, SortedIds, BlockExpert, NumRows,
+    T, E, NBLK, stride_lt,
+    K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr,
+    T_PAD: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr, CHUNK: tl.constexpr, NB_CHUNK: tl.constexpr,
+):
+    # One program: the router's softmax and top-k for every token (route()), then moe_align()'s
+    # grouping of the T*K pairs by expert, without a sort: a pair's slot is its expert's padded start
+    # plus the number of earlier pairs of that expert (stable, as moe_align's stable sort).
+    p_total = T * K
+    # padding slots hold the sentinel (before the barrier below, which orders these stores first)
+    for c in range(0, tl.cdiv(NBLK * BM, CHUNK)):
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        tl.store(SortedIds + offs, tl.zeros((CHUNK,), tl.int32) + p_total, mask=offs < NBLK * BM)
+
+    # routing: softmax over the experts in float32, top K by repeated argmax, renormalized if asked
+    offs_t = tl.arange(0, T_PAD)
+    offs_e = tl.arange(0, E_PAD)
+    tm = offs_t < T
+    lg = tl.load(Logits + offs_t[:, None] * stride_lt + offs_e[None, :],
+                 mask=tm[:, None] & (offs_e[None, :] < E), other=float("-inf")).to(tl.float32)
+    lg = tl.where(tm[:, None], lg, 0.0)  # padding rows: finite, never stored
+    mx = tl.max(lg, axis=1)
+    den = tl.sum(tl.exp(lg - mx[:, None]), axis=1)
+    offs_k = tl.arange(0, K_PAD)
+    w = tl.zeros((T_PAD, K_PAD), tl.float32)
+    ids = tl.zeros((T_PAD, K_PAD), tl.int32)
+    rest = lg
+    for j in tl.static_range(K):
+        top = tl.argmax(rest, axis=1)
+        val = tl.max(rest, axis=1)
+        w = tl.where(offs_k[None, :] == j, (tl.exp(val - mx) / den)[:, None], w)
+        ids = tl.where(offs_k[None, :] == j, top[:, None].to(tl.int32), ids)
+        rest = tl.where(offs_e[None, :] == top[:, None], float("-inf"), rest)
+    if RENORM:
+        w = w / tl.sum(tl.where(offs_k[None, :] < K, w, 0.0), axis=1)[:, None]
+    km = tm[:, None] & (offs_k[None, :] < K)
+    tl.store(Weights + offs_t[:, None] * K + offs_k[None, :], w, mask=km)
+    tl.store(Ids + offs_t[:, None] * K + offs_k[None, :], ids, mask=km)
+    tl.debug_barrier()  # the ids above (and the sentinels) are visible to every thread of the program
+
+    # grouping: counts per expert, padded to BM; padded starts and ends
+    offs_p = tl.arange(0, P_PAD)
+    pm = offs_p < p_total
+    flat = tl.load(Ids + offs_p, mask=pm, other=E_PAD - 1)
+    counts = tl.histogram(flat, E_PAD)
+    counts = counts - tl.where(offs_e == E_PAD - 1, P_PAD - p_total, 0)  # the masked pairs' bin
+    padded = (counts + BM - 1) // BM * BM
+    end = tl.cumsum(padded, 0)
+    start = end - padded
+    tl.store(NumRows, tl.sum(padded, axis=0))
+    for c in range(0, tl.cdiv(p_total, CHUNK)):
+        offs_c = c * CHUNK + tl.arange(0, CHUNK)
+        cm = offs_c < p_total
+        ids_c = tl.load(Ids + offs_c, mask=cm, other=0)
+        same = (ids_c[:, None] == flat[None, :]) & (offs_p[None, :] < offs_c[:, None]) & pm[None, :]
+        rank = tl.sum(same.to(tl.int32), axis=1)
+        base = tl.sum(tl.where(offs_e[None, :] == ids_c[:, None], start[None, :], 0), axis=1)
+        tl.store(SortedIds + base + rank, offs_c, mask=cm)
+    # each block's expert: the first expert whose padded end lies past the block's first row
+    for c in range(0, tl.cdiv(NBLK, NB_CHUNK)):
+        offs_b = c * NB_CHUNK + tl.arange(0, NB_CHUNK)
+        below = (end[None, :] <= (offs_b * BM)[:, None]) & (offs_e[None, :] < E)
+        be = tl.minimum(tl.sum(below.to(tl.int32), axis=1), E - 1)
+        tl.store(BlockExpert + offs_b, be, mask=offs_b < NBLK)
+
+
+ROUTE_ALIGN_MAX_ELEMS = 16384  # T_PAD * E_PAD (and P_PAD * CHUNK-ish) of the one-program kernel
+
+
+def route_align_fits(num_tokens: int, num_experts: int, top_k: int) -> bool:
+    """Whether route_align's one program covers this step (decode-sized steps)."""
+    return (next_pow2(max(num_tokens, 1)) * next_pow2(num_experts) <= ROUTE_ALIGN_MAX_ELEMS
+            and next_pow2(max(num_tokens * top_k, 1)) <= 1024 and num_experts <= 1024)
+
+
+def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
+    """route() then moe_align() in one launch: (weights float32 [T, k], ids int32 [T, k], sorted_ids,
+    block_expert, num_rows) as those two return them (weights to float rounding; the same experts but
+    where two logits tie exactly). Only where route_align_fits(T, E, k)."""
+    t, e = router_logits.shape
+    if not route_align_fits(t, e, top_k):
+        raise ValueError(f"route_align: {t} tokens x {e} experts (top {top_k}) exceed one program; "
+                         "use route() and moe_align()")
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    dev = router_logits.device
+    p = t * top_k
+    nblk = max_blocks(p, e, block_m)
+    weights = torch.empty((t, top_k), device=dev, dtype=torch.float32)
+    ids = torch.empty((t, top_k), device=dev, dtype=torch.int32)
+    sorted_ids = torch.empty((nblk * block_m,), device=dev, dtype=torch.int32)
+    block_expert = torch.empty((nblk,), device=dev, dtype=torch.int32)
+    num_rows = torch.empty((1,), device=dev, dtype=torch.int32)
+    _route_align_kernel[(1,)](
+        router_logits, weights, ids, sorted_ids, block_expert, num_rows, t, e, nblk, router_logits.stride(0),
+        K=top_k, K_PAD=next_pow2(top_k), RENORM=renormalize, BM=block_m, T_PAD=next_pow2(max(t, 1)),
+        E_PAD=next_pow2(e), P_PAD=next_pow2(max(p, 1)), CHUNK=32, NB_CHUNK=64, num_warps=8,
+    )
+    return weights, ids, sorted_ids, block_expert, num_rows
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -237,11 +340,22 @@ def fused_moe(
         return out
     if inter == 0:
         return out.zero_()
+    cfg1, cfg2 = _configs(num_pairs, h, inter, config)
+    sorted_ids, block_expert, num_rows = moe_align(topk_ids, e, cfg1["BLOCK_M"])
+    return _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out)
+
+
+def _configs(num_pairs: int, h: int, inter: int, config: Optional[dict]) -> tuple[dict, dict]:
     cfg1 = config or _config(num_pairs, 2 * inter, h)
     cfg2 = config or _config(num_pairs, h, inter)
     assert cfg1["BLOCK_M"] == cfg2["BLOCK_M"], "both GEMMs share one alignment"
-    sorted_ids, block_expert, num_rows = moe_align(topk_ids, e, cfg1["BLOCK_M"])
+    return cfg1, cfg2
 
+
+def _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out) -> torch.Tensor:
+    """The two grouped GEMMs, the SiLU between them and the sum over each token's k experts."""
+    t, h = x.shape
+    num_pairs, inter = t * k, w2.shape[2]
     c1 = torch.empty((num_pairs, 2 * inter), device=x.device, dtype=x.dtype)
     _grouped_gemm(x, w13, c1, sorted_ids, block_expert, num_rows, None, k, cfg1)
     act = silu_and_mul(c1)
@@ -254,3 +368,36 @@ def fused_moe(
     else:
         out.copy_(c2.view(t, k, h).sum(1, dtype=torch.float32))
     return out
+
+
+def routed_moe(
+    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+    renormalize: bool, out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+) -> torch.Tensor:
+    """The whole MoE block after the router's GEMM: route() + fused_moe(), with the routing and the
+    grouping in one launch (route_align) where one program covers the step (decode), else route()
+    and moe_align() in torch ops. router_logits: [T, E]. Capturable in a CUDA graph."""
+    from pageflash.layers.moe import route
+
+    t, e = router_logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"routed_moe: top_k ({top_k}) must be in [1, num_experts={e}]")
+    if router_logits.shape[0] != x.shape[0]:
+        raise ValueError(f"routed_moe: router_logits {tuple(router_logits.shape)} do not match x {tuple(x.shape)}")
+    cfg1, cfg2 = _configs(t * top_k, x.shape[1], w2.shape[2] if w2.dim() == 3 else 0, config)
+    if route_align_fits(t, e, top_k) and t > 0:
+        weights, ids, sorted_ids, block_expert, num_rows = route_align(router_logits, top_k, renormalize,
+                                                                      cfg1["BLOCK_M"])
+    else:
+        weights, ids = route(router_logits, top_k, renormalize)
+        sorted_ids = None
+    t, h, e, inter, k = _check(x, w13, w2, weights, ids, out)
+    if out is None:
+        out = torch.empty((t, h), device=x.device, dtype=x.dtype)
+    if t * k == 0 or h == 0:
+        return out
+    if inter == 0:
+        return out.zero_()
+    if sorted_ids is None:
+        sorted_ids, block_expert, num_rows = moe_align(ids, e, cfg1["BLOCK_M"])
+    return _experts(x, w13, w2, weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out)

@@ -54,14 +54,16 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
 
 
 def _fused() -> Optional[Callable]:
-    return triton_kernel("pageflash.kernels.fused_moe", "fused_moe")
+    return triton_kernel("pageflash.kernels.fused_moe", "routed_moe")
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts' weighted sum: the grouped-GEMM kernels on CUDA, experts_ref elsewhere."""
+def routed_experts(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   top_k: int, renormalize: bool) -> torch.Tensor:
+    """route() then the routed experts' weighted sum: on CUDA the fused kernels (kernels/fused_moe.py:
+    routing and grouping in one launch, two grouped GEMMs), elsewhere route() and experts_ref."""
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and _fused() is not None:
-        return _fused()(x.contiguous(), w13, w2, weights, ids)
+        return _fused()(x.contiguous(), router_logits, w13, w2, top_k, renormalize)
+    weights, ids = route(router_logits, top_k, renormalize)
     return experts_ref(x, w13, w2, weights, ids)
 
 
@@ -85,9 +87,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate.quantizable = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        weights, ids = route(logits, self.top_k, self.renormalize)
-        out = fused_experts(x, self.w13, self.w2, weights, ids)
+        out = routed_experts(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x)
