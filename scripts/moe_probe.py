@@ -31,7 +31,7 @@ SHAPES = {  # name: (H, I, E, k)
     "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
     "mixtral-8x7b": (4096, 14336, 8, 2),
 }
-CANDIDATES = [
+CANDIDATES = [  # (the gated first GEMM takes half of BLOCK_N)
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
     dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3),
@@ -44,6 +44,9 @@ CANDIDATES = [
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
 ]
 
 
@@ -147,7 +150,7 @@ def main() -> None:
                 except Exception as ex:  # e.g. out of shared memory
                     log.append(dict(shape=name, T=t, config=cfg, error=repr(ex)[:200]))
                     continue
-                r = dict(shape=name, T=t, config=cfg or fm._config(t * k, 2 * inter, h), us=us, rel_err=err,
+                r = dict(shape=name, T=t, config=cfg or fm._config(t * k, e), us=us, rel_err=err,
                          experts_hit=hit, gbps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / copy,
                          tflops=flops / us / 1e6, dense_us=dense_us)
                 log.append(r)

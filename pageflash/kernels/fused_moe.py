@@ -9,12 +9,14 @@ w2 [E, H, I], topk_weights [T, k] float32 and topk_ids [T, k] (values in [0, E))
 
 1. ``moe_align`` groups the pairs by expert, each expert's group padded to a multiple of block_m, so
    that every block of block_m rows belongs to one expert (``sorted_ids``, ``block_expert``,
-   ``num_rows``). Torch ops only, static shapes, no host sync: CUDA-graph capturable.
-2. ``_moe_gemm_kernel``: C1[p] = x[p // k] @ w13[e]^T ([T*k, 2I], rows gathered through sorted_ids);
-3. act = silu_and_mul(C1) ([T*k, I]);
-4. ``_moe_gemm_kernel``: C2[p] = topk_weights[p] * (act[p] @ w2[e]^T), the weight applied in fp32
+   ``num_rows``). Torch ops, static shapes, no host sync. For decode-sized steps ``route_align`` does
+   the routing (``layers.moe.route``) and this grouping in one launch (``routed_moe``).
+2. ``_moe_gemm_kernel`` (GATED): act[p] = silu(x[p // k] @ w_gate[e]^T) * (x[p // k] @ w_up[e]^T)
+   ([T*k, I], rows gathered through sorted_ids; each product rounded to x's dtype, then the SiLU as
+   kernels/activation.py computes it);
+3. ``_moe_gemm_kernel``: C2[p] = topk_weights[p] * (act[p] @ w2[e]^T), the weight applied in fp32
    before rounding to x's dtype ([T*k, H]);
-5. out = C2.view(T, k, H).sum(1) in fp32, rounded to x's dtype.
+4. ``_ksum_kernel``: out[t] = sum_j C2[t*k + j] in fp32, rounded to x's dtype.
 
 Launch shapes depend only on T, k, E, H, I (never on the routing), so the whole of ``fused_moe`` is
 CUDA-graph capturable. topk_ids out of [0, E) are not checked (that would need a sync): they leave the
@@ -29,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.activation import libdevice
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.launch import fast_launch
-from pageflash.layers.activation import silu_and_mul
 from pageflash.layers.moe import experts_ref
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align", "route_align", "routed_moe"]
@@ -99,27 +101,22 @@ def _route_align_kernel(
     Logits, Weights, Ids, SortedIds, BlockExpert, NumRows,
     T, E, NBLK, stride_lt,
     K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr,
-    T_PAD: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr, CHUNK: tl.constexpr, NB_CHUNK: tl.constexpr,
+    T_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_CHUNK: tl.constexpr,
 ):
-    # One program: the router's softmax and top-k for every token (route()), then moe_align()'s
-    # grouping of the T*K pairs by expert, without a sort: a pair's slot is its expert's padded start
-    # plus the number of earlier pairs of that expert (stable, as moe_align's stable sort).
-    p_total = T * K
-    # padding slots hold the sentinel (before the barrier below, which orders these stores first)
-    for c in range(0, tl.cdiv(NBLK * BM, CHUNK)):
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        tl.store(SortedIds + offs, tl.zeros((CHUNK,), tl.int32) + p_total, mask=offs < NBLK * BM)
-
-    # routing: softmax over the experts in float32, top K by repeated argmax, renormalized if asked
+    # grid (E,): program e routes every token (route(): softmax in float32, the top K by repeated
+    # argmax, renormalized if asked; program 0 stores the result), then places expert e's pairs:
+    # its padded start is the padded counts of experts < e summed, a pair's slot within it the number
+    # of earlier pairs of expert e (moe_align's stable order). No program waits for another.
+    e = tl.program_id(0)
     offs_t = tl.arange(0, T_PAD)
     offs_e = tl.arange(0, E_PAD)
+    offs_k = tl.arange(0, K_PAD)
     tm = offs_t < T
     lg = tl.load(Logits + offs_t[:, None] * stride_lt + offs_e[None, :],
                  mask=tm[:, None] & (offs_e[None, :] < E), other=float("-inf")).to(tl.float32)
     lg = tl.where(tm[:, None], lg, 0.0)  # padding rows: finite, never stored
     mx = tl.max(lg, axis=1)
     den = tl.sum(tl.exp(lg - mx[:, None]), axis=1)
-    offs_k = tl.arange(0, K_PAD)
     w = tl.zeros((T_PAD, K_PAD), tl.float32)
     ids = tl.zeros((T_PAD, K_PAD), tl.int32)
     rest = lg
@@ -132,49 +129,56 @@ def _route_align_kernel(
     if RENORM:
         w = w / tl.sum(tl.where(offs_k[None, :] < K, w, 0.0), axis=1)[:, None]
     km = tm[:, None] & (offs_k[None, :] < K)
-    tl.store(Weights + offs_t[:, None] * K + offs_k[None, :], w, mask=km)
-    tl.store(Ids + offs_t[:, None] * K + offs_k[None, :], ids, mask=km)
-    tl.debug_barrier()  # the ids above (and the sentinels) are visible to every thread of the program
+    pair2 = offs_t[:, None] * K + offs_k[None, :]
+    if e == 0:
+        tl.store(Weights + pair2, w, mask=km)
+        tl.store(Ids + pair2, ids, mask=km)
 
-    # grouping: counts per expert, padded to BM; padded starts and ends
-    offs_p = tl.arange(0, P_PAD)
-    pm = offs_p < p_total
-    flat = tl.load(Ids + offs_p, mask=pm, other=E_PAD - 1)
+    # the pairs in pair order (row-major over [T_PAD, K_PAD], the padding masked)
+    flat = tl.reshape(tl.where(km, ids, E_PAD - 1), (T_PAD * K_PAD,))
+    valid = tl.reshape(km, (T_PAD * K_PAD,))
+    pair = tl.reshape(pair2, (T_PAD * K_PAD,))
     counts = tl.histogram(flat, E_PAD)
-    counts = counts - tl.where(offs_e == E_PAD - 1, P_PAD - p_total, 0)  # the masked pairs' bin
+    counts = counts - tl.where(offs_e == E_PAD - 1, T_PAD * K_PAD - T * K, 0)  # the padding's bin
     padded = (counts + BM - 1) // BM * BM
     end = tl.cumsum(padded, 0)
     start = end - padded
-    tl.store(NumRows, tl.sum(padded, axis=0))
-    for c in range(0, tl.cdiv(p_total, CHUNK)):
-        offs_c = c * CHUNK + tl.arange(0, CHUNK)
-        cm = offs_c < p_total
-        ids_c = tl.load(Ids + offs_c, mask=cm, other=0)
-        same = (ids_c[:, None] == flat[None, :]) & (offs_p[None, :] < offs_c[:, None]) & pm[None, :]
-        rank = tl.sum(same.to(tl.int32), axis=1)
-        base = tl.sum(tl.where(offs_e[None, :] == ids_c[:, None], start[None, :], 0), axis=1)
-        tl.store(SortedIds + base + rank, offs_c, mask=cm)
-    # each block's expert: the first expert whose padded end lies past the block's first row
-    for c in range(0, tl.cdiv(NBLK, NB_CHUNK)):
-        offs_b = c * NB_CHUNK + tl.arange(0, NB_CHUNK)
-        below = (end[None, :] <= (offs_b * BM)[:, None]) & (offs_e[None, :] < E)
-        be = tl.minimum(tl.sum(below.to(tl.int32), axis=1), E - 1)
-        tl.store(BlockExpert + offs_b, be, mask=offs_b < NBLK)
+    my_start = tl.sum(tl.where(offs_e == e, start, 0), axis=0)
+    my_count = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
+    my_end = my_start + (my_count + BM - 1) // BM * BM
+    mine = valid & (flat == e)
+    slot = my_start + tl.cumsum(mine.to(tl.int32), 0) - 1
+    tl.store(SortedIds + slot, pair, mask=mine)
+    pad = my_start + my_count + tl.arange(0, BM)
+    tl.store(SortedIds + pad, tl.zeros((BM,), tl.int32) + T * K, mask=pad < my_end)
+    # this expert's blocks; the last expert also labels the unused blocks up to NBLK (their rows:
+    # the sentinel, as moe_align leaves them)
+    first = my_start // BM
+    last = tl.where(e == E - 1, NBLK, my_end // BM)
+    for c in range(0, tl.cdiv(last - first, NB_CHUNK)):
+        offs_b = first + c * NB_CHUNK + tl.arange(0, NB_CHUNK)
+        tl.store(BlockExpert + offs_b, tl.zeros((NB_CHUNK,), tl.int32) + e, mask=offs_b < last)
+        if e == E - 1:
+            rows = (offs_b * BM)[:, None] + tl.arange(0, BM)[None, :]
+            tl.store(SortedIds + rows, tl.zeros((NB_CHUNK, BM), tl.int32) + T * K,
+                     mask=(offs_b[:, None] < last) & (rows >= my_end))
+    if e == 0:
+        tl.store(NumRows, tl.sum(padded, axis=0))
 
 
-ROUTE_ALIGN_MAX_ELEMS = 16384  # T_PAD * E_PAD (and P_PAD * CHUNK-ish) of the one-program kernel
+ROUTE_ALIGN_MAX_ELEMS = 16384  # T_PAD * E_PAD: the router logits one program of route_align holds
 
 
 def route_align_fits(num_tokens: int, num_experts: int, top_k: int) -> bool:
-    """Whether route_align's one program covers this step (decode-sized steps)."""
+    """Whether route_align's programs each hold the whole step's routing (decode-sized steps)."""
     return (next_pow2(max(num_tokens, 1)) * next_pow2(num_experts) <= ROUTE_ALIGN_MAX_ELEMS
-            and next_pow2(max(num_tokens * top_k, 1)) <= 1024 and num_experts <= 1024)
+            and next_pow2(max(num_tokens, 1)) * next_pow2(top_k) <= 4096)
 
 
 def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
-    """route() then moe_align() in one launch: (weights float32 [T, k], ids int32 [T, k], sorted_ids,
-    block_expert, num_rows) as those two return them (weights to float rounding; the same experts but
-    where two logits tie exactly). Only where route_align_fits(T, E, k)."""
+    """route() then moe_align() in one launch of E programs: (weights float32 [T, k], ids int32 [T, k],
+    sorted_ids, block_expert, num_rows) as those two return them (weights to float rounding; the same
+    experts but where two logits tie exactly). Only where route_align_fits(T, E, k)."""
     t, e = router_logits.shape
     if not route_align_fits(t, e, top_k):
         raise ValueError(f"route_align: {t} tokens x {e} experts (top {top_k}) exceed one program; "
@@ -189,10 +193,11 @@ def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, bloc
     sorted_ids = torch.empty((nblk * block_m,), device=dev, dtype=torch.int32)
     block_expert = torch.empty((nblk,), device=dev, dtype=torch.int32)
     num_rows = torch.empty((1,), device=dev, dtype=torch.int32)
-    _route_align_kernel[(1,)](
+    t_pad, e_pad = next_pow2(max(t, 1)), next_pow2(e)
+    _route_align_kernel[(e,)](
         router_logits, weights, ids, sorted_ids, block_expert, num_rows, t, e, nblk, router_logits.stride(0),
-        K=top_k, K_PAD=next_pow2(top_k), RENORM=renormalize, BM=block_m, T_PAD=next_pow2(max(t, 1)),
-        E_PAD=next_pow2(e), P_PAD=next_pow2(max(p, 1)), CHUNK=32, NB_CHUNK=64, num_warps=8,
+        K=top_k, K_PAD=next_pow2(top_k), RENORM=renormalize, BM=block_m, T_PAD=t_pad, E_PAD=e_pad,
+        NB_CHUNK=32, num_warps=1 if t_pad * e_pad <= 1024 else (2 if t_pad * e_pad <= 4096 else 4),
     )
     return weights, ids, sorted_ids, block_expert, num_rows
 
@@ -205,9 +210,11 @@ def _moe_gemm_kernel(
     A, W, C, SortedIds, BlockExpert, NumRows, Scale,
     N, K, NUM_PAIRS, A_ROW_DIV, NUM_M_BLOCKS,
     stride_am, stride_we, stride_wn, stride_cm,
-    MUL_SCALE: tl.constexpr, PREC: tl.constexpr,
+    MUL_SCALE: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    # GATED: W holds [gate; up] rows ([E, 2N, K]); C[pair] = silu(A W_gate^T) * (A W_up^T), N columns,
+    # each product rounded to C's dtype first and the SiLU computed as kernels/activation.py does.
     # C[pair] = A[pair // A_ROW_DIV] @ W[expert of the block]^T (* Scale[pair]); W is [E, N, K].
     # 1-D grid over NUM_M_BLOCKS * cdiv(N, BLOCK_N), grouped GROUP_M m-blocks at a time.
     pid = tl.program_id(0)
@@ -235,13 +242,26 @@ def _moe_gemm_kernel(
     w_ptrs = W + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up_off = N * stride_wn
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
+        if GATED:
+            bu = tl.load(w_ptrs + up_off, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc_up = tl.dot(a, bu, acc_up, input_precision=PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if GATED:
+        g = acc.to(C.dtype.element_ty).to(tl.float32)
+        if LIBDEVICE:
+            ex = libdevice.exp(-g)
+        else:  # interpreter
+            ex = tl.exp(-g)
+        act = tl.math.div_rn(g, 1.0 + ex).to(C.dtype.element_ty).to(tl.float32)
+        acc = act * acc_up.to(C.dtype.element_ty).to(tl.float32)
 
     if MUL_SCALE:
         s = tl.load(Scale + tl.where(row_mask, pair, 0), mask=row_mask, other=0.0).to(tl.float32)
@@ -253,12 +273,19 @@ def _moe_gemm_kernel(
 _moe_gemm_kernel = fast_launch(_moe_gemm_kernel)  # host launches via the cached CompiledKernel
 
 
-def _config(num_pairs: int, n: int, k: int) -> dict:
-    """Tiles and launch options for one grouped GEMM, by the (host-known) number of pairs only, never
-    by the routing. BLOCK_M is also the alignment of moe_align. n, k: the GEMM's N and K (for tuning)."""
-    if num_pairs <= 64:  # decode-sized: few rows per expert, spread the weights over many programs
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+def _config(num_pairs: int, num_experts: int) -> dict:
+    """Tiles and launch options of the grouped GEMMs, by the (host-known) number of pairs and experts
+    only, never by the routing: rows per expert if the routing were uniform pick the row tile (H100
+    sweep, scripts/moe_probe.py, docs/BENCHMARKS.md). BLOCK_M is also moe_align's alignment; the gated
+    first GEMM takes half of BLOCK_N (two accumulators)."""
+    rows = num_pairs / max(1, min(num_experts, num_pairs))
+    if rows <= 8:  # decode: a few rows per expert; the weights spread over many programs
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3)
+    if rows <= 48:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    if rows <= 256:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -267,8 +294,9 @@ def _prec(dtype: torch.dtype) -> str:
 
 def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-    num_rows: torch.Tensor, scale: Optional[torch.Tensor], a_row_div: int, cfg: dict,
+    num_rows: torch.Tensor, scale: Optional[torch.Tensor], a_row_div: int, cfg: dict, gated: bool = False,
 ) -> None:
+    """gated: w is [E, 2N, K] ([gate; up]) and c [pairs, N] receives silu(gate) * up."""
     num_pairs, n = c.shape
     k = a.shape[1]
     num_m = block_expert.shape[0]
@@ -277,7 +305,7 @@ def _grouped_gemm(
         a, w, c, sorted_ids, block_expert, num_rows, scale if scale is not None else c,
         n, k, num_pairs, a_row_div, num_m,
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        MUL_SCALE=scale is not None, PREC=_prec(a.dtype), **cfg,
+        MUL_SCALE=scale is not None, PREC=_prec(a.dtype), GATED=gated, LIBDEVICE=a.is_cuda, **cfg,
     )
 
 
@@ -319,7 +347,7 @@ def _check(x, w13, w2, topk_weights, topk_ids, out) -> tuple[int, int, int, int,
         if not a.is_contiguous():
             raise ValueError(f"fused_moe: {name} must be contiguous (shape {tuple(a.shape)}, strides {a.stride()})")
     if out is not None:
-        if tuple(out.shape) != (t, h) or out.dtype != x.dtype or out.device != x.device:
+        if tuple(out.shape) != (t, h) or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
             raise ValueError(f"fused_moe: out must be [{t}, {h}] {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
     return t, h, e, inter, k
 
@@ -340,34 +368,43 @@ def fused_moe(
         return out
     if inter == 0:
         return out.zero_()
-    cfg1, cfg2 = _configs(num_pairs, h, inter, config)
+    cfg1, cfg2 = _configs(num_pairs, e, config)
     sorted_ids, block_expert, num_rows = moe_align(topk_ids, e, cfg1["BLOCK_M"])
     return _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out)
 
 
-def _configs(num_pairs: int, h: int, inter: int, config: Optional[dict]) -> tuple[dict, dict]:
-    cfg1 = config or _config(num_pairs, 2 * inter, h)
-    cfg2 = config or _config(num_pairs, h, inter)
-    assert cfg1["BLOCK_M"] == cfg2["BLOCK_M"], "both GEMMs share one alignment"
-    return cfg1, cfg2
+def _configs(num_pairs: int, num_experts: int, config: Optional[dict]) -> tuple[dict, dict]:
+    """(gated first GEMM's config, second GEMM's config) from one config (``_config``'s or given)."""
+    cfg = config or _config(num_pairs, num_experts)
+    return dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2)), cfg
 
 
 def _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out) -> torch.Tensor:
     """The two grouped GEMMs, the SiLU between them and the sum over each token's k experts."""
     t, h = x.shape
     num_pairs, inter = t * k, w2.shape[2]
-    c1 = torch.empty((num_pairs, 2 * inter), device=x.device, dtype=x.dtype)
-    _grouped_gemm(x, w13, c1, sorted_ids, block_expert, num_rows, None, k, cfg1)
-    act = silu_and_mul(c1)
-    if not act.is_contiguous():
-        act = act.contiguous()
+    act = torch.empty((num_pairs, inter), device=x.device, dtype=x.dtype)  # silu(x gate^T) * (x up^T)
+    _grouped_gemm(x, w13, act, sorted_ids, block_expert, num_rows, None, k, cfg1, gated=True)
     c2 = torch.empty((num_pairs, h), device=x.device, dtype=x.dtype)
     _grouped_gemm(act, w2, c2, sorted_ids, block_expert, num_rows, topk_weights, 1, cfg2)
-    if k == 1:
-        out.copy_(c2)
-    else:
-        out.copy_(c2.view(t, k, h).sum(1, dtype=torch.float32))
+    block = min(1024, next_pow2(h))
+    _ksum_kernel[(t, cdiv(h, block))](c2, out, h, out.stride(0), K=k, BLOCK=block, num_warps=4 if block >= 512 else 1)
     return out
+
+
+@triton.jit
+def _ksum_kernel(C, Out, H, stride_ot, K: tl.constexpr, BLOCK: tl.constexpr):
+    # Out[t] = sum_j C[t * K + j] in float32 (pair order), rounded once to Out's dtype
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < H
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(C + (t * K + j) * H + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(Out + t * stride_ot + cols, acc.to(Out.dtype.element_ty), mask=m)
+
+
+_ksum_kernel = fast_launch(_ksum_kernel)
 
 
 def routed_moe(
@@ -384,7 +421,7 @@ def routed_moe(
         raise ValueError(f"routed_moe: top_k ({top_k}) must be in [1, num_experts={e}]")
     if router_logits.shape[0] != x.shape[0]:
         raise ValueError(f"routed_moe: router_logits {tuple(router_logits.shape)} do not match x {tuple(x.shape)}")
-    cfg1, cfg2 = _configs(t * top_k, x.shape[1], w2.shape[2] if w2.dim() == 3 else 0, config)
+    cfg1, cfg2 = _configs(t * top_k, e, config)
     if route_align_fits(t, e, top_k) and t > 0:
         weights, ids, sorted_ids, block_expert, num_rows = route_align(router_logits, top_k, renormalize,
                                                                       cfg1["BLOCK_M"])
