@@ -110,13 +110,36 @@ def hf_experts(h: int, inter: int, e: int, k: int, w13: torch.Tensor, w2: torch.
         return None
 
 
+def align_probe(tokens) -> None:
+    """µs (CUDA graph) of routing + grouping: route_align fused (one launch), two launches (histogram /
+    comparison counts), and route() + moe_align() in torch ops."""
+    dev = torch.device("cuda")
+    print("| E, k | T | fused | two (hist) | two (compare) | torch |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for e, k in ((128, 8), (60, 4), (8, 2)):
+        for t in tokens:
+            if not fm.route_align_fits(t, e, k):
+                continue
+            logits = torch.randn(t, e, device=dev)
+            res = []
+            for variant in ("fused", "hist", "compare"):
+                fm.ALIGN_HIST = variant != "compare"
+                res.append(graph_time_us(lambda: fm.route_align(logits, k, True, 16, fused=variant == "fused")))
+            fm.ALIGN_HIST = True
+            res.append(graph_time_us(lambda: fm.moe_align(route(logits, k, True)[1], e, 16)))
+            print(f"| {e}, {k} | {t} | " + " | ".join(f"{r:.1f}" for r in res) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", action="store_true", help="sweep CANDIDATES (else the default config only)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 4096])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--align", action="store_true", help="time the routing + grouping variants only")
     a = ap.parse_args()
+    if a.align:
+        return align_probe(a.tokens)
     dev = torch.device("cuda")
     copy = measure_copy_bandwidth(dev)
     rows, log = [], []
@@ -140,7 +163,9 @@ def main() -> None:
             xb = torch.randn(t * k, inter, device=dev, dtype=torch.bfloat16)
             wb = torch.randn(h, inter, device=dev, dtype=torch.bfloat16)
             dense_us = graph_time_us(lambda: (xa @ wa.t(), xb @ wb.t()))
-            cands = CANDIDATES if a.configs else [None]
+            rows_per_expert = t * k / min(e, t * k)
+            bms = (16,) if rows_per_expert <= 8 else ((16, 32, 64) if rows_per_expert <= 48 else (64, 128))
+            cands = [c for c in CANDIDATES if c["BLOCK_M"] in bms] if a.configs else [None]
             best = None
             for cfg in cands:
                 try:
@@ -157,6 +182,7 @@ def main() -> None:
                 if best is None or us < best["us"]:
                     best = r
             if best is not None:
+                print(f"{name} T={t}: best {best['config']} {best['us']:.1f} µs", flush=True)
                 bc = best["config"]
                 best["ours_eager_us"] = eager_time_us(lambda: fm.routed_moe(x, logits, w13, w2, k, True, config=bc))
                 best["ours_prerouted_us"] = graph_time_us(lambda: fm.fused_moe(x, w13, w2, wts, ids, config=bc))

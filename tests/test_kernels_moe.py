@@ -236,15 +236,18 @@ def test_bad_inputs():
 @pytest.mark.parametrize("t,e,k,renorm", [(1, 8, 2, True), (5, 6, 3, False), (17, 16, 4, True), (33, 4, 1, True),
                                           (40, 8, 8, False), (3, 128, 8, True)])
 @pytest.mark.parametrize("bm", [16, 64])
-def test_route_align_equals_route_then_moe_align(t, e, k, renorm, bm):
-    """One launch gives route()'s experts and weights and moe_align()'s grouping (the same stable
-    order), for full and partial expert counts (E a power of two or not, k = E)."""
-    from pageflash.kernels.fused_moe import route_align
+@pytest.mark.parametrize("variant", ["fused", "two", "two-compare"])
+def test_route_align_equals_route_then_moe_align(t, e, k, renorm, bm, variant, monkeypatch):
+    """One launch (or two: routing, then grouping, by histogram or by comparison) gives route()'s
+    experts and weights and moe_align()'s grouping (the same stable order), for full and partial
+    expert counts (E a power of two or not, k = E)."""
+    import pageflash.kernels.fused_moe as fm
     from pageflash.layers.moe import route
 
+    monkeypatch.setattr(fm, "ALIGN_HIST", variant != "two-compare")
     g = torch.Generator().manual_seed(t * 100 + e)
     logits = torch.randn(t, e, generator=g) * 3
-    w, ids, sorted_ids, block_expert, num_rows = route_align(logits, k, renorm, bm)
+    w, ids, sorted_ids, block_expert, num_rows = fm.route_align(logits, k, renorm, bm, fused=variant == "fused")
     want_w, want_ids = route(logits, k, renorm)
     assert torch.equal(ids.long(), want_ids)
     torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)

@@ -166,6 +166,69 @@ def _route_align_kernel(
         tl.store(NumRows, tl.sum(padded, axis=0))
 
 
+@triton.jit
+def _route_kernel(Logits, Weights, Ids, E, stride_lt, K: tl.constexpr, K_PAD: tl.constexpr,
+                  RENORM: tl.constexpr, E_PAD: tl.constexpr):
+    # grid (T,): route() for one token (softmax in float32, the top K by repeated argmax)
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, E_PAD)
+    offs_k = tl.arange(0, K_PAD)
+    lg = tl.load(Logits + t * stride_lt + offs_e, mask=offs_e < E, other=float("-inf")).to(tl.float32)
+    mx = tl.max(lg, axis=0)
+    den = tl.sum(tl.exp(lg - mx), axis=0)
+    w = tl.zeros((K_PAD,), tl.float32)
+    ids = tl.zeros((K_PAD,), tl.int32)
+    rest = lg
+    for j in tl.static_range(K):
+        top = tl.argmax(rest, axis=0)
+        val = tl.max(rest, axis=0)
+        w = tl.where(offs_k == j, tl.exp(val - mx) / den, w)
+        ids = tl.where(offs_k == j, top.to(tl.int32), ids)
+        rest = tl.where(offs_e == top, float("-inf"), rest)
+    if RENORM:
+        w = w / tl.sum(tl.where(offs_k < K, w, 0.0), axis=0)
+    tl.store(Weights + t * K + offs_k, w, mask=offs_k < K)
+    tl.store(Ids + t * K + offs_k, ids, mask=offs_k < K)
+
+
+@triton.jit
+def _align_kernel(Ids, SortedIds, BlockExpert, NumRows, P, E, NBLK,
+                  BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_CHUNK: tl.constexpr,
+                  HIST: tl.constexpr):
+    # grid (E,): moe_align for expert e over the routed pairs (as _route_align_kernel's second half)
+    e = tl.program_id(0)
+    offs_p = tl.arange(0, P_PAD)
+    offs_e = tl.arange(0, E_PAD)
+    valid = offs_p < P
+    flat = tl.load(Ids + offs_p, mask=valid, other=E_PAD - 1)
+    if HIST:
+        counts = tl.histogram(flat, E_PAD) - tl.where(offs_e == E_PAD - 1, P_PAD - P, 0)
+    else:
+        counts = tl.sum(((flat[None, :] == offs_e[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+    padded = (counts + BM - 1) // BM * BM
+    end = tl.cumsum(padded, 0)
+    start = end - padded
+    my_start = tl.sum(tl.where(offs_e == e, start, 0), axis=0)
+    my_count = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
+    my_end = my_start + (my_count + BM - 1) // BM * BM
+    mine = valid & (flat == e)
+    slot = my_start + tl.cumsum(mine.to(tl.int32), 0) - 1
+    tl.store(SortedIds + slot, offs_p, mask=mine)
+    pad = my_start + my_count + tl.arange(0, BM)
+    tl.store(SortedIds + pad, tl.zeros((BM,), tl.int32) + P, mask=pad < my_end)
+    first = my_start // BM
+    last = tl.where(e == E - 1, NBLK, my_end // BM)
+    for c in range(0, tl.cdiv(last - first, NB_CHUNK)):
+        offs_b = first + c * NB_CHUNK + tl.arange(0, NB_CHUNK)
+        tl.store(BlockExpert + offs_b, tl.zeros((NB_CHUNK,), tl.int32) + e, mask=offs_b < last)
+        if e == E - 1:
+            rows = (offs_b * BM)[:, None] + tl.arange(0, BM)[None, :]
+            tl.store(SortedIds + rows, tl.zeros((NB_CHUNK, BM), tl.int32) + P,
+                     mask=(offs_b[:, None] < last) & (rows >= my_end))
+    if e == 0:
+        tl.store(NumRows, tl.sum(padded, axis=0))
+
+
 ROUTE_ALIGN_MAX_ELEMS = 16384  # T_PAD * E_PAD: the router logits one program of route_align holds
 
 
@@ -175,10 +238,16 @@ def route_align_fits(num_tokens: int, num_experts: int, top_k: int) -> bool:
             and next_pow2(max(num_tokens, 1)) * next_pow2(top_k) <= 4096)
 
 
-def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
-    """route() then moe_align() in one launch of E programs: (weights float32 [T, k], ids int32 [T, k],
-    sorted_ids, block_expert, num_rows) as those two return them (weights to float rounding; the same
-    experts but where two logits tie exactly). Only where route_align_fits(T, E, k)."""
+ROUTE_ALIGN_FUSED_MAX = 1024  # T_PAD * E_PAD up to which routing and grouping share one launch
+ALIGN_HIST = True  # counts per expert by tl.histogram (else a [E, P] comparison)
+
+
+def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
+                fused: Optional[bool] = None):
+    """route() then moe_align(), in one launch of E programs (fused: each program routes every token;
+    small steps) or two (one program per token routes it, then one per expert groups): (weights float32
+    [T, k], ids int32 [T, k], sorted_ids, block_expert, num_rows) as those two return them (weights to
+    float rounding; the same experts but where two logits tie exactly). Only where route_align_fits."""
     t, e = router_logits.shape
     if not route_align_fits(t, e, top_k):
         raise ValueError(f"route_align: {t} tokens x {e} experts (top {top_k}) exceed one program; "
@@ -194,11 +263,20 @@ def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, bloc
     block_expert = torch.empty((nblk,), device=dev, dtype=torch.int32)
     num_rows = torch.empty((1,), device=dev, dtype=torch.int32)
     t_pad, e_pad = next_pow2(max(t, 1)), next_pow2(e)
-    _route_align_kernel[(e,)](
-        router_logits, weights, ids, sorted_ids, block_expert, num_rows, t, e, nblk, router_logits.stride(0),
-        K=top_k, K_PAD=next_pow2(top_k), RENORM=renormalize, BM=block_m, T_PAD=t_pad, E_PAD=e_pad,
-        NB_CHUNK=32, num_warps=1 if t_pad * e_pad <= 1024 else (2 if t_pad * e_pad <= 4096 else 4),
-    )
+    if fused is None:
+        fused = t_pad * e_pad <= ROUTE_ALIGN_FUSED_MAX
+    if fused:
+        _route_align_kernel[(e,)](
+            router_logits, weights, ids, sorted_ids, block_expert, num_rows, t, e, nblk, router_logits.stride(0),
+            K=top_k, K_PAD=next_pow2(top_k), RENORM=renormalize, BM=block_m, T_PAD=t_pad, E_PAD=e_pad,
+            NB_CHUNK=32, num_warps=1 if t_pad * e_pad <= 1024 else (2 if t_pad * e_pad <= 4096 else 4),
+        )
+    else:
+        _route_kernel[(t,)](router_logits, weights, ids, e, router_logits.stride(0), K=top_k,
+                            K_PAD=next_pow2(top_k), RENORM=renormalize, E_PAD=e_pad, num_warps=1)
+        p_pad = next_pow2(p)
+        _align_kernel[(e,)](ids, sorted_ids, block_expert, num_rows, p, e, nblk, BM=block_m, P_PAD=p_pad,
+                            E_PAD=e_pad, NB_CHUNK=32, HIST=ALIGN_HIST, num_warps=1 if p_pad <= 256 else 4)
     return weights, ids, sorted_ids, block_expert, num_rows
 
 
