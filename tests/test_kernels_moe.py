@@ -233,10 +233,15 @@ def test_bad_inputs():
 # ---------------------------------------------------------------------------------------- route_align
 
 
-@pytest.mark.parametrize("t,e,k,renorm", [(1, 8, 2, True), (5, 6, 3, False), (17, 16, 4, True), (33, 4, 1, True),
-                                          (40, 8, 8, False), (3, 128, 8, True)])
+ROUTINGS = [(1, 8, 2, True), (5, 6, 3, False), (17, 16, 4, True), (33, 4, 1, True), (40, 8, 8, False),
+            (3, 128, 8, True)]
+# 300 x 4 pairs: the grouping reads them in two chunks (two launches only: one program routes <= 16384 logits)
+ALIGN_CASES = [r + (v,) for r in ROUTINGS for v in ("fused", "two", "two-compare")] + [
+    (300, 5, 4, True, "two"), (300, 5, 4, True, "two-compare")]
+
+
+@pytest.mark.parametrize("t,e,k,renorm,variant", ALIGN_CASES)
 @pytest.mark.parametrize("bm", [16, 64])
-@pytest.mark.parametrize("variant", ["fused", "two", "two-compare"])
 def test_route_align_equals_route_then_moe_align(t, e, k, renorm, bm, variant, monkeypatch):
     """One launch (or two: routing, then grouping, by histogram or by comparison) gives route()'s
     experts and weights and moe_align()'s grouping (the same stable order), for full and partial
@@ -288,15 +293,15 @@ def test_routed_moe_equals_route_and_reference(t, e, k, renorm, dtype):
     assert rel_err(out, fused_moe_ref(x, w13, w2, w, ids)) < TOL[dtype]
 
 
-def test_routed_moe_beyond_one_program(monkeypatch):
-    """Steps too large for route_align's program take route() + moe_align() (same result)."""
+def test_routed_moe_beyond_route_align(monkeypatch):
+    """Routings route_align does not cover take route() + moe_align() (same result); a top_k outside
+    [1, E] is refused."""
     import pageflash.kernels.fused_moe as fm
     from pageflash.layers.moe import route
 
     x, w13, w2, _, _ = make_inputs(20, 48, 40, 8, 2, torch.float32, seed=3)
     logits = torch.randn(20, 8, generator=torch.Generator().manual_seed(6))
-    monkeypatch.setattr(fm, "ROUTE_ALIGN_MAX_ELEMS", 64)
-    assert not fm.route_align_fits(20, 8, 2)
+    monkeypatch.setattr(fm, "route_align_fits", lambda t, e, k: False)
     out = fm.routed_moe(x, logits, w13, w2, 2, True)
     w, ids = route(logits, 2, True)
     assert rel_err(out, fused_moe_ref(x, w13, w2, w, ids)) < TOL[torch.float32]

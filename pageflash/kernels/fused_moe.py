@@ -193,27 +193,38 @@ def _route_kernel(Logits, Weights, Ids, E, stride_lt, K: tl.constexpr, K_PAD: tl
 
 @triton.jit
 def _align_kernel(Ids, SortedIds, BlockExpert, NumRows, P, E, NBLK,
-                  BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_CHUNK: tl.constexpr,
+                  BM: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr, NB_CHUNK: tl.constexpr,
                   HIST: tl.constexpr):
-    # grid (E,): moe_align for expert e over the routed pairs (as _route_align_kernel's second half)
+    # grid (E,): moe_align for expert e over the routed pairs, CHUNK pairs at a time (the second half
+    # of _route_align_kernel, for any number of pairs)
     e = tl.program_id(0)
-    offs_p = tl.arange(0, P_PAD)
+    offs_c = tl.arange(0, CHUNK)
     offs_e = tl.arange(0, E_PAD)
-    valid = offs_p < P
-    flat = tl.load(Ids + offs_p, mask=valid, other=E_PAD - 1)
+    n_chunks = tl.cdiv(P, CHUNK)
+    counts = tl.zeros((E_PAD,), tl.int32)
+    for c in range(0, n_chunks):
+        offs_p = c * CHUNK + offs_c
+        valid = offs_p < P
+        flat = tl.load(Ids + offs_p, mask=valid, other=E_PAD - 1)
+        if HIST:
+            counts += tl.histogram(flat, E_PAD)
+        else:
+            counts += tl.sum(((flat[None, :] == offs_e[:, None]) & valid[None, :]).to(tl.int32), axis=1)
     if HIST:
-        counts = tl.histogram(flat, E_PAD) - tl.where(offs_e == E_PAD - 1, P_PAD - P, 0)
-    else:
-        counts = tl.sum(((flat[None, :] == offs_e[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        counts -= tl.where(offs_e == E_PAD - 1, n_chunks * CHUNK - P, 0)  # the padding's bin
     padded = (counts + BM - 1) // BM * BM
     end = tl.cumsum(padded, 0)
     start = end - padded
     my_start = tl.sum(tl.where(offs_e == e, start, 0), axis=0)
     my_count = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
     my_end = my_start + (my_count + BM - 1) // BM * BM
-    mine = valid & (flat == e)
-    slot = my_start + tl.cumsum(mine.to(tl.int32), 0) - 1
-    tl.store(SortedIds + slot, offs_p, mask=mine)
+    base = my_start
+    for c in range(0, n_chunks):
+        offs_p = c * CHUNK + offs_c
+        mine = (offs_p < P) & (tl.load(Ids + offs_p, mask=offs_p < P, other=-1) == e)
+        inc = tl.cumsum(mine.to(tl.int32), 0)
+        tl.store(SortedIds + base + inc - 1, offs_p, mask=mine)
+        base += tl.sum(mine.to(tl.int32), axis=0)
     pad = my_start + my_count + tl.arange(0, BM)
     tl.store(SortedIds + pad, tl.zeros((BM,), tl.int32) + P, mask=pad < my_end)
     first = my_start // BM
@@ -229,29 +240,27 @@ def _align_kernel(Ids, SortedIds, BlockExpert, NumRows, P, E, NBLK,
         tl.store(NumRows, tl.sum(padded, axis=0))
 
 
-ROUTE_ALIGN_MAX_ELEMS = 16384  # T_PAD * E_PAD: the router logits one program of route_align holds
-
-
 def route_align_fits(num_tokens: int, num_experts: int, top_k: int) -> bool:
-    """Whether route_align's programs each hold the whole step's routing (decode-sized steps)."""
-    return (next_pow2(max(num_tokens, 1)) * next_pow2(num_experts) <= ROUTE_ALIGN_MAX_ELEMS
-            and next_pow2(max(num_tokens, 1)) * next_pow2(top_k) <= 4096)
+    """Whether route_align covers this routing (any step; up to 4096 experts, top-k <= 64)."""
+    return num_experts <= 4096 and top_k <= 64
 
 
-ROUTE_ALIGN_FUSED_MAX = 1024  # T_PAD * E_PAD up to which routing and grouping share one launch
+# T_PAD * E_PAD up to which routing and grouping share one launch (H100, scripts/moe_probe.py --align:
+# one launch 2.8 µs against two 3.6 at T 1 / E 128; 8.2 against 4.1 at T 4)
+ROUTE_ALIGN_FUSED_MAX = 256
 ALIGN_HIST = True  # counts per expert by tl.histogram (else a [E, P] comparison)
 
 
 def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
                 fused: Optional[bool] = None):
     """route() then moe_align(), in one launch of E programs (fused: each program routes every token;
-    small steps) or two (one program per token routes it, then one per expert groups): (weights float32
+    tiny steps) or two (one program per token routes it, then one per expert groups, reading the
+    pairs in chunks): (weights float32
     [T, k], ids int32 [T, k], sorted_ids, block_expert, num_rows) as those two return them (weights to
     float rounding; the same experts but where two logits tie exactly). Only where route_align_fits."""
     t, e = router_logits.shape
     if not route_align_fits(t, e, top_k):
-        raise ValueError(f"route_align: {t} tokens x {e} experts (top {top_k}) exceed one program; "
-                         "use route() and moe_align()")
+        raise ValueError(f"route_align: {e} experts (top {top_k}) exceed its programs; use route() and moe_align()")
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
     dev = router_logits.device
@@ -265,6 +274,8 @@ def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, bloc
     t_pad, e_pad = next_pow2(max(t, 1)), next_pow2(e)
     if fused is None:
         fused = t_pad * e_pad <= ROUTE_ALIGN_FUSED_MAX
+    if fused and t_pad * e_pad > 16384:
+        raise ValueError(f"route_align: fused routing of {t} tokens x {e} experts exceeds one program")
     if fused:
         _route_align_kernel[(e,)](
             router_logits, weights, ids, sorted_ids, block_expert, num_rows, t, e, nblk, router_logits.stride(0),
@@ -274,9 +285,9 @@ def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, bloc
     else:
         _route_kernel[(t,)](router_logits, weights, ids, e, router_logits.stride(0), K=top_k,
                             K_PAD=next_pow2(top_k), RENORM=renormalize, E_PAD=e_pad, num_warps=1)
-        p_pad = next_pow2(p)
-        _align_kernel[(e,)](ids, sorted_ids, block_expert, num_rows, p, e, nblk, BM=block_m, P_PAD=p_pad,
-                            E_PAD=e_pad, NB_CHUNK=32, HIST=ALIGN_HIST, num_warps=1 if p_pad <= 256 else 4)
+        chunk = min(next_pow2(p), 1024)
+        _align_kernel[(e,)](ids, sorted_ids, block_expert, num_rows, p, e, nblk, BM=block_m, CHUNK=chunk,
+                            E_PAD=e_pad, NB_CHUNK=32, HIST=ALIGN_HIST, num_warps=1 if chunk <= 256 else 4)
     return weights, ids, sorted_ids, block_expert, num_rows
 
 
@@ -490,8 +501,8 @@ def routed_moe(
     renormalize: bool, out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
 ) -> torch.Tensor:
     """The whole MoE block after the router's GEMM: route() + fused_moe(), with the routing and the
-    grouping in one launch (route_align) where one program covers the step (decode), else route()
-    and moe_align() in torch ops. router_logits: [T, E]. Capturable in a CUDA graph."""
+    grouping in Triton (route_align: one or two launches; moe_align's torch ops took 60-96 µs on an
+    H100), else route() and moe_align(). router_logits: [T, E]. Capturable in a CUDA graph."""
     from pageflash.layers.moe import route
 
     t, e = router_logits.shape
