@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--json", default=None)
     ap.add_argument("--align", action="store_true", help="time the routing + grouping variants only")
+    ap.add_argument("--int8", action="store_true", help="INT8 experts (codes + a scale per row)")
     a = ap.parse_args()
     if a.align:
         return align_probe(a.tokens)
@@ -149,11 +150,21 @@ def main() -> None:
         w13 = (torch.randn(e, 2 * inter, h, device=dev, generator=g) * 0.02).to(torch.bfloat16)
         w2 = (torch.randn(e, h, inter, device=dev, generator=g) * 0.02).to(torch.bfloat16)
         expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+        sc = {}
+        if a.int8:
+            from pageflash.kernels.w8_linear import quantize_int8
+
+            q13, s13 = quantize_int8(w13.reshape(-1, h))
+            q2, s2 = quantize_int8(w2.reshape(-1, inter))
+            w13, w2 = q13.view(e, 2 * inter, h), q2.view(e, h, inter)
+            sc = dict(w13_scale=s13.view(e, 2 * inter), w2_scale=s2.view(e, h))
+            expert_bytes = w13[0].numel() + w2[0].numel() + 4 * (2 * inter + h)
         for t in a.tokens:
             x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
             logits = torch.randn(t, e, device=dev, generator=g)
             wts, ids = route(logits, k, True)
-            ref = experts_ref(x.float(), w13.float(), w2.float(), wts, ids)
+            ref = experts_ref(x.float(), w13.float(), w2.float(), wts, ids,
+                              *(v.float() for v in sc.values()))
             hit = int(torch.unique(ids).numel())
             nbytes = hit * expert_bytes + x.nbytes * 2
             flops = 2.0 * t * k * 3 * h * inter
@@ -169,9 +180,9 @@ def main() -> None:
             best = None
             for cfg in cands:
                 try:
-                    out = fm.routed_moe(x, logits, w13, w2, k, True, config=cfg)
+                    out = fm.routed_moe(x, logits, w13, w2, k, True, config=cfg, **sc)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
-                    us = graph_time_us(lambda: fm.routed_moe(x, logits, w13, w2, k, True, config=cfg))
+                    us = graph_time_us(lambda: fm.routed_moe(x, logits, w13, w2, k, True, config=cfg, **sc))
                 except Exception as ex:  # e.g. out of shared memory
                     log.append(dict(shape=name, T=t, config=cfg, error=repr(ex)[:200]))
                     continue
@@ -184,9 +195,9 @@ def main() -> None:
             if best is not None:
                 print(f"{name} T={t}: best {best['config']} {best['us']:.1f} µs", flush=True)
                 bc = best["config"]
-                best["ours_eager_us"] = eager_time_us(lambda: fm.routed_moe(x, logits, w13, w2, k, True, config=bc))
-                best["ours_prerouted_us"] = graph_time_us(lambda: fm.fused_moe(x, w13, w2, wts, ids, config=bc))
-                for impl in ("grouped_mm", "eager"):
+                best["ours_eager_us"] = eager_time_us(lambda: fm.routed_moe(x, logits, w13, w2, k, True, config=bc, **sc))
+                best["ours_prerouted_us"] = graph_time_us(lambda: fm.fused_moe(x, w13, w2, wts, ids, config=bc, **sc))
+                for impl in (() if a.int8 else ("grouped_mm", "eager")):
                     if impl == "eager" and t > 256:
                         continue
                     m = hf_experts(h, inter, e, k, w13, w2, impl)

@@ -157,15 +157,51 @@ def test_missing_expert_is_reported(tmp_path):
         LLM(folder, max_model_len=64, num_kv_blocks=16)
 
 
-def test_int8_keeps_routers_and_experts(tmp_path):
-    folder = make_random_hf_folder(tmp_path, CONFIGS["qwen2-moe"])
+def _fake_quantized_hf(folder):
+    """HF's model with every decoder projection and every expert matrix replaced by dequantize(quantize(w))
+    per row, the routers and Qwen2-MoE's shared-expert gate left exact: what the engine's int8 layers
+    compute, run by HF's code."""
+    from transformers import AutoModelForCausalLM
+
+    from pageflash.kernels.w8_linear import dequantize_int8, quantize_int8
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.model.layers.named_parameters():
+            if p.dim() < 2 or name.endswith("mlp.gate.weight") or "shared_expert_gate" in name:
+                continue
+            q, sc = quantize_int8(p.reshape(-1, p.shape[-1]))
+            p.copy_(dequantize_int8(q, sc, torch.float32).view(p.shape))
+    return hf
+
+
+@pytest.mark.parametrize("name", ["qwen2-moe", "mixtral"])
+def test_int8_experts_match_hf_on_fake_quantized_weights(tmp_path, name):
+    """quantization="int8" turns the experts into int8 codes with a scale per row (the routers and the
+    shared-expert gate stay exact); greedy equals HF over the dequantized codes, and differs from the
+    float model's (the quantization is applied)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS[name], std=0.3)
     llm = LLM(folder, max_model_len=64, num_kv_blocks=64, quantization="int8")
     model = llm.llm_engine.runner.model
     moe = model.layers[0].mlp
-    assert isinstance(moe, SparseMoE) and isinstance(moe.shared_expert, LlamaMLP)
-    assert moe.gate.weight_scale is None and moe.shared_expert_gate.weight_scale is None
-    assert moe.w13.dtype == torch.float32
-    assert moe.shared_expert.gate_up_proj.weight_scale is not None  # a dense MLP: quantized
-    assert model.layers[0].self_attn.qkv_proj.weight_scale is not None
-    out = llm.generate([{"prompt_token_ids": [3, 4, 5, 6]}], GREEDY, use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 10
+    assert isinstance(moe, SparseMoE)
+    assert moe.w13.dtype == torch.int8 and moe.w13_scale.shape == moe.w13.shape[:2]
+    assert moe.w2.dtype == torch.int8 and moe.w2_scale.dtype == torch.float32
+    assert moe.gate.weight_scale is None and moe.gate.weight.dtype == torch.float32
+    if name == "qwen2-moe":
+        assert isinstance(moe.shared_expert, LlamaMLP) and moe.shared_expert.gate_up_proj.weight_scale is not None
+        assert moe.shared_expert_gate.weight_scale is None
+    with pytest.raises(ValueError, match="already quantized"):
+        moe.quantize_("int8")
+    with pytest.raises(ValueError, match="loaded before"):
+        moe.weight_loader(moe.w2, torch.zeros(moe.w2.shape), None)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 7, 16, 33)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    hf_q = _fake_quantized_hf(folder)
+    assert got == [hf_greedy(hf_q, p, 10) for p in prompts]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert got != [hf_greedy(hf, p, 10) for p in prompts]

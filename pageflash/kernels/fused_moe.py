@@ -296,15 +296,18 @@ def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, bloc
 
 @triton.jit
 def _moe_gemm_kernel(
-    A, W, C, SortedIds, BlockExpert, NumRows, Scale,
+    A, W, C, SortedIds, BlockExpert, NumRows, Scale, WScale,
     N, K, NUM_PAIRS, A_ROW_DIV, NUM_M_BLOCKS,
-    stride_am, stride_we, stride_wn, stride_cm,
+    stride_am, stride_we, stride_wn, stride_cm, stride_se,
     MUL_SCALE: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
+    W_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # GATED: W holds [gate; up] rows ([E, 2N, K]); C[pair] = silu(A W_gate^T) * (A W_up^T), N columns,
     # each product rounded to C's dtype first and the SiLU computed as kernels/activation.py does.
     # C[pair] = A[pair // A_ROW_DIV] @ W[expert of the block]^T (* Scale[pair]); W is [E, N, K].
+    # W_SCALED: W holds INT8 codes, widened to A's dtype in registers; the products are multiplied by
+    # WScale[expert, row] (float32, one per weight row) before anything else.
     # 1-D grid over NUM_M_BLOCKS * cdiv(N, BLOCK_N), grouped GROUP_M m-blocks at a time.
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -336,13 +339,22 @@ def _moe_gemm_kernel(
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0)
+        if W_SCALED:
+            b = b.to(A.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=PREC)
         if GATED:
-            bu = tl.load(w_ptrs + up_off, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            bu = tl.load(w_ptrs + up_off, mask=k_mask[:, None] & n_mask[None, :], other=0)
+            if W_SCALED:
+                bu = bu.to(A.dtype.element_ty)
             acc_up = tl.dot(a, bu, acc_up, input_precision=PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if W_SCALED:
+        s_ptrs = WScale + expert * stride_se + offs_n
+        acc = acc * tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(s_ptrs + N, mask=n_mask, other=0.0)[None, :]
     if GATED:
         g = acc.to(C.dtype.element_ty).to(tl.float32)
         if LIBDEVICE:
@@ -384,24 +396,28 @@ def _prec(dtype: torch.dtype) -> str:
 def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
     num_rows: torch.Tensor, scale: Optional[torch.Tensor], a_row_div: int, cfg: dict, gated: bool = False,
+    w_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    """gated: w is [E, 2N, K] ([gate; up]) and c [pairs, N] receives silu(gate) * up."""
+    """gated: w is [E, 2N, K] ([gate; up]) and c [pairs, N] receives silu(gate) * up. w_scale: float32
+    [E, rows of w] when w holds INT8 codes."""
     num_pairs, n = c.shape
     k = a.shape[1]
     num_m = block_expert.shape[0]
     grid = (num_m * cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
         a, w, c, sorted_ids, block_expert, num_rows, scale if scale is not None else c,
+        w_scale if w_scale is not None else c,
         n, k, num_pairs, a_row_div, num_m,
-        a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        MUL_SCALE=scale is not None, PREC=_prec(a.dtype), GATED=gated, LIBDEVICE=a.is_cuda, **cfg,
+        a.stride(0), w.stride(0), w.stride(1), c.stride(0), w_scale.stride(0) if w_scale is not None else 0,
+        MUL_SCALE=scale is not None, PREC=_prec(a.dtype), GATED=gated, LIBDEVICE=a.is_cuda,
+        W_SCALED=w_scale is not None, **cfg,
     )
 
 
 # ------------------------------------------------------------------------------------------ public
 
 
-def _check(x, w13, w2, topk_weights, topk_ids, out) -> tuple[int, int, int, int, int]:
+def _check(x, w13, w2, topk_weights, topk_ids, out, w13_scale=None, w2_scale=None) -> tuple[int, int, int, int, int]:
     """Returns (T, H, E, I, k) after validating shapes, dtypes, devices and contiguity."""
     if x.dim() != 2:
         raise ValueError(f"fused_moe: x must be [T, H], got {tuple(x.shape)}")
@@ -427,7 +443,16 @@ def _check(x, w13, w2, topk_weights, topk_ids, out) -> tuple[int, int, int, int,
         raise ValueError(f"fused_moe: topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if topk_weights.dtype != torch.float32:
         raise ValueError(f"fused_moe: topk_weights must be float32, got {topk_weights.dtype}")
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("fused_moe: INT8 experts need both w13_scale and w2_scale")
+    if w13_scale is not None:
+        if w13.dtype != torch.int8 or w2.dtype != torch.int8:
+            raise ValueError(f"fused_moe: with scales, w13 and w2 hold int8 codes, got {w13.dtype} and {w2.dtype}")
+        for name, sc, rows in (("w13_scale", w13_scale, two_i), ("w2_scale", w2_scale, h)):
+            if tuple(sc.shape) != (e, rows) or sc.dtype != torch.float32 or not sc.is_contiguous():
+                raise ValueError(f"fused_moe: {name} must be contiguous float32 [{e}, {rows}], got "
+                                 f"{tuple(sc.shape)} {sc.dtype}")
+    elif w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"fused_moe: w13 ({w13.dtype}) and w2 ({w2.dtype}) must have x's dtype ({x.dtype})")
     for name, a in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if a.device != x.device:
@@ -444,12 +469,15 @@ def _check(x, w13, w2, topk_weights, topk_ids, out) -> tuple[int, int, int, int,
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+    w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """config: the tiles of both GEMMs (``_config``'s keys; probes sweep it), else ``_config``'s choice.
+    """w13_scale / w2_scale: float32 [E, 2I] / [E, H] when w13 / w2 hold INT8 codes (W = codes * scale
+    per row, as ``layers.moe.SparseMoE.quantize_`` makes them).
+    config: the tiles of both GEMMs (``_config``'s keys; probes sweep it), else ``_config``'s choice.
     x [T, H] float16/bfloat16/float32; w13 [E, 2I, H] and w2 [E, H, I] in x's dtype; topk_weights
     [T, k] float32; topk_ids [T, k] int32/int64 in [0, E) (unchecked). All contiguous, one device.
     Returns [T, H] in x's dtype (written to out if given). No host sync: CUDA-graph capturable."""
-    t, h, e, inter, k = _check(x, w13, w2, topk_weights, topk_ids, out)
+    t, h, e, inter, k = _check(x, w13, w2, topk_weights, topk_ids, out, w13_scale, w2_scale)
     if out is None:
         out = torch.empty((t, h), device=x.device, dtype=x.dtype)
     num_pairs = t * k
@@ -459,7 +487,8 @@ def fused_moe(
         return out.zero_()
     cfg1, cfg2 = _configs(num_pairs, e, config)
     sorted_ids, block_expert, num_rows = moe_align(topk_ids, e, cfg1["BLOCK_M"])
-    return _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out)
+    return _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out,
+                    w13_scale, w2_scale)
 
 
 def _configs(num_pairs: int, num_experts: int, config: Optional[dict]) -> tuple[dict, dict]:
@@ -468,14 +497,15 @@ def _configs(num_pairs: int, num_experts: int, config: Optional[dict]) -> tuple[
     return dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2)), cfg
 
 
-def _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out) -> torch.Tensor:
+def _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out,
+             w13_scale=None, w2_scale=None) -> torch.Tensor:
     """The two grouped GEMMs, the SiLU between them and the sum over each token's k experts."""
     t, h = x.shape
     num_pairs, inter = t * k, w2.shape[2]
     act = torch.empty((num_pairs, inter), device=x.device, dtype=x.dtype)  # silu(x gate^T) * (x up^T)
-    _grouped_gemm(x, w13, act, sorted_ids, block_expert, num_rows, None, k, cfg1, gated=True)
+    _grouped_gemm(x, w13, act, sorted_ids, block_expert, num_rows, None, k, cfg1, gated=True, w_scale=w13_scale)
     c2 = torch.empty((num_pairs, h), device=x.device, dtype=x.dtype)
-    _grouped_gemm(act, w2, c2, sorted_ids, block_expert, num_rows, topk_weights, 1, cfg2)
+    _grouped_gemm(act, w2, c2, sorted_ids, block_expert, num_rows, topk_weights, 1, cfg2, w_scale=w2_scale)
     block = min(1024, next_pow2(h))
     _ksum_kernel[(t, cdiv(h, block))](c2, out, h, out.stride(0), K=k, BLOCK=block, num_warps=4 if block >= 512 else 1)
     return out
@@ -499,6 +529,7 @@ _ksum_kernel = fast_launch(_ksum_kernel)
 def routed_moe(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     renormalize: bool, out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+    w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The whole MoE block after the router's GEMM: route() + fused_moe(), with the routing and the
     grouping in Triton (route_align: one or two launches; moe_align's torch ops took 60-96 µs on an
@@ -517,7 +548,7 @@ def routed_moe(
     else:
         weights, ids = route(router_logits, top_k, renormalize)
         sorted_ids = None
-    t, h, e, inter, k = _check(x, w13, w2, weights, ids, out)
+    t, h, e, inter, k = _check(x, w13, w2, weights, ids, out, w13_scale, w2_scale)
     if out is None:
         out = torch.empty((t, h), device=x.device, dtype=x.dtype)
     if t * k == 0 or h == 0:
@@ -526,4 +557,5 @@ def routed_moe(
         return out.zero_()
     if sorted_ids is None:
         sorted_ids, block_expert, num_rows = moe_align(ids, e, cfg1["BLOCK_M"])
-    return _experts(x, w13, w2, weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out)
+    return _experts(x, w13, w2, weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out,
+                    w13_scale, w2_scale)

@@ -31,8 +31,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts' weighted sum, expert by expert (only experts with tokens run): [T, H] in x's dtype."""
+                ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+                w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The routed experts' weighted sum, expert by expert (only experts with tokens run): [T, H] in x's
+    dtype. w13_scale / w2_scale: INT8 experts (codes * scale per row, dequantized to x's dtype)."""
     from pageflash.layers.activation import silu_and_mul_ref
 
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
@@ -47,8 +49,12 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
         pairs = order[start:start + n]
         start += n
         tok = pairs // k
-        h = silu_and_mul_ref(F.linear(x[tok], w13[e]))
-        y = F.linear(h, w2[e])
+        a, b = w13[e], w2[e]
+        if w13_scale is not None:
+            a = (a.float() * w13_scale[e][:, None]).to(x.dtype)
+            b = (b.float() * w2_scale[e][:, None]).to(x.dtype)
+        h = silu_and_mul_ref(F.linear(x[tok], a))
+        y = F.linear(h, b)
         out.index_add_(0, tok, y.float() * weights.reshape(-1)[pairs, None])
     return out.to(x.dtype)
 
@@ -58,13 +64,15 @@ def _fused() -> Optional[Callable]:
 
 
 def routed_experts(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   top_k: int, renormalize: bool) -> torch.Tensor:
+                   top_k: int, renormalize: bool, w13_scale: Optional[torch.Tensor] = None,
+                   w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """route() then the routed experts' weighted sum: on CUDA the fused kernels (kernels/fused_moe.py:
-    routing and grouping in one launch, two grouped GEMMs), elsewhere route() and experts_ref."""
+    routing and grouping in one or two launches, two grouped GEMMs), elsewhere route() and experts_ref."""
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and _fused() is not None:
-        return _fused()(x.contiguous(), router_logits, w13, w2, top_k, renormalize)
+        return _fused()(x.contiguous(), router_logits, w13, w2, top_k, renormalize,
+                        w13_scale=w13_scale, w2_scale=w2_scale)
     weights, ids = route(router_logits, top_k, renormalize)
-    return experts_ref(x, w13, w2, weights, ids)
+    return experts_ref(x, w13, w2, weights, ids, w13_scale, w2_scale)
 
 
 class SparseMoE(nn.Module):
@@ -80,6 +88,11 @@ class SparseMoE(nn.Module):
         self.gate.quantizable = False  # routing decides which weights run: keep it exact (as vLLM does)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        # float32 [E, 2I] / [E, H] once quantized: w13 / w2 then hold int8 codes (one scale per row)
+        self.w13_scale: Optional[torch.Tensor]
+        self.w2_scale: Optional[torch.Tensor]
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
         self.shared_expert = shared_expert  # a dense MLP module (Qwen2-MoE), or None
         self.shared_expert_gate = None
         if shared_expert is not None:
@@ -87,16 +100,35 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate.quantizable = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = routed_experts(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
+        out = routed_experts(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize,
+                             self.w13_scale, self.w2_scale)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x)
         return out
 
+    def quantize_(self, method: str) -> None:
+        """Weight-only INT8 experts, in place: symmetric codes with a float32 scale per row of each
+        expert's matrices (as Linear.quantize_ does per output feature). The router stays exact."""
+        from pageflash.kernels.w8_linear import quantize_int8
+        from pageflash.layers.linear import QUANTIZATION_METHODS
+
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {method!r}")
+        if self.w13_scale is not None:
+            raise ValueError("these experts are already quantized")
+        for name in ("w13", "w2"):
+            w = getattr(self, name).data
+            q, sc = quantize_int8(w.reshape(-1, w.shape[-1]))
+            setattr(self, name, nn.Parameter(q.view(w.shape), requires_grad=False))
+            self.register_buffer(f"{name}_scale", sc.view(w.shape[0], w.shape[1]))
+
     # ---- weights -------------------------------------------------------------------------------
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[str] = None) -> None:
         """shard_id None: the whole fused tensor (transformers >= 5 names: experts.gate_up_proj [E, 2I, H],
         experts.down_proj [E, H, I]); else "e:gate" / "e:up" / "e:down" for one expert's matrix."""
+        if self.w13_scale is not None:
+            raise ValueError("weights must be loaded before the experts are quantized")
         if shard_id is None:
             if param.shape != loaded.shape:
                 raise ValueError(f"expert weight shape mismatch: expected {tuple(param.shape)}, "

@@ -167,16 +167,16 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         return x
 
     def quantize_(self, method: str, device: Optional[torch.device] = None) -> None:
-        """Quantize every decoder layer's projections in place (Linear.quantize_); the embedding table,
-        the LM head, MoE routers and MoE experts stay in the model's dtype (vLLM's weight-only methods
-        keep the first three so; experts: no INT8 grouped GEMM yet).
+        """Quantize every decoder layer's projections and MoE experts in place (Linear.quantize_,
+        SparseMoE.quantize_); the embedding table, the LM head and MoE routers stay in the model's dtype
+        (as vLLM's weight-only methods keep them).
         device: move the model there, one decoder layer at a time, each quantized once it arrives (a
         model loaded in host memory then never occupies the device at its unquantized size)."""
         for layer in self.layers:
             if device is not None:
                 layer.to(device)
             for m in layer.modules():
-                if isinstance(m, Linear) and getattr(m, "quantizable", True):
+                if (isinstance(m, Linear) and getattr(m, "quantizable", True)) or isinstance(m, SparseMoE):
                     m.quantize_(method)
         if device is not None:
             self.to(device)
