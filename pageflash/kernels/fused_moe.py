@@ -97,6 +97,38 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 @triton.jit
+def _expert_range(counts, e, E_PAD: tl.constexpr, BM: tl.constexpr):
+    # expert e's rows in sorted_ids from every expert's pair count: its group starts after the padded
+    # groups of experts < e; (start, count, padded end, total padded rows)
+    offs_e = tl.arange(0, E_PAD)
+    padded = (counts + BM - 1) // BM * BM
+    start = tl.cumsum(padded, 0) - padded
+    my_start = tl.sum(tl.where(offs_e == e, start, 0), axis=0)
+    my_count = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
+    return my_start, my_count, my_start + (my_count + BM - 1) // BM * BM, tl.sum(padded, axis=0)
+
+
+@triton.jit
+def _label_blocks(SortedIds, BlockExpert, NumRows, e, E, NBLK, P, my_start, my_count, my_end, total,
+                  BM: tl.constexpr, NB_CHUNK: tl.constexpr):
+    # expert e's padding rows get the sentinel P, its blocks its id; the last expert also labels the
+    # unused blocks up to NBLK (their rows: the sentinel, as moe_align leaves them); program 0 the total
+    pad = my_start + my_count + tl.arange(0, BM)
+    tl.store(SortedIds + pad, tl.zeros((BM,), tl.int32) + P, mask=pad < my_end)
+    first = my_start // BM
+    last = tl.where(e == E - 1, NBLK, my_end // BM)
+    for c in range(0, tl.cdiv(last - first, NB_CHUNK)):
+        offs_b = first + c * NB_CHUNK + tl.arange(0, NB_CHUNK)
+        tl.store(BlockExpert + offs_b, tl.zeros((NB_CHUNK,), tl.int32) + e, mask=offs_b < last)
+        if e == E - 1:
+            rows = (offs_b * BM)[:, None] + tl.arange(0, BM)[None, :]
+            tl.store(SortedIds + rows, tl.zeros((NB_CHUNK, BM), tl.int32) + P,
+                     mask=(offs_b[:, None] < last) & (rows >= my_end))
+    if e == 0:
+        tl.store(NumRows, total)
+
+
+@triton.jit
 def _route_align_kernel(
     Logits, Weights, Ids, SortedIds, BlockExpert, NumRows,
     T, E, NBLK, stride_lt,
@@ -140,30 +172,12 @@ def _route_align_kernel(
     pair = tl.reshape(pair2, (T_PAD * K_PAD,))
     counts = tl.histogram(flat, E_PAD)
     counts = counts - tl.where(offs_e == E_PAD - 1, T_PAD * K_PAD - T * K, 0)  # the padding's bin
-    padded = (counts + BM - 1) // BM * BM
-    end = tl.cumsum(padded, 0)
-    start = end - padded
-    my_start = tl.sum(tl.where(offs_e == e, start, 0), axis=0)
-    my_count = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
-    my_end = my_start + (my_count + BM - 1) // BM * BM
+    my_start, my_count, my_end, total = _expert_range(counts, e, E_PAD, BM)
     mine = valid & (flat == e)
     slot = my_start + tl.cumsum(mine.to(tl.int32), 0) - 1
     tl.store(SortedIds + slot, pair, mask=mine)
-    pad = my_start + my_count + tl.arange(0, BM)
-    tl.store(SortedIds + pad, tl.zeros((BM,), tl.int32) + T * K, mask=pad < my_end)
-    # this expert's blocks; the last expert also labels the unused blocks up to NBLK (their rows:
-    # the sentinel, as moe_align leaves them)
-    first = my_start // BM
-    last = tl.where(e == E - 1, NBLK, my_end // BM)
-    for c in range(0, tl.cdiv(last - first, NB_CHUNK)):
-        offs_b = first + c * NB_CHUNK + tl.arange(0, NB_CHUNK)
-        tl.store(BlockExpert + offs_b, tl.zeros((NB_CHUNK,), tl.int32) + e, mask=offs_b < last)
-        if e == E - 1:
-            rows = (offs_b * BM)[:, None] + tl.arange(0, BM)[None, :]
-            tl.store(SortedIds + rows, tl.zeros((NB_CHUNK, BM), tl.int32) + T * K,
-                     mask=(offs_b[:, None] < last) & (rows >= my_end))
-    if e == 0:
-        tl.store(NumRows, tl.sum(padded, axis=0))
+    _label_blocks(SortedIds, BlockExpert, NumRows, e, E, NBLK, T * K, my_start, my_count, my_end, total,
+                  BM, NB_CHUNK)
 
 
 @triton.jit
@@ -212,12 +226,7 @@ def _align_kernel(Ids, SortedIds, BlockExpert, NumRows, P, E, NBLK,
             counts += tl.sum(((flat[None, :] == offs_e[:, None]) & valid[None, :]).to(tl.int32), axis=1)
     if HIST:
         counts -= tl.where(offs_e == E_PAD - 1, n_chunks * CHUNK - P, 0)  # the padding's bin
-    padded = (counts + BM - 1) // BM * BM
-    end = tl.cumsum(padded, 0)
-    start = end - padded
-    my_start = tl.sum(tl.where(offs_e == e, start, 0), axis=0)
-    my_count = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
-    my_end = my_start + (my_count + BM - 1) // BM * BM
+    my_start, my_count, my_end, total = _expert_range(counts, e, E_PAD, BM)
     base = my_start
     for c in range(0, n_chunks):
         offs_p = c * CHUNK + offs_c
@@ -225,19 +234,7 @@ def _align_kernel(Ids, SortedIds, BlockExpert, NumRows, P, E, NBLK,
         inc = tl.cumsum(mine.to(tl.int32), 0)
         tl.store(SortedIds + base + inc - 1, offs_p, mask=mine)
         base += tl.sum(mine.to(tl.int32), axis=0)
-    pad = my_start + my_count + tl.arange(0, BM)
-    tl.store(SortedIds + pad, tl.zeros((BM,), tl.int32) + P, mask=pad < my_end)
-    first = my_start // BM
-    last = tl.where(e == E - 1, NBLK, my_end // BM)
-    for c in range(0, tl.cdiv(last - first, NB_CHUNK)):
-        offs_b = first + c * NB_CHUNK + tl.arange(0, NB_CHUNK)
-        tl.store(BlockExpert + offs_b, tl.zeros((NB_CHUNK,), tl.int32) + e, mask=offs_b < last)
-        if e == E - 1:
-            rows = (offs_b * BM)[:, None] + tl.arange(0, BM)[None, :]
-            tl.store(SortedIds + rows, tl.zeros((NB_CHUNK, BM), tl.int32) + P,
-                     mask=(offs_b[:, None] < last) & (rows >= my_end))
-    if e == 0:
-        tl.store(NumRows, tl.sum(padded, axis=0))
+    _label_blocks(SortedIds, BlockExpert, NumRows, e, E, NBLK, P, my_start, my_count, my_end, total, BM, NB_CHUNK)
 
 
 def route_align_fits(num_tokens: int, num_experts: int, top_k: int) -> bool:
