@@ -10,7 +10,7 @@ from pageflash.kernels import fused_moe as fm
 from pageflash.layers.linear import linear
 
 sys.path.insert(0, "scripts")
-from moe_probe import SHAPES  # noqa: E402
+from pageflash.bench.moe import SHAPES  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
 tokens = [int(a) for a in sys.argv[2:]] or [1, 64]

@@ -499,13 +499,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prefill", action="store_true", help="W-attn-prefill: forward TFLOP/s vs SDPA")
     p.add_argument("--decode", action="store_true", help="W-attn-decode: paged decode GB/s vs copy and SDPA")
     p.add_argument("--backward", action="store_true", help="backward TFLOP/s vs SDPA")
+    p.add_argument("--moe", action="store_true", help="mixture-of-experts blocks at real layer shapes (not in the default set)")
+    p.add_argument("--moe-int8", action="store_true", help="with --moe: INT8 experts")
+    p.add_argument("--moe-tokens", type=int, nargs="+", default=None, metavar="T",
+                   help="with --moe: token counts (default 1 4 16 64 256 1024 4096)")
     p.add_argument("--sweep", action="store_true", help="also time a few tile configs per kernel")
     p.add_argument("--json", metavar="PATH", help="write all numbers to this JSON file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("pageflash bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2
-    if not (args.prefill or args.decode or args.backward):
+    if not (args.prefill or args.decode or args.backward or args.moe):
         args.prefill = args.decode = args.backward = True
     import triton
 
@@ -524,10 +528,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["decode"] = bench_decode(args.sweep, result["copy_GBs"])
     if args.backward:
         result["backward"] = bench_backward(args.sweep)
+    if args.moe:
+        from pageflash.bench.moe import bench_moe, format_moe
+
+        result["moe"] = bench_moe(result["copy_GBs"], tokens=args.moe_tokens, int8=args.moe_int8, sweep=args.sweep)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
     print_tables(result)
+    if args.moe:
+        print(format_moe(result["moe"], result["copy_GBs"]))
     return 0
 
 
