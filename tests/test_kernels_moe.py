@@ -326,3 +326,23 @@ def test_int8_experts_equal_the_dequantized_reference(t, e, k, dtype):
         fused_moe(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2)
     with pytest.raises(ValueError, match="w2_scale"):
         fused_moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2[:, :5].contiguous())
+
+
+def test_route_align_and_routed_moe_bad_inputs_and_empty_steps():
+    """A router scoring more experts than w13 holds, top_k outside [1, E] and non-2-D logits are
+    refused; an empty step gives empty routing and no used rows on both launch paths."""
+    import pageflash.kernels.fused_moe as fm
+
+    x, w13, w2, _, _ = make_inputs(3, 48, 40, 4, 2, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="score 8 experts"):
+        fm.routed_moe(x, torch.randn(3, 8), w13, w2, 2, True)
+    for k in (0, 7):
+        with pytest.raises(ValueError, match="top_k"):
+            fm.route_align(torch.randn(2, 6), k, True, 16)
+    with pytest.raises(ValueError, match=r"\[T, E\]"):
+        fm.route_align(torch.randn(6), 2, True, 16)
+    for fused in (True, False):
+        w, ids, sorted_ids, block_expert, num_rows = fm.route_align(torch.zeros(0, 512), 2, True, 16, fused=fused)
+        assert w.shape == (0, 2) and ids.shape == (0, 2) and int(num_rows) == 0
+        assert sorted_ids.numel() == 0 and block_expert.numel() == 0
+    assert fm.routed_moe(x[:0], torch.zeros(0, 4), w13, w2, 2, True).shape == (0, 48)

@@ -136,8 +136,10 @@ class ModelRunner:
         used = total - free
         c = self.cfg
         act = max_num_batched_tokens * (6 * c.hidden_size + 3 * c.intermediate_size + c.q_size + 2 * c.kv_size
-                                        # MoE: per (token, expert) pair the SiLU output and the expert's output
-                                        + c.num_experts_per_tok * (c.moe_intermediate_size + c.hidden_size))
+                                        # MoE: per (token, expert) pair the SiLU output and the expert's output;
+                                        # Qwen2-MoE's shared expert as a dense MLP
+                                        + c.num_experts_per_tok * (c.moe_intermediate_size + c.hidden_size)
+                                        + 3 * c.shared_expert_intermediate_size)
         act = act * self.dtype.itemsize + max_num_seqs * c.vocab_size * 4 * 4
         if self.quantization is not None:  # large products dequantize one weight at a time (kernels/w8_linear.py)
             act += self.dtype.itemsize * max((m.out_features * m.in_features for m in self.model.modules()

@@ -255,7 +255,11 @@ def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, bloc
     pairs in chunks): (weights float32
     [T, k], ids int32 [T, k], sorted_ids, block_expert, num_rows) as those two return them (weights to
     float rounding; the same experts but where two logits tie exactly). Only where route_align_fits."""
+    if router_logits.dim() != 2:
+        raise ValueError(f"route_align: router_logits must be [T, E], got {tuple(router_logits.shape)}")
     t, e = router_logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"route_align: top_k ({top_k}) must be in [1, num_experts={e}]")
     if not route_align_fits(t, e, top_k):
         raise ValueError(f"route_align: {e} experts (top {top_k}) exceed its programs; use route() and moe_align()")
     if router_logits.stride(1) != 1:
@@ -268,6 +272,11 @@ def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, bloc
     sorted_ids = torch.empty((nblk * block_m,), device=dev, dtype=torch.int32)
     block_expert = torch.empty((nblk,), device=dev, dtype=torch.int32)
     num_rows = torch.empty((1,), device=dev, dtype=torch.int32)
+    if t == 0:  # no pairs: every block unused (moe_align's output for an empty step)
+        sorted_ids.fill_(0)
+        block_expert.fill_(e - 1)
+        num_rows.zero_()
+        return weights, ids, sorted_ids, block_expert, num_rows
     t_pad, e_pad = next_pow2(max(t, 1)), next_pow2(e)
     if fused is None:
         fused = t_pad * e_pad <= ROUTE_ALIGN_FUSED_MAX
@@ -538,6 +547,9 @@ def routed_moe(
         raise ValueError(f"routed_moe: top_k ({top_k}) must be in [1, num_experts={e}]")
     if router_logits.shape[0] != x.shape[0]:
         raise ValueError(f"routed_moe: router_logits {tuple(router_logits.shape)} do not match x {tuple(x.shape)}")
+    if w13.dim() != 3 or w13.shape[0] != e:
+        raise ValueError(f"routed_moe: router_logits score {e} experts, w13 {tuple(w13.shape)} holds "
+                         f"{w13.shape[0] if w13.dim() == 3 else '?'}")
     cfg1, cfg2 = _configs(t * top_k, e, config)
     if route_align_fits(t, e, top_k) and t > 0:
         weights, ids, sorted_ids, block_expert, num_rows = route_align(router_logits, top_k, renormalize,
