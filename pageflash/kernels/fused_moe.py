@@ -34,7 +34,7 @@ import triton.language as tl
 from pageflash.kernels.activation import libdevice
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.launch import fast_launch
-from pageflash.layers.moe import experts_ref
+from pageflash.layers.moe import experts_ref, route
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align", "route_align", "routed_moe"]
 
@@ -540,8 +540,6 @@ def routed_moe(
     """The whole MoE block after the router's GEMM: route() + fused_moe(), with the routing and the
     grouping in Triton (route_align: one or two launches; moe_align's torch ops took 60-96 µs on an
     H100), else route() and moe_align(). router_logits: [T, E]. Capturable in a CUDA graph."""
-    from pageflash.layers.moe import route
-
     t, e = router_logits.shape
     if not 1 <= top_k <= e:
         raise ValueError(f"routed_moe: top_k ({top_k}) must be in [1, num_experts={e}]")

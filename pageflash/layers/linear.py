@@ -68,12 +68,19 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Te
 QUANTIZATION_METHODS = ("int8",)
 
 
-class Linear(nn.Module):
-    """y = x W^T (+ b). weight: [out_features, in_features]."""
+def check_quantization_method(method: str) -> None:
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {method!r}")
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). weight: [out_features, in_features]. quantizable=False: the model's quantize_
+    leaves it in its dtype (MoE routers and gates)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quantizable: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.quantizable = quantizable
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.weight_scale: Optional[torch.Tensor]  # float32 [out] once quantized: weight then holds int8 codes
@@ -85,8 +92,7 @@ class Linear(nn.Module):
     def quantize_(self, method: str) -> None:
         """Replace the loaded weight by its quantized form, in place (method: QUANTIZATION_METHODS).
         "int8": symmetric per-row int8 codes and a float32 scale per output feature."""
-        if method not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {method!r}")
+        check_quantization_method(method)
         if self.weight_scale is not None:
             raise ValueError("this linear layer is already quantized")
         from pageflash.kernels.w8_linear import quantize_int8

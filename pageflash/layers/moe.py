@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pageflash.layers import triton_kernel
-from pageflash.layers.linear import Linear
+from pageflash.layers.linear import Linear, check_quantization_method
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +84,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size
-        self.gate = Linear(hidden_size, num_experts)
-        self.gate.quantizable = False  # routing decides which weights run: keep it exact (as vLLM does)
+        # routing decides which weights run: kept exact (as vLLM does)
+        self.gate = Linear(hidden_size, num_experts, quantizable=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         # float32 [E, 2I] / [E, H] once quantized: w13 / w2 then hold int8 codes (one scale per row)
@@ -96,8 +96,7 @@ class SparseMoE(nn.Module):
         self.shared_expert = shared_expert  # a dense MLP module (Qwen2-MoE), or None
         self.shared_expert_gate = None
         if shared_expert is not None:
-            self.shared_expert_gate = Linear(hidden_size, 1)
-            self.shared_expert_gate.quantizable = False
+            self.shared_expert_gate = Linear(hidden_size, 1, quantizable=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = routed_experts(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize,
@@ -111,10 +110,8 @@ class SparseMoE(nn.Module):
         """Weight-only INT8 experts, in place: symmetric codes with a float32 scale per row of each
         expert's matrices (as Linear.quantize_ does per output feature). The router stays exact."""
         from pageflash.kernels.w8_linear import quantize_int8
-        from pageflash.layers.linear import QUANTIZATION_METHODS
 
-        if method not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {method!r}")
+        check_quantization_method(method)
         if self.w13_scale is not None:
             raise ValueError("these experts are already quantized")
         for name in ("w13", "w2"):
@@ -139,7 +136,7 @@ class SparseMoE(nn.Module):
         e, i = int(e_str), self.intermediate_size
         if not 0 <= e < self.num_experts:
             raise ValueError(f"checkpoint has expert {e}, but the config has num_experts={self.num_experts}")
-        dst = {"gate": lambda: param.data[e, :i], "up": lambda: param.data[e, i:], "down": lambda: param.data[e]}[part]()
+        dst = param.data[e, {"gate": slice(0, i), "up": slice(i, None), "down": slice(None)}[part]]
         if dst.shape != loaded.shape:
             raise ValueError(f"expert {e} {part} weight shape mismatch: expected {tuple(dst.shape)}, "
                              f"checkpoint has {tuple(loaded.shape)}")

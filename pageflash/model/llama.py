@@ -176,7 +176,7 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
             if device is not None:
                 layer.to(device)
             for m in layer.modules():
-                if (isinstance(m, Linear) and getattr(m, "quantizable", True)) or isinstance(m, SparseMoE):
+                if (isinstance(m, Linear) and m.quantizable) or isinstance(m, SparseMoE):
                     m.quantize_(method)
         if device is not None:
             self.to(device)
