@@ -43,6 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N's tokens are processed (default: on for CUDA)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many GPUs, cuda:0..N-1 (NCCL); no speculative decoding")
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
                         "(methods: ngram, draft_model, medusa, early_exit; docs/SPEC.md)")
@@ -69,6 +71,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         enforce_eager=a.enforce_eager,
         async_scheduling=getattr(a, "async_scheduling", None),
         speculative_config=getattr(a, "speculative_config", None),
+        tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
     )
 
 

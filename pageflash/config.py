@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -108,6 +109,35 @@ class ModelConfig:
         emb = self.vocab_size * h
         n += emb if not self.tie_word_embeddings else 0  # lm_head
         return n + (emb if include_embedding else 0)
+
+    def shard(self, tp_size: int) -> "ModelConfig":
+        """The shapes one of tp_size tensor-parallel ranks holds (Megatron-style): its share of the
+        attention heads and KV heads (one KV head each, replicated, when there are fewer KV heads than
+        ranks and they divide the ranks), of the MLP's intermediate size, and of each expert's (every
+        rank holds every expert, a slice of each). Raises naming the size that does not divide."""
+        if tp_size == 1:
+            return self
+        dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        sizes = {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads}
+        if dense:
+            sizes["intermediate_size"] = self.intermediate_size
+        if self.num_experts:
+            sizes["moe_intermediate_size"] = self.moe_intermediate_size
+            if self.shared_expert_intermediate_size:
+                sizes["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        kv = self.num_key_value_heads
+        if kv < tp_size and tp_size % kv == 0:  # each rank holds one KV head, shared by tp_size / kv ranks
+            sizes.pop("num_key_value_heads")
+        for name, v in sizes.items():
+            if v % tp_size:
+                raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's {name} ({v})"
+                                 + (" (nor is it a multiple of the KV heads, which could then be replicated)"
+                                    if name == "num_key_value_heads" else ""))
+        local = {k: v // tp_size for k, v in sizes.items()}
+        local.setdefault("num_key_value_heads", 1)
+        if not dense:  # unused (every layer is sparse): only the activation estimate reads it
+            local["intermediate_size"] = max(1, self.intermediate_size // tp_size)
+        return dataclasses.replace(self, **local)
 
     def experts_per_step(self, num_tokens: int) -> float:
         """Expected distinct routed experts a step of num_tokens tokens reads per MoE layer, if tokens

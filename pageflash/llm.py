@@ -38,6 +38,7 @@ class LLM:
         enforce_eager: bool = False,
         async_scheduling: Optional[bool] = None,
         speculative_config: Optional[Union[dict, str, Any]] = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """Engine settings as EngineConfig's. speculative_config: e.g. {"method": "ngram",
         "num_speculative_tokens": 5}; see pageflash.spec.config.SpeculativeConfig."""
@@ -49,9 +50,14 @@ class LLM:
                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
                 load_format=load_format, attention_backend=attention_backend, quantization=quantization,
                 kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-                speculative_config=speculative_config,
+                speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
             )
         )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (tensor_parallel_size > 1; also done when this
+        object is collected or the process exits)."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -67,6 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str, copy_bandwid
                    help="no CUDA graphs (passed only if the engine accepts enforce_eager)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap host work with the device (default: the engine's, on for CUDA)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="split the model over this many GPUs (default: 1)")
     g = p.add_argument_group("ceilings")
     if copy_bandwidth:
         g.add_argument("--copy-bandwidth", type=float, default=None, metavar="GBPS",
@@ -83,6 +85,7 @@ ENGINE_KEYS = (
     "model", "tokenizer", "load_format", "dtype", "device", "block_size", "num_kv_blocks",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "seed", "attention_backend", "quantization", "kv_cache_dtype", "enforce_eager", "async_scheduling",
+    "tensor_parallel_size",
 )
 
 
@@ -468,7 +471,9 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     llm = LLM(**kwargs)
     engine_init_s = time.perf_counter() - t0
     eng = llm.llm_engine
-    cfg = eng.model_config
+    # the roofline of one rank's work: with tensor parallelism rank 0's shard (its heads, KV heads and
+    # MLP slice, and the whole LM head), which the ranks' GPUs run at once (all-reduces not counted)
+    cfg = eng.runner.cfg
     # bytes per parameter as the model holds its weights (2 in bf16; less with quantization)
     wpp = roofline.step_weight_bytes(eng.runner.model) / roofline.matmul_params(cfg)
     roof = {"cfg": cfg, "weight_bytes_per_param": wpp, "kv_bytes_per_elem": kv_elem_bytes(eng)}

@@ -217,7 +217,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     llm = LLM(**kwargs)
     engine_init_s = time.perf_counter() - t0
     eng = llm.llm_engine
-    cfg = eng.model_config
+    cfg = eng.runner.cfg  # one rank's shard under tensor parallelism: FLOP/s per GPU
 
     if a.dataset:
         reqs = load_dataset(a.dataset, a.output_len, a.num_prompts)

@@ -76,6 +76,9 @@ class EngineConfig:
     async_scheduling: Optional[bool] = None
     # speculative decoding: a dict / JSON string (vLLM style), parsed into a SpeculativeConfig
     speculative_config: Optional[Union[SpeculativeConfig, dict, str]] = None
+    # ranks (GPUs cuda:0..N-1; on CPU, N processes over gloo) the decoder layers are split over
+    # (engine/parallel.py); > 1 runs without speculative decoding and async scheduling
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -90,6 +93,7 @@ class EngineConfig:
         positive("num_kv_blocks", allow_none=True)
         positive("max_num_batched_tokens", allow_none=True)
         positive("max_model_len", allow_none=True)
+        positive("tensor_parallel_size")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         gmu = self.gpu_memory_utilization
@@ -117,6 +121,14 @@ class EngineConfig:
             raise TypeError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.tensor_parallel_size > 1:
+            if self.speculative_config is not None:
+                raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported")
+            if self.async_scheduling:
+                raise ValueError("async_scheduling with tensor_parallel_size > 1 is not supported")
+            if re.fullmatch(r"cuda:[1-9]\d*", str(self.device)):
+                raise ValueError(f"tensor_parallel_size > 1 runs on cuda:0..N-1; device={self.device!r} is not "
+                                 f"supported (use 'cuda' or 'auto', and CUDA_VISIBLE_DEVICES to pick GPUs)")
 
 
 class _Inflight:
@@ -202,10 +214,21 @@ class LLMEngine:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
 
-        self.runner = ModelRunner(
-            self.model_config, self.source, self.device, self.dtype, config.block_size,
-            self.max_model_len, config.attention_backend, config.seed, config.quantization, config.kv_cache_dtype,
+        runner_kwargs = dict(
+            model_cfg=self.model_config, source=self.source, device=self.device, dtype=self.dtype,
+            block_size=config.block_size, max_model_len=self.max_model_len,
+            attention_backend=config.attention_backend, seed=config.seed, quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
+        if config.tensor_parallel_size > 1:
+            from pageflash.engine.parallel import TensorParallelRunner
+
+            if self.device.type == "cuda":
+                self.device = runner_kwargs["device"] = torch.device("cuda", 0)
+                torch.cuda.set_device(self.device)
+            self.runner = TensorParallelRunner(config.tensor_parallel_size, **runner_kwargs)
+        else:
+            self.runner = ModelRunner(**runner_kwargs)
         # Speculative decoding loads its draft model / heads before the KV pool is sized.
         self.spec: Optional[SpecDecoder] = None
         if config.speculative_config is not None:
@@ -235,7 +258,8 @@ class LLMEngine:
             self.spec.bind(num_blocks)
         self.sampler = Sampler()
         self._async_scheduling = (
-            self.device.type == "cuda" if config.async_scheduling is None else bool(config.async_scheduling)
+            self.device.type == "cuda" and config.tensor_parallel_size == 1 if config.async_scheduling is None
+            else bool(config.async_scheduling)
         )
         self._inflight: Optional[_Inflight] = None  # a launched step whose sampled tokens are not processed
         self._pooled: list[tuple[Request, int]] = []  # embedding requests _launch found complete: (req, hidden row)
@@ -248,6 +272,13 @@ class LLMEngine:
         # Random rows without a per-request seed draw from torch's default generators: seed them from
         # config.seed (as vLLM's workers do), so that running the same script again gives the same tokens.
         torch.manual_seed(config.seed)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done when the engine is collected
+        or the process exits). The engine cannot step afterwards."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     @property
     def async_scheduling(self) -> bool:

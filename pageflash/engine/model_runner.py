@@ -59,8 +59,13 @@ class ModelRunner:
         seed: int = 0,
         quantization: Optional[str] = None,
         kv_cache_dtype: str = "auto",
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
-        self.cfg = model_cfg
+        """tp_size > 1: this runner is tensor-parallel rank tp_rank (engine/parallel.py starts the
+        ranks): its model, KV cache (its share of the KV heads) and cfg are that rank's shard."""
+        self.cfg = model_cfg.shard(tp_size)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -96,7 +101,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device("cpu" if staged else self.device):
-                model = LlamaForCausalLM(self.cfg, max_positions=self.max_model_len)
+                model = LlamaForCausalLM(self.cfg, max_positions=self.max_model_len, tp_rank=self.tp_rank,
+                                         tp_size=self.tp_size)
         finally:
             torch.set_default_dtype(prev)
         if source.kind == "config":

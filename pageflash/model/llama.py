@@ -112,9 +112,19 @@ def _moe_block(cfg: ModelConfig) -> SparseMoE:
                      cfg.norm_topk_prob, shared_expert=LlamaMLP(cfg.hidden_size, shared) if shared else None)
 
 
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum x over the tensor-parallel ranks, in place (the default process group: engine/parallel.py)."""
+    torch.distributed.all_reduce(x)
+    return x
+
+
 class LlamaDecoderLayer(_Prefetching, nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
+    """tp_size > 1: cfg is one rank's shard (ModelConfig.shard); the attention output and the MLP's
+    (or MoE block's) are partial sums, added up over the ranks (two all-reduces per layer)."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0, tp_size: int = 1) -> None:
         super().__init__()
+        self.tp_size = tp_size
         self.self_attn = LlamaAttention(cfg)
         self.mlp = _moe_block(cfg) if cfg.is_moe_layer(index) else LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -127,21 +137,32 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rotary, kv_cache, backend, plan)
+        if self.tp_size > 1:
+            h = _all_reduce(h)
         if isinstance(self.mlp, LlamaMLP):  # (an MoE block's weights depend on the routing)
             self._prefetch("gate_up", self.mlp.gate_up_proj.weight)  # while the post-attention norm runs
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        return (_all_reduce(h) if self.tp_size > 1 else h), residual
 
 
 class LlamaForCausalLM(_Prefetching, nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, backend, plan) -> hidden [T, H];
-    compute_logits(hidden [N, H]) -> float32 logits [N, V]."""
+    compute_logits(hidden [N, H]) -> float32 logits [N, V].
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    Tensor parallelism (tp_size > 1; cfg = the full config's shard(tp_size)): rank tp_rank holds its
+    slice of the q/k/v, gate/up (and each expert's) output rows and of the o / down projections' input
+    columns, and the whole embedding table, norms, routers and LM head; load_weights takes its slices of
+    the full checkpoint tensors. The hidden states after each layer are the same on every rank."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank={tp_rank} is not a rank of tp_size={tp_size}")
         self.cfg = cfg
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp_size) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(cfg, max_positions)
@@ -207,6 +228,34 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
     _EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
                      "down_proj": "down", "gate_up_proj": "gate_up"}
 
+    def _tp_slice(self, name: str, shard: Optional[str], expert: bool, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor t, for our parameter `name` (shard: the merged
+        projection's part, or an expert's "e:part"): column-parallel q/k/v, gate/up and each expert's
+        gate/up rows (and the q/k/v biases), row-parallel o / down columns; everything else whole."""
+        if expert:
+            part = shard.split(":")[1] if shard is not None else ("gate_up" if name.endswith("w13") else "down")
+            if part == "gate_up":  # fused [E, 2I, H]: this rank's rows of the gate half and of the up half
+                gate, up = t.chunk(2, dim=1)
+                return torch.cat([self._take(gate, 1, name), self._take(up, 1, name)], dim=1)
+            return self._take(t, t.dim() - 1 if part == "down" else t.dim() - 2, name)
+        if shard in ("k", "v") and t.shape[0] // self.cfg.head_dim < self.tp_size:
+            # fewer KV heads than ranks (ModelConfig.shard): rank r holds KV head r // (ranks per head)
+            d = self.cfg.head_dim
+            return t.narrow(0, self.tp_rank // (self.tp_size // (t.shape[0] // d)) * d, d)
+        if shard in ("q", "k", "v", "gate", "up"):
+            return self._take(t, 0, name)
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return self._take(t, 1, name)
+        return t
+
+    def _take(self, t: torch.Tensor, dim: int, name: str) -> torch.Tensor:
+        n = t.shape[dim]
+        if n % self.tp_size:
+            raise ValueError(f"checkpoint tensor for {name!r}: dimension {dim} of size {n} does not split "
+                             f"into tensor_parallel_size={self.tp_size} parts")
+        k = n // self.tp_size
+        return t.narrow(dim, self.tp_rank * k, k)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load (HF name, tensor) pairs; returns the parameter names that were filled."""
         params = dict(self.named_parameters())
@@ -233,6 +282,8 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
                 name = name.replace(f".{m.group(1)}.", f".{target}.")
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            if self.tp_size > 1:
+                tensor = self._tp_slice(name, shard, e is not None, tensor)
             param = params[name]
             owner = self.get_submodule(name.rsplit(".", 1)[0])
             owner.weight_loader(param, tensor.to(param.dtype), shard)

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -267,9 +268,12 @@ def iter_weights(src: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torc
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights of the right shape (as vLLM's load_format='dummy'): small normal matrices, unit norms."""
-    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """Random weights of the right shape (as vLLM's load_format='dummy'): small normal matrices, unit norms.
+    Each parameter draws from its own seed (seed and its name), so that tensor-parallel ranks hold the
+    same replicated parameters (embeddings, routers, LM head)."""
+    g = torch.Generator(device=next(model.parameters()).device)
     for name, p in model.named_parameters():
+        g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
         if p.dim() == 1:
             p.data.fill_(1.0) if name.endswith("norm.weight") else p.data.normal_(0.0, 0.02, generator=g)
         else:

@@ -28,6 +28,15 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
                           original_max_position_embeddings=8192),
         bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
     ),
+    # 140 GB of bf16 weights: more than one GPU holds; run with tensor_parallel_size >= 2 (or int8)
+    "llama-3.1-70b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=8192,
+        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+    ),
     "llama-2-7b": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=4096,
         intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,

@@ -1,0 +1,303 @@
+"""Tensor parallelism: N ranks, one GPU each (or N CPU processes over gloo), each holding a shard of
+every decoder layer (ModelConfig.shard, LlamaForCausalLM._tp_slice) and its share of the KV heads.
+
+Rank 0 is the engine's process: its scheduler, KV block manager and sampler are the only ones.
+Ranks 1..N-1 are worker processes (spawned), each with a ModelRunner over its shard. The runner
+calls that touch the device -- sizing and allocating the KV cache, capturing the decode graphs, and
+every step -- are mirrored: rank 0 sends the call down a pipe to each worker, then runs it itself;
+the ranks meet in the all-reduces inside the model (two per decoder layer; NCCL on CUDA, captured in
+the decode graphs; gloo on CPU). A step travels as a compact copy of the SchedulerOutput (each
+scheduled sequence's new tokens and counters, not its whole token history) plus the block tables,
+so every rank builds the same inputs and plans the same kernels. Rank 0 alone computes logits that
+are used (every rank holds the LM head; the workers' logits are dropped).
+
+Not supported with N > 1 (the engine refuses or turns them off): speculative decoding, and async
+scheduling (its next step reads the previous step's sampled ids on rank 0's device, which workers do
+not have).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import traceback
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timeout() -> datetime.timedelta:
+    """PAGEFLASH_TP_TIMEOUT seconds (default 600): how long a rank waits for the others (start-up
+    rendezvous, a collective) before failing instead of hanging."""
+    return datetime.timedelta(seconds=float(os.environ.get("PAGEFLASH_TP_TIMEOUT", "600")))
+
+
+# ---- a step, as the workers receive it ----------------------------------------------------------
+
+class _Window:
+    """A request's token ids as the runner reads them (absolute indices): only [start, start + n) is
+    held; len() is the whole length."""
+
+    __slots__ = ("start", "ids", "length")
+
+    def __init__(self, start: int, ids: list[int], length: int) -> None:
+        self.start, self.ids, self.length = start, ids, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            if i.step not in (None, 1):
+                raise IndexError("token ids: only contiguous slices")
+            lo, hi = i.start or 0, self.length if i.stop is None else min(i.stop, self.length)
+            if lo >= hi:
+                return []
+            if lo < self.start or hi > self.start + len(self.ids):
+                raise IndexError(f"token ids [{lo}:{hi}] are outside the step's window")
+            return self.ids[lo - self.start: hi - self.start]
+        if not self.start <= i < self.start + len(self.ids):
+            raise IndexError(f"token id {i} is outside the step's window")
+        return self.ids[i - self.start]
+
+
+@dataclass
+class _Req:
+    request_id: str
+    num_computed_tokens: int
+    token_ids: _Window
+    spec_token_ids: list[int]
+    num_prompt_tokens: int
+    needs_prompt_logprobs: bool
+    prompt_logprobs: list
+    pooling: Any
+    num_pending: int = 0
+    pending_row: int = -1
+
+
+@dataclass
+class _Seq:
+    request: _Req
+    num_new_tokens: int
+    num_spec_tokens: int
+    samples: bool
+
+
+@dataclass
+class _Sched:
+    seqs: list[_Seq]
+    block_copies: list[tuple[int, int]]
+    is_decode: bool
+
+
+def compact_schedule(sched: Any) -> _Sched:
+    """What ModelRunner.execute reads of a SchedulerOutput, without the requests' token histories."""
+    seqs = []
+    for s in sched.seqs:
+        r = s.request
+        c, n = r.num_computed_tokens, s.num_new_tokens
+        if r.num_pending:
+            raise RuntimeError("tensor parallelism runs without async scheduling: no token may be pending")
+        want = bool(getattr(r, "needs_prompt_logprobs", False))
+        req = _Req(r.request_id, c, _Window(c, r.token_ids[c: c + n], len(r.token_ids)),
+                   list(r.spec_token_ids[: s.num_spec_tokens]), r.num_prompt_tokens, want,
+                   [None] * len(r.prompt_logprobs) if want else [], None if r.pooling is None else True)
+        seqs.append(_Seq(req, n, s.num_spec_tokens, s.samples))
+    return _Sched(seqs, list(sched.block_copies), sched.is_decode)
+
+
+# ---- the worker processes --------------------------------------------------------------------
+
+def _init_group(backend: str, init_method: str, rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=_timeout())
+
+
+def _worker_main(rank: int, world: int, backend: str, init_method: str, runner_kwargs: dict, conn) -> None:
+    """A worker rank: build its runner, then run the calls rank 0 sends until None (or the pipe closes)."""
+    try:
+        device = runner_kwargs["device"]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:  # the ranks share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        _init_group(backend, init_method, rank, world)
+        from pageflash.engine.model_runner import ModelRunner
+
+        runner = ModelRunner(**runner_kwargs, tp_rank=rank, tp_size=world)
+        conn.send(("ok", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            break
+        method, args, kwargs, reply = msg
+        try:
+            out = getattr(runner, method)(*args, **kwargs)
+            if reply:
+                conn.send(("ok", out))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+            return
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class TensorParallelRunner:
+    """Rank 0's view of N ranks: a ModelRunner over rank 0's shard (what every attribute not mirrored
+    here reads) and N - 1 worker processes that repeat its device calls on their shards."""
+
+    MIRRORED = ("auto_num_blocks", "allocate_kv_cache", "capture_decode_graphs", "execute")
+
+    def __init__(self, tp_size: int, **runner_kwargs: Any) -> None:
+        import multiprocessing as mp
+
+        import torch.distributed as dist
+
+        from pageflash.engine.model_runner import ModelRunner
+
+        if tp_size < 2:
+            raise ValueError(f"TensorParallelRunner needs tp_size >= 2, got {tp_size}")
+        if dist.is_available() and dist.is_initialized():
+            raise ValueError("tensor parallelism: torch.distributed is already initialized in this process "
+                             "(one tensor-parallel engine per process)")
+        device: torch.device = runner_kwargs["device"]
+        # PAGEFLASH_TP_ONE_DEVICE=1 (a test mode): every rank on the engine's GPU, over gloo (NCCL refuses two
+        # ranks on one GPU), without decode graphs (gloo's collectives cannot be captured)
+        self.one_device = device.type == "cuda" and os.environ.get("PAGEFLASH_TP_ONE_DEVICE", "0") == "1"
+        if device.type == "cuda" and not self.one_device:
+            n = torch.cuda.device_count()
+            if n < tp_size:
+                raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} GPUs; this machine has {n}")
+            backend = "nccl"
+        else:
+            backend = "gloo"
+        self.comm_backend = backend  # (self.backend: rank 0 runner's attention backend)
+        runner_kwargs["model_cfg"].shard(tp_size)  # a size that does not divide fails here, before any process starts
+        self.tp_size = tp_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self._conns = []
+        self._procs = []
+        for rank in range(1, tp_size):
+            kw = dict(runner_kwargs)
+            if device.type == "cuda" and not self.one_device:
+                kw["device"] = torch.device("cuda", rank)
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, args=(rank, tp_size, backend, init_method, kw, child),
+                            name=f"pageflash-tp{rank}", daemon=True)
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._procs)
+        try:
+            _init_group(backend, init_method, 0, tp_size)
+            self.local = ModelRunner(**runner_kwargs, tp_rank=0, tp_size=tp_size)
+            self._gather()  # the workers' runners are built
+        except BaseException:
+            self.close()
+            raise
+        logger.info("tensor parallel: %d ranks (%s)", tp_size, backend)
+
+    # -- mirroring ------------------------------------------------------------------------------
+    def _send(self, method: str, args: tuple, kwargs: dict, reply: bool) -> None:
+        for c in self._conns:
+            if c.poll():  # a worker that failed reported it before exiting
+                self._raise(c.recv())
+            c.send((method, args, kwargs, reply))
+
+    def _gather(self) -> list:
+        out = []
+        for c in self._conns:
+            try:
+                msg = c.recv()
+            except EOFError:
+                raise RuntimeError("a tensor-parallel worker process exited") from None
+            out.append(self._raise(msg))
+        return out
+
+    @staticmethod
+    def _raise(msg: tuple) -> Any:
+        status, value = msg
+        if status == "error":
+            raise RuntimeError(f"tensor-parallel worker failed:\n{value}")
+        return value
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, list]:
+        """Run method on every rank (the workers first, so that rank 0's collectives find them);
+        (rank 0's result, the workers' results)."""
+        self._send(method, args, kwargs, reply=True)
+        try:
+            local = getattr(self.local, method)(*args, **kwargs)
+        finally:
+            rest = self._gather()
+        return local, rest
+
+    def auto_num_blocks(self, *args: Any) -> int:
+        """The blocks every rank can hold (each sizes its own memory)."""
+        local, rest = self._call("auto_num_blocks", *args)
+        return min([local, *rest])
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._call("allocate_kv_cache", num_blocks)
+
+    def capture_decode_graphs(self, max_batch: int) -> None:
+        if self.comm_backend == "gloo":
+            return
+        self._call("capture_decode_graphs", max_batch)
+
+    def execute(self, sched: Any, block_tables: list[list[int]], **extra: Any):
+        if extra:
+            raise ValueError(f"tensor parallelism: execute() options {sorted(extra)} are not supported")
+        self._send("execute", (compact_schedule(sched), block_tables), {}, reply=False)
+        return self.local.execute(sched, block_tables)
+
+    def __getattr__(self, name: str) -> Any:  # everything else: rank 0's runner (cfg, model, kv_cache, ...)
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group. Idempotent (also run when this is collected,
+        and at exit)."""
+        self._finalizer()
+
+
+def _shutdown(conns: list, procs: list) -> None:
+    for c in conns:
+        try:
+            c.send(None)
+        except (OSError, ValueError):
+            pass
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+    for c in conns:
+        c.close()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the 2-GPU machine (nvidia-h200-x2): tensor parallelism, logs under $OUT.
+#   scripts/gpu_tp.sh tests   # tests/gpu/test_tp_gpu.py: two ranks on one GPU (any machine), NCCL on two
+#   scripts/gpu_tp.sh engine  # pageflash bench latency at 1 and 2 GPUs on the same machine, dummy weights,
+#                             # MODELS (default llama-3-8b qwen3-30b-a3b), batch 1 / 16 / 64
+#   scripts/gpu_tp.sh big     # llama-3.1-70b (140 GB bf16: two GPUs only), batch 1 / 16 / 64
+set -o pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+what=${1:-tests}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
+lat() {  # model tp label
+  python3 -m pageflash.cli bench latency --model $1 --load-format dummy -tp $2 --input-len ${INPUT_LEN:-128} \
+    --output-len ${OUTPUT_LEN:-128} --batch-size ${BATCHES:-1 16 64} --num-iters ${ITERS:-2} --disable-tqdm \
+    --max-model-len ${MAX_LEN:-4096} --json "$OUT/lat_$1_tp$2.json" ${LAT_ARGS:-} 2>&1 | tee "$OUT/lat_$1_tp$2.log" | tail -8
+}
+if [[ $what == tests ]]; then
+  python3 -m pytest -q -ra tests/gpu/test_tp_gpu.py 2>&1 | tee "$OUT/tp_tests.log" | tail -8
+fi
+if [[ $what == engine ]]; then
+  for m in ${MODELS:-llama-3-8b qwen3-30b-a3b}; do
+    for tp in ${TPS:-1 2}; do lat $m $tp; done
+  done
+fi
+if [[ $what == big ]]; then
+  lat llama-3.1-70b 2
+fi

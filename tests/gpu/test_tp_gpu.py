@@ -1,0 +1,120 @@
+"""Tensor parallelism on CUDA: the engine's greedy tokens equal HF transformers' (float32; HF on the CPU).
+
+- Two ranks on one GPU (PAGEFLASH_TP_ONE_DEVICE=1: gloo, eager steps): the worker processes on CUDA
+  and the Triton kernels at the shards' shapes (heads, KV heads, MLP and expert slices); any GPU.
+- Two GPUs (NCCL): the same through the decode graphs, which capture the all-reduces; graphs equal
+  eager steps; INT8 ranks equal HF over the weights as the shards quantize them. Skipped (named in
+  -ra's summary) on a machine with fewer GPUs; scripts/gpu_tp.sh runs them on the 2-GPU machine."""
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pageflash import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs 2 GPUs")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 5, 16, 17, 33, 40, 3)]
+
+
+def _run(llm, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _close(llm):
+    llm.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qk-norm", "qwen3-moe", "qwen2-moe"])
+def test_two_ranks_on_one_gpu_match_hf_fp32(tmp_path, name, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from hf_ref import hf_greedy, make_random_hf_folder
+    from test_engine_hf import CONFIGS
+
+    monkeypatch.setenv("PAGEFLASH_TP_ONE_DEVICE", "1")
+    folder = make_random_hf_folder(tmp_path, CONFIGS[name])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = _prompts()
+    llm = LLM(folder, dtype="float32", block_size=16, max_num_batched_tokens=32, max_model_len=128,
+              num_kv_blocks=64, tensor_parallel_size=2)
+    eng = llm.llm_engine
+    assert eng.runner.comm_backend == "gloo" and eng.runner.backend.name == "triton" and eng.runner.graphs is None
+    got = _run(llm, prompts)
+    assert eng.kv.num_free_blocks == 64
+    _close(llm)
+    assert got == [hf_greedy(hf, p, 16) for p in prompts]
+
+
+def test_two_int8_ranks_on_one_gpu_match_hf_on_their_quantization(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEFLASH_TP_ONE_DEVICE", "1")
+    _int8_check(tmp_path)
+
+
+@two_gpus
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mqa-tied", "qwen3-moe", "qwen2-moe"])
+def test_two_gpus_match_hf_fp32(tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    from hf_ref import hf_greedy, make_random_hf_folder
+    from test_engine_hf import CONFIGS
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS[name])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = _prompts()
+    llm = LLM(folder, dtype="float32", block_size=16, max_num_batched_tokens=32, max_model_len=128,
+              num_kv_blocks=64, tensor_parallel_size=2)
+    eng = llm.llm_engine
+    assert eng.runner.graphs is not None and eng.runner.backend.name == "triton"
+    got = _run(llm, prompts)
+    assert eng.kv.num_free_blocks == 64
+    _close(llm)
+    assert got == [hf_greedy(hf, p, 16) for p in prompts]
+
+
+@two_gpus
+def test_two_gpus_graphs_equal_eager():
+    kw = dict(model="qwen3-0.6b", load_format="dummy", dtype="float32", max_model_len=512, num_kv_blocks=256,
+              tensor_parallel_size=2)
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 17, 33, 64, 100, 1, 250, 16))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(enforce_eager=True, **kw)
+    eager = _run(llm, prompts, params)
+    _close(llm)
+    llm = LLM(**kw)
+    graphs = _run(llm, prompts, params)
+    _close(llm)
+    assert graphs == eager
+
+
+@two_gpus
+def test_two_int8_gpus_match_hf_on_their_quantization(tmp_path):
+    _int8_check(tmp_path)
+
+
+def _int8_check(tmp_path):
+    from hf_ref import hf_greedy, make_random_hf_folder
+    from test_engine_hf import CONFIGS
+    from test_tensor_parallel import _fake_quantized_tp_hf
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"], std=0.3)
+    prompts = _prompts()
+    llm = LLM(folder, dtype="float32", max_model_len=64, num_kv_blocks=64, quantization="int8",
+              tensor_parallel_size=2)
+    got = _run(llm, prompts)
+    _close(llm)
+    hf_q = _fake_quantized_tp_hf(folder, 2)
+    assert got == [hf_greedy(hf_q, p, 16) for p in prompts]

@@ -1,0 +1,187 @@
+"""Tensor parallelism (engine/parallel.py) on the CPU: two ranks, two processes over gloo.
+
+The sharding itself (ModelConfig.shard, the model's checkpoint slices) is checked without processes:
+each rank's MLP / MoE block gives a partial sum and the ranks' sums add up to the whole model's. End
+to end, an engine of two ranks gives HF transformers' greedy tokens (float32; chunked prefill,
+preemption), for dense, GQA, MQA (replicated KV head), biased, q/k-norm and mixture-of-experts
+models, and with INT8 weights it equals HF over weights quantized as the shards quantize them.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from hf_ref import hf_greedy, make_random_hf_folder
+from pageflash import LLM, SamplingParams
+from pageflash.config import ModelConfig
+from pageflash.model.loader import iter_weights, load_config, resolve_model
+from test_engine_hf import CONFIGS
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def test_shard_config_sizes_and_errors():
+    base = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    s = base.shard(2)
+    assert (s.num_attention_heads, s.num_key_value_heads, s.intermediate_size, s.head_dim) == (4, 2, 48, 8)
+    assert (s.hidden_size, s.vocab_size) == (64, 100)
+    assert base.shard(1) is base
+    rep = base.shard(8)  # 4 KV heads over 8 ranks: one each, every KV head on two ranks
+    assert (rep.num_attention_heads, rep.num_key_value_heads) == (1, 1)
+    with pytest.raises(ValueError, match=r"does not divide the model's num_attention_heads \(8\)"):
+        base.shard(3)
+    odd = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=12, num_key_value_heads=3, head_dim=8)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(3\)"):
+        odd.shard(2)
+    moe = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=100, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=36, architecture="Qwen3MoeForCausalLM")
+    m = moe.shard(4)  # every layer sparse: the dense intermediate size is unused and need not divide
+    assert (m.moe_intermediate_size, m.num_experts, m.num_experts_per_tok) == (9, 4, 2)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(36\)"):
+        moe.shard(8)
+
+
+def _rank_models(folder: str, tp: int):
+    """The whole model and each rank's shard, loaded from folder (float32, no process group)."""
+    from pageflash.model.llama import LlamaForCausalLM
+
+    src = resolve_model(folder)
+    cfg = load_config(src)
+    models = []
+    for rank, size in [(0, 1)] + [(r, tp) for r in range(tp)]:
+        m = LlamaForCausalLM(cfg.shard(size), max_positions=64, tp_rank=rank, tp_size=size)
+        loaded = m.load_weights(iter_weights(src, cfg))
+        assert loaded == {n for n, _ in m.named_parameters()}
+        models.append(m.eval())
+    return models[0], models[1:]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-moe", "mixtral"])
+def test_rank_partial_sums_add_up_to_the_whole_layer(tmp_path, name):
+    """Each rank's MLP (or MoE block with its shared expert) over the same input gives a partial sum;
+    the ranks' sums equal the whole model's block. So do the o_proj products over each rank's heads."""
+    folder = make_random_hf_folder(tmp_path, CONFIGS[name])
+    full, shards = _rank_models(folder, 2)
+    x = torch.randn(7, full.cfg.hidden_size)
+    with torch.no_grad():
+        for i, layer in enumerate(full.layers):
+            parts = sum(s.layers[i].mlp(x) for s in shards)
+            torch.testing.assert_close(parts, layer.mlp(x), rtol=1e-5, atol=1e-5)
+            a = torch.randn(7, full.cfg.q_size)  # the attention output, heads in order
+            q = shards[0].cfg.q_size
+            o = sum(s.layers[i].self_attn.o_proj(a[:, r * q:(r + 1) * q]) for r, s in enumerate(shards))
+            torch.testing.assert_close(o, layer.self_attn.o_proj(a), rtol=1e-5, atol=1e-5)
+            # q/k/v rows: rank r holds heads [r H/2, (r+1) H/2) of q and of k and v
+            fq, fk, fv = layer.self_attn.qkv_proj.split(layer.self_attn.qkv_proj(x))
+            got = [s.layers[i].self_attn.qkv_proj.split(s.layers[i].self_attn.qkv_proj(x)) for s in shards]
+            torch.testing.assert_close(torch.cat([g[0] for g in got], 1), fq)
+            torch.testing.assert_close(torch.cat([g[1] for g in got], 1), fk)
+            torch.testing.assert_close(torch.cat([g[2] for g in got], 1), fv)
+        # replicated: the embedding table and the head
+        for s in shards:
+            assert torch.equal(s.head_weight, full.head_weight)
+
+
+def _prompts(n=(1, 5, 16, 17, 33)):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 211, (k,), generator=g).tolist() for k in n]
+
+
+def _generate(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+def _close(llm) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mqa-tied", "qwen2-bias", "qwen3-qk-norm", "qwen3-moe",
+                                  "qwen2-moe"])
+def test_two_ranks_match_hf(tmp_path, name):
+    """Two ranks give HF's greedy tokens, with chunked prefill (a budget of 24 tokens, blocks of 4),
+    then again with a pool small enough to preempt; no KV block leaks; the workers stop at shutdown."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS[name])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = _prompts()
+    want = [hf_greedy(hf, p, 16) for p in prompts]
+    llm = LLM(folder, block_size=4, max_num_batched_tokens=24, max_model_len=64, num_kv_blocks=20,
+              tensor_parallel_size=2)
+    eng = llm.llm_engine
+    assert eng.runner.tp_size == 2 and not eng.async_scheduling
+    assert eng.runner.model.cfg.num_attention_heads == hf.config.num_attention_heads // 2
+    assert _generate(llm, prompts) == want
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.kv.num_free_blocks == 20
+    procs = eng.runner._procs
+    _close(llm)
+    assert not any(p.is_alive() for p in procs)
+    assert not torch.distributed.is_initialized()
+
+
+def _fake_quantized_tp_hf(folder: str, tp: int):
+    """HF's model over the weights as `tp` INT8 ranks hold them: every projection quantized per row, the
+    row-parallel ones (o_proj, down_proj, the experts' down) per row of each rank's column slice."""
+    from transformers import AutoModelForCausalLM
+
+    from pageflash.kernels.w8_linear import dequantize_int8, quantize_int8
+
+    def fake(w):
+        q, sc = quantize_int8(w.reshape(-1, w.shape[-1]))
+        return dequantize_int8(q, sc, torch.float32).view(w.shape)
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.model.layers.named_parameters():
+            if p.dim() < 2 or name.endswith("mlp.gate.weight") or "shared_expert_gate" in name:
+                continue
+            if "o_proj" in name or "down_proj" in name:
+                p.copy_(torch.cat([fake(c.contiguous()) for c in p.chunk(tp, dim=-1)], dim=-1))
+            else:
+                p.copy_(fake(p))
+    return hf
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-moe"])
+def test_two_int8_ranks_match_hf_on_their_quantization(tmp_path, name):
+    """quantization="int8" under two ranks: each rank quantizes its own slices (row-parallel matrices
+    then have a scale per row of each half); greedy equals HF over those dequantized weights."""
+    folder = make_random_hf_folder(tmp_path, CONFIGS[name], std=0.3)
+    prompts = _prompts((1, 7, 16, 33))
+    llm = LLM(folder, max_model_len=64, num_kv_blocks=64, quantization="int8", tensor_parallel_size=2)
+    got = _generate(llm, prompts)
+    _close(llm)
+    hf_q = _fake_quantized_tp_hf(folder, 2)
+    assert got == [hf_greedy(hf_q, p, 16) for p in prompts]
+
+
+def test_tensor_parallel_errors_name_the_problem(tmp_path):
+    folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
+    with pytest.raises(ValueError, match="speculative decoding with tensor_parallel_size"):
+        LLM(folder, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="async_scheduling with tensor_parallel_size"):
+        LLM(folder, tensor_parallel_size=2, async_scheduling=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(folder, tensor_parallel_size=0)
+    # 8 heads over 3 ranks: refused before any process starts; nothing is left behind
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's num_attention_heads"):
+        LLM(folder, tensor_parallel_size=3, max_model_len=64, num_kv_blocks=16)
+    assert not torch.distributed.is_initialized()
+    # a prompt that is too long is refused; the ranks go on serving the next requests
+    llm = LLM(folder, max_model_len=32, num_kv_blocks=16, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [1] * 40}], GREEDY, use_tqdm=False)
+    out = _generate(llm, _prompts((3, 9)))
+    assert [len(t) for t in out] == [16, 16]
+    # a second engine in the same process while the first holds the process group
+    with pytest.raises(ValueError, match="one tensor-parallel engine per process"):
+        LLM(folder, max_model_len=32, num_kv_blocks=16, tensor_parallel_size=2)
+    _close(llm)
