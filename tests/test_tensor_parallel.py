@@ -102,11 +102,14 @@ def _close(llm) -> None:
     gc.collect()
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-mqa-tied", "qwen2-bias", "qwen3-qk-norm", "qwen3-moe",
-                                  "qwen2-moe"])
-def test_two_ranks_match_hf(tmp_path, name):
-    """Two ranks give HF's greedy tokens, with chunked prefill (a budget of 24 tokens, blocks of 4),
-    then again with a pool small enough to preempt; no KV block leaks; the workers stop at shutdown."""
+@pytest.mark.parametrize("name,async_scheduling", [("llama-gqa", False), ("llama-gqa", True),
+                                                   ("llama-mqa-tied", False), ("qwen2-bias", True),
+                                                   ("qwen3-qk-norm", False), ("qwen3-moe", True),
+                                                   ("qwen2-moe", False)])
+def test_two_ranks_match_hf(tmp_path, name, async_scheduling):
+    """Two ranks give HF's greedy tokens, with chunked prefill (a budget of 24 tokens, blocks of 4) in a
+    pool small enough to preempt; no KV block leaks; the workers stop at shutdown. With async
+    scheduling, rank 0 broadcasts the in-flight step's sampled ids that the next step reads."""
     from transformers import AutoModelForCausalLM
 
     folder = make_random_hf_folder(tmp_path, CONFIGS[name])
@@ -114,9 +117,9 @@ def test_two_ranks_match_hf(tmp_path, name):
     prompts = _prompts()
     want = [hf_greedy(hf, p, 16) for p in prompts]
     llm = LLM(folder, block_size=4, max_num_batched_tokens=24, max_model_len=64, num_kv_blocks=20,
-              tensor_parallel_size=2)
+              tensor_parallel_size=2, async_scheduling=async_scheduling)
     eng = llm.llm_engine
-    assert eng.runner.tp_size == 2 and not eng.async_scheduling
+    assert eng.runner.tp_size == 2 and eng.async_scheduling == async_scheduling
     assert eng.runner.model.cfg.num_attention_heads == hf.config.num_attention_heads // 2
     assert _generate(llm, prompts) == want
     assert eng.scheduler.num_preemptions > 0
@@ -167,8 +170,6 @@ def test_tensor_parallel_errors_name_the_problem(tmp_path):
     folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
     with pytest.raises(ValueError, match="speculative decoding with tensor_parallel_size"):
         LLM(folder, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="async_scheduling with tensor_parallel_size"):
-        LLM(folder, tensor_parallel_size=2, async_scheduling=True)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(folder, tensor_parallel_size=0)
     # 8 heads over 3 ranks: refused before any process starts; nothing is left behind
@@ -185,3 +186,46 @@ def test_tensor_parallel_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="one tensor-parallel engine per process"):
         LLM(folder, max_model_len=32, num_kv_blocks=16, tensor_parallel_size=2)
     _close(llm)
+
+
+def test_real_model_on_three_ranks_serves_openai_clients():
+    """The embedded SmolLM2-135M (9 heads, 3 KV heads: three ranks) behind the OpenAI-compatible server:
+    a completion, a streamed chat and concurrent requests give the one-rank engine's greedy text."""
+    import threading
+
+    import openai
+
+    from pageflash.engine.async_engine import AsyncLLMEngine
+    from pageflash.server.app import build_app
+    from test_server import CHAT, LOAD_PROMPTS, MODEL, PROMPT, serve
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    one = LLM(MODEL, max_model_len=256, num_kv_blocks=96)
+    want = one.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].text
+    want_chat = one.chat(CHAT, greedy, use_tqdm=False)[0].outputs[0].text
+    want_load = [o.outputs[0].text for o in one.generate(LOAD_PROMPTS, greedy, use_tqdm=False)]
+    del one
+    llm = LLM(MODEL, max_model_len=256, num_kv_blocks=96, tensor_parallel_size=3)
+    aeng = AsyncLLMEngine(llm.llm_engine)
+    try:
+        with serve(build_app(aeng, MODEL)) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            kw = dict(model=MODEL, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})
+            assert client.completions.create(prompt=PROMPT, **kw).choices[0].text == want
+            stream = client.chat.completions.create(messages=CHAT, stream=True, **kw)
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want_chat
+            got = [None] * len(LOAD_PROMPTS)
+
+            def one_request(i):
+                got[i] = client.completions.create(prompt=LOAD_PROMPTS[i], **kw).choices[0].text
+
+            threads = [threading.Thread(target=one_request, args=(i,)) for i in range(len(LOAD_PROMPTS))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert got == want_load
+            assert llm.llm_engine.kv.num_free_blocks == 96
+    finally:
+        aeng.shutdown()
+        _close(llm)

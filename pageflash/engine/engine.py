@@ -77,7 +77,7 @@ class EngineConfig:
     # speculative decoding: a dict / JSON string (vLLM style), parsed into a SpeculativeConfig
     speculative_config: Optional[Union[SpeculativeConfig, dict, str]] = None
     # ranks (GPUs cuda:0..N-1; on CPU, N processes over gloo) the decoder layers are split over
-    # (engine/parallel.py); > 1 runs without speculative decoding and async scheduling
+    # (engine/parallel.py); > 1 runs without speculative decoding
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -124,8 +124,6 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             if self.speculative_config is not None:
                 raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported")
-            if self.async_scheduling:
-                raise ValueError("async_scheduling with tensor_parallel_size > 1 is not supported")
             if re.fullmatch(r"cuda:[1-9]\d*", str(self.device)):
                 raise ValueError(f"tensor_parallel_size > 1 runs on cuda:0..N-1; device={self.device!r} is not "
                                  f"supported (use 'cuda' or 'auto', and CUDA_VISIBLE_DEVICES to pick GPUs)")
@@ -258,7 +256,7 @@ class LLMEngine:
             self.spec.bind(num_blocks)
         self.sampler = Sampler()
         self._async_scheduling = (
-            self.device.type == "cuda" and config.tensor_parallel_size == 1 if config.async_scheduling is None
+            self.device.type == "cuda" if config.async_scheduling is None
             else bool(config.async_scheduling)
         )
         self._inflight: Optional[_Inflight] = None  # a launched step whose sampled tokens are not processed

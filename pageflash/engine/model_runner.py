@@ -65,6 +65,7 @@ class ModelRunner:
         """tp_size > 1: this runner is tensor-parallel rank tp_rank (engine/parallel.py starts the
         ranks): its model, KV cache (its share of the KV heads) and cfg are that rank's shard."""
         self.cfg = model_cfg.shard(tp_size)
+        self.full_cfg = model_cfg  # the checkpoint's shapes (GGUF rows are un-permuted per full head count)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.device = device
         self.dtype = dtype
@@ -108,7 +109,7 @@ class ModelRunner:
         if source.kind == "config":
             init_dummy_weights(model, seed)
         else:
-            loaded = model.load_weights(iter_weights(source, self.cfg))
+            loaded = model.load_weights(iter_weights(source, self.full_cfg))
             expected = {n for n, _ in model.named_parameters()}
             missing = expected - loaded
             if missing:

@@ -11,9 +11,10 @@ scheduled sequence's new tokens and counters, not its whole token history) plus 
 so every rank builds the same inputs and plans the same kernels. Rank 0 alone computes logits that
 are used (every rank holds the LM head; the workers' logits are dropped).
 
-Not supported with N > 1 (the engine refuses or turns them off): speculative decoding, and async
-scheduling (its next step reads the previous step's sampled ids on rank 0's device, which workers do
-not have).
+Async scheduling: a step launched before the previous step's sampled ids reach the host reads its
+pending input tokens from them on the device; rank 0 broadcasts those ids to the workers (in stream
+order, no host sync) before the step. Not supported with N > 1 (the engine refuses it): speculative
+decoding.
 """
 
 from __future__ import annotations
@@ -108,12 +109,11 @@ def compact_schedule(sched: Any) -> _Sched:
     for s in sched.seqs:
         r = s.request
         c, n = r.num_computed_tokens, s.num_new_tokens
-        if r.num_pending:
-            raise RuntimeError("tensor parallelism runs without async scheduling: no token may be pending")
         want = bool(getattr(r, "needs_prompt_logprobs", False))
         req = _Req(r.request_id, c, _Window(c, r.token_ids[c: c + n], len(r.token_ids)),
                    list(r.spec_token_ids[: s.num_spec_tokens]), r.num_prompt_tokens, want,
-                   [None] * len(r.prompt_logprobs) if want else [], None if r.pooling is None else True)
+                   [None] * len(r.prompt_logprobs) if want else [], None if r.pooling is None else True,
+                   r.num_pending, r.pending_row)
         seqs.append(_Seq(req, n, s.num_spec_tokens, s.samples))
     return _Sched(seqs, list(sched.block_copies), sched.is_decode)
 
@@ -124,6 +124,18 @@ def _init_group(backend: str, init_method: str, rank: int, world: int) -> None:
     import torch.distributed as dist
 
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=_timeout())
+
+
+def _execute(runner: Any, sched: _Sched, block_tables: list[list[int]], prev: Optional[tuple]) -> None:
+    """A worker's step. prev: (numel, dtype) of rank 0's previous sampled ids, which rank 0 broadcasts
+    (async scheduling: the inputs of requests with a pending token are read from them on the device)."""
+    prev_tokens = None
+    if prev is not None:
+        import torch.distributed as dist
+
+        prev_tokens = torch.empty(prev[0], dtype=prev[1], device=runner.device)
+        dist.broadcast(prev_tokens, src=0)
+    runner.execute(sched, block_tables, prev_tokens=prev_tokens)
 
 
 def _worker_main(rank: int, world: int, backend: str, init_method: str, runner_kwargs: dict, conn) -> None:
@@ -151,7 +163,7 @@ def _worker_main(rank: int, world: int, backend: str, init_method: str, runner_k
             break
         method, args, kwargs, reply = msg
         try:
-            out = getattr(runner, method)(*args, **kwargs)
+            out = _execute(runner, *args) if method == "execute" else getattr(runner, method)(*args, **kwargs)
             if reply:
                 conn.send(("ok", out))
         except BaseException:
@@ -267,11 +279,25 @@ class TensorParallelRunner:
             return
         self._call("capture_decode_graphs", max_batch)
 
-    def execute(self, sched: Any, block_tables: list[list[int]], **extra: Any):
+    def execute(self, sched: Any, block_tables: list[list[int]], prev_tokens: Optional[torch.Tensor] = None,
+                **extra: Any):
+        """One step on every rank. prev_tokens (async scheduling): the sampled ids of the step in flight,
+        on rank 0's device; broadcast to the workers in stream order (no host sync) when a scheduled
+        request's input token is among them."""
         if extra:
             raise ValueError(f"tensor parallelism: execute() options {sorted(extra)} are not supported")
-        self._send("execute", (compact_schedule(sched), block_tables), {}, reply=False)
-        return self.local.execute(sched, block_tables)
+        if prev_tokens is not None and not any(s.request.num_pending for s in sched.seqs):
+            prev_tokens = None
+        prev = None
+        if prev_tokens is not None:
+            prev_tokens = prev_tokens.contiguous()
+            prev = (prev_tokens.numel(), prev_tokens.dtype)
+        self._send("execute", (compact_schedule(sched), block_tables, prev), {}, reply=False)
+        if prev is not None:
+            import torch.distributed as dist
+
+            dist.broadcast(prev_tokens, src=0)
+        return self.local.execute(sched, block_tables, prev_tokens=prev_tokens)
 
     def __getattr__(self, name: str) -> Any:  # everything else: rank 0's runner (cfg, model, kv_cache, ...)
         if name == "local":
