@@ -229,3 +229,54 @@ def test_real_model_on_three_ranks_serves_openai_clients():
     finally:
         aeng.shutdown()
         _close(llm)
+
+
+def test_compact_schedule_gives_the_runner_the_same_step():
+    """A step as the workers receive it (compact_schedule, pickled) gives ModelRunner.prepare and the
+    prompt-logprob rows exactly what the SchedulerOutput gives: a prefill chunk asking prompt
+    logprobs, a finished prompt's last chunk, decodes (one with its token pending on the device), draft
+    tokens, block copies."""
+    import pickle
+    from types import SimpleNamespace
+
+    from pageflash.engine.model_runner import ModelRunner
+    from pageflash.engine.parallel import compact_schedule
+    from pageflash.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from pageflash.engine.sequence import Request
+
+    def req(i, n_prompt, computed, outputs=(), **params):
+        r = Request(f"r{i}", None, list(range(100 * i, 100 * i + n_prompt)), SamplingParams(**params), 0.0)
+        r.token_ids += list(outputs)
+        r.num_computed_tokens = computed
+        return r
+
+    chunk = req(0, 30, 8, prompt_logprobs=2)  # a prefill chunk of 10 that scores prompt tokens
+    last = req(1, 13, 9)  # the prompt's last 4 tokens: samples
+    dec = req(2, 5, 6, outputs=[7, 8])  # a decode
+    pend = req(3, 5, 7, outputs=[9, 10])  # a decode whose newest token is still on the device
+    pend.num_pending, pend.pending_row = 1, 3
+    spec = req(4, 6, 7, outputs=[4, 5])  # a decode with 2 draft tokens to verify
+    spec.spec_token_ids = [11, 12]
+    sched = SchedulerOutput([ScheduledSeq(chunk, 10, 0), ScheduledSeq(last, 4, 0), ScheduledSeq(dec, 1, 0),
+                             ScheduledSeq(pend, 1, 0), ScheduledSeq(spec, 3, 2)], block_copies=[(3, 9)])
+    tables = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12], [13, 14], [15, 16], [17, 18, 19]]
+    compact = pickle.loads(pickle.dumps(compact_schedule(sched)))
+    assert [s.samples for s in compact.seqs] == [s.samples for s in sched.seqs] == [False, True, True, True, True]
+    assert compact.block_copies == [(3, 9)] and compact.is_decode == sched.is_decode
+    runner = SimpleNamespace(block_size=4)
+    assert ModelRunner.prepare(runner, compact, tables, []) == ModelRunner.prepare(runner, sched, tables, [])
+    fixes_a, fixes_b = [], []
+    ModelRunner.prepare(runner, compact, tables, fixes_a)
+    ModelRunner.prepare(runner, sched, tables, fixes_b)
+    assert fixes_a == fixes_b == [(len(range(10)) + 4 + 1, 3)]
+    assert ModelRunner._prompt_logprob_rows(compact) == ModelRunner._prompt_logprob_rows(sched)
+    assert ModelRunner._prompt_logprob_rows(sched)[1] is not None
+    # what the decode graphs read: the token at num_computed_tokens, and the history's length
+    for a, b in zip(compact.seqs[2:4], sched.seqs[2:4]):
+        ra, rb = a.request, b.request
+        assert len(ra.token_ids) == len(rb.token_ids)
+        p = rb.num_computed_tokens
+        if p < len(rb.token_ids):
+            assert ra.token_ids[p] == rb.token_ids[p]
+        with pytest.raises(IndexError, match="outside the step's window"):
+            ra.token_ids[0]

@@ -96,26 +96,59 @@ class _Seq:
     samples: bool
 
 
-@dataclass
 class _Sched:
-    seqs: list[_Seq]
-    block_copies: list[tuple[int, int]]
-    is_decode: bool
+    """A step as the workers receive it: one column per field the runner reads (lists of ints pickle
+    several times faster than objects); ``seqs`` rebuilds ScheduledSeq-like objects on the worker."""
+
+    COLUMNS = ("request_ids", "computed", "window", "length", "spec", "num_prompt", "want_prompt_lp",
+               "prompt_lp_len", "pooling", "pending", "pending_row", "new", "num_spec", "samples")
+
+    def __init__(self, block_copies: list[tuple[int, int]], is_decode: bool, **columns: list) -> None:
+        self.block_copies, self.is_decode = block_copies, is_decode
+        self.columns = columns
+        self._seqs: Optional[list[_Seq]] = None
+
+    def __getstate__(self) -> tuple:
+        return self.block_copies, self.is_decode, self.columns
+
+    def __setstate__(self, state: tuple) -> None:
+        self.block_copies, self.is_decode, self.columns = state
+        self._seqs = None
+
+    @property
+    def seqs(self) -> list[_Seq]:
+        if self._seqs is None:
+            c = self.columns
+            self._seqs = [
+                _Seq(_Req(rid, comp, _Window(comp, win, ln), spec, npr, want, [None] * lp_len,
+                          True if pool else None, pend, prow), new, nspec, smp)
+                for rid, comp, win, ln, spec, npr, want, lp_len, pool, pend, prow, new, nspec, smp
+                in zip(*(c[k] for k in self.COLUMNS))
+            ]
+        return self._seqs
 
 
 def compact_schedule(sched: Any) -> _Sched:
     """What ModelRunner.execute reads of a SchedulerOutput, without the requests' token histories."""
-    seqs = []
-    for s in sched.seqs:
-        r = s.request
-        c, n = r.num_computed_tokens, s.num_new_tokens
-        want = bool(getattr(r, "needs_prompt_logprobs", False))
-        req = _Req(r.request_id, c, _Window(c, r.token_ids[c: c + n], len(r.token_ids)),
-                   list(r.spec_token_ids[: s.num_spec_tokens]), r.num_prompt_tokens, want,
-                   [None] * len(r.prompt_logprobs) if want else [], None if r.pooling is None else True,
-                   r.num_pending, r.pending_row)
-        seqs.append(_Seq(req, n, s.num_spec_tokens, s.samples))
-    return _Sched(seqs, list(sched.block_copies), sched.is_decode)
+    reqs = [s.request for s in sched.seqs]
+    comp = [r.num_computed_tokens for r in reqs]
+    new = [s.num_new_tokens for s in sched.seqs]
+    nspec = [s.num_spec_tokens for s in sched.seqs]
+    want = [bool(getattr(r, "needs_prompt_logprobs", False)) for r in reqs]
+    pending = [r.num_pending for r in reqs]
+    length = [len(r.token_ids) for r in reqs]
+    return _Sched(
+        list(sched.block_copies), sched.is_decode,
+        request_ids=[r.request_id for r in reqs], computed=comp,
+        window=[r.token_ids[c: c + n] for r, c, n in zip(reqs, comp, new)], length=length,
+        spec=[r.spec_token_ids[:k] if k else [] for r, k in zip(reqs, nspec)],
+        num_prompt=[r.num_prompt_tokens for r in reqs], want_prompt_lp=want,
+        prompt_lp_len=[len(r.prompt_logprobs) if w else 0 for r, w in zip(reqs, want)],
+        pooling=[r.pooling is not None for r in reqs], pending=pending,
+        pending_row=[r.pending_row for r in reqs], new=new, num_spec=nspec,
+        # ScheduledSeq.samples, from the columns (num_tokens = len(token_ids) + num_pending)
+        samples=[c + n - k >= ln + p for c, n, k, ln, p in zip(comp, new, nspec, length, pending)],
+    )
 
 
 # ---- the worker processes --------------------------------------------------------------------
