@@ -212,8 +212,6 @@ class TensorParallelRunner:
     """Rank 0's view of N ranks: a ModelRunner over rank 0's shard (what every attribute not mirrored
     here reads) and N - 1 worker processes that repeat its device calls on their shards."""
 
-    MIRRORED = ("auto_num_blocks", "allocate_kv_cache", "capture_decode_graphs", "execute")
-
     def __init__(self, tp_size: int, **runner_kwargs: Any) -> None:
         import multiprocessing as mp
 

@@ -38,26 +38,33 @@ def _close(llm):
     gc.collect()
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qk-norm", "qwen3-moe", "qwen2-moe"])
-def test_two_ranks_on_one_gpu_match_hf_fp32(tmp_path, name, monkeypatch):
+def _hf_check(tmp_path, name: str, one_device: bool) -> None:
+    """Two ranks' greedy tokens equal HF's (float32, async scheduling on: the default on CUDA): on one
+    GPU over gloo with eager steps, or on two over NCCL through the decode graphs."""
     from transformers import AutoModelForCausalLM
 
     from hf_ref import hf_greedy, make_random_hf_folder
     from test_engine_hf import CONFIGS
 
-    monkeypatch.setenv("PAGEFLASH_TP_ONE_DEVICE", "1")
     folder = make_random_hf_folder(tmp_path, CONFIGS[name])
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = _prompts()
     llm = LLM(folder, dtype="float32", block_size=16, max_num_batched_tokens=32, max_model_len=128,
               num_kv_blocks=64, tensor_parallel_size=2)
     eng = llm.llm_engine
-    assert eng.runner.comm_backend == "gloo" and eng.runner.backend.name == "triton" and eng.runner.graphs is None
-    assert eng.async_scheduling  # (the default on CUDA): the in-flight step's ids are broadcast
+    assert eng.runner.backend.name == "triton" and eng.async_scheduling
+    assert eng.runner.comm_backend == ("gloo" if one_device else "nccl")
+    assert (eng.runner.graphs is None) == one_device
     got = _run(llm, prompts)
     assert eng.kv.num_free_blocks == 64
     _close(llm)
     assert got == [hf_greedy(hf, p, 16) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qk-norm", "qwen3-moe", "qwen2-moe"])
+def test_two_ranks_on_one_gpu_match_hf_fp32(tmp_path, name, monkeypatch):
+    monkeypatch.setenv("PAGEFLASH_TP_ONE_DEVICE", "1")
+    _hf_check(tmp_path, name, one_device=True)
 
 
 def test_two_int8_ranks_on_one_gpu_match_hf_on_their_quantization(tmp_path, monkeypatch):
@@ -68,22 +75,7 @@ def test_two_int8_ranks_on_one_gpu_match_hf_on_their_quantization(tmp_path, monk
 @two_gpus
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-mqa-tied", "qwen3-moe", "qwen2-moe"])
 def test_two_gpus_match_hf_fp32(tmp_path, name):
-    from transformers import AutoModelForCausalLM
-
-    from hf_ref import hf_greedy, make_random_hf_folder
-    from test_engine_hf import CONFIGS
-
-    folder = make_random_hf_folder(tmp_path, CONFIGS[name])
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    prompts = _prompts()
-    llm = LLM(folder, dtype="float32", block_size=16, max_num_batched_tokens=32, max_model_len=128,
-              num_kv_blocks=64, tensor_parallel_size=2)
-    eng = llm.llm_engine
-    assert eng.runner.graphs is not None and eng.runner.backend.name == "triton" and eng.async_scheduling
-    got = _run(llm, prompts)
-    assert eng.kv.num_free_blocks == 64
-    _close(llm)
-    assert got == [hf_greedy(hf, p, 16) for p in prompts]
+    _hf_check(tmp_path, name, one_device=False)
 
 
 @two_gpus
