@@ -24,7 +24,7 @@ def _layer(h, inter, e, g):
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("t", [1, 5, 64, 300, 2048])
+@pytest.mark.parametrize("t", [1, 2, 5, 64, 300, 2048])
 def test_fused_moe_bf16(shape, t, poison_outputs):
     h, inter, e, k = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(t)
@@ -37,11 +37,11 @@ def test_fused_moe_bf16(shape, t, poison_outputs):
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def test_fused_moe_in_a_cuda_graph_follows_the_routing():
+@pytest.mark.parametrize("t", [24, 1])  # the 32-row and the 16-row (decode) tile configs
+def test_fused_moe_in_a_cuda_graph_follows_the_routing(t):
     h, inter, e, k = SHAPES["qwen3-30b-a3b"]
     g = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = _layer(h, inter, e, g)
-    t = 24
     x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
     wts, ids = route(torch.randn(t, e, device="cuda", generator=g), k, True)
     out = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
@@ -89,7 +89,7 @@ def test_engine_matches_hf_on_cuda_fp32(tmp_path, name):
 
 
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-like"])
-@pytest.mark.parametrize("t", [1, 64, 2048])
+@pytest.mark.parametrize("t", [1, 2, 64, 2048])
 def test_int8_experts_bf16(shape, t, poison_outputs):
     """INT8 experts (codes widened in registers, a scale per row) against the float32 reference over
     the dequantized weights."""
