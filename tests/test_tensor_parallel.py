@@ -280,3 +280,38 @@ def test_compact_schedule_gives_the_runner_the_same_step():
             assert ra.token_ids[p] == rb.token_ids[p]
         with pytest.raises(IndexError, match="outside the step's window"):
             ra.token_ids[0]
+
+
+def test_two_ranks_sampling_forks_embeddings_and_prompt_logprobs_equal_one_rank(tmp_path):
+    """What rank 0 alone does on the step's results is unchanged by the split: seeded sampling with
+    n = 2 (the siblings fork the prompt's blocks, the shared partial block copied on first write on
+    every rank), embeddings (final hidden states) and prompt logprobs equal the one-rank engine's."""
+    from pageflash import PoolingParams
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["qwen3-qk-norm"])
+    prompts = _prompts((6, 19))
+    sampled = SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True)
+    lp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2, ignore_eos=True)
+
+    def run(tp):
+        llm = LLM(folder, block_size=4, max_model_len=64, num_kv_blocks=64, tensor_parallel_size=tp)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampled, use_tqdm=False)
+        toks = [[c.token_ids for c in o.outputs] for o in outs]
+        emb = [o.outputs.embedding for o in llm.embed([{"prompt_token_ids": p} for p in prompts],
+                                                       PoolingParams(normalize=False), use_tqdm=False)]
+        plp = llm.generate([{"prompt_token_ids": prompts[1]}], lp, use_tqdm=False)[0].prompt_logprobs
+        free = llm.llm_engine.kv.num_free_blocks
+        if tp > 1:
+            _close(llm)
+        return toks, emb, plp, free
+
+    one, two = run(1), run(2)
+    assert two[0] == one[0] and all(a != b for a, b in two[0])  # two different samples per prompt
+    for a, b in zip(two[1], one[1]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
+    assert len(two[2]) == len(one[2]) == len(prompts[1])
+    for a, b in zip(two[2][1:], one[2][1:]):
+        assert a.keys() == b.keys()
+        for tok in a:
+            assert abs(a[tok].logprob - b[tok].logprob) < 1e-4
+    assert two[3] == one[3] == 64
