@@ -315,3 +315,23 @@ def test_two_ranks_sampling_forks_embeddings_and_prompt_logprobs_equal_one_rank(
         for tok in a:
             assert abs(a[tok].logprob - b[tok].logprob) < 1e-4
     assert two[3] == one[3] == 64
+
+
+def test_a_script_without_a_main_guard_gets_a_clear_error(tmp_path):
+    """Workers are spawned: they import the main module, which (unguarded) would start an engine of its
+    own. The worker dies starting up and the engine says why at once, instead of waiting out the
+    rendezvous timeout."""
+    import subprocess
+    import sys
+    import time
+
+    folder = make_random_hf_folder(tmp_path / "model", CONFIGS["llama-gqa"])
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from pageflash import LLM\nLLM({folder!r}, max_model_len=32, num_kv_blocks=16, "
+                      f"tensor_parallel_size=2)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "PAGEFLASH_TP_TIMEOUT": "600"})
+    assert r.returncode != 0
+    assert "exited with code" in r.stderr and 'if __name__ == "__main__":' in r.stderr
+    assert time.monotonic() - t0 < 240

@@ -173,6 +173,7 @@ def _execute(runner: Any, sched: _Sched, block_tables: list[list[int]], prev: Op
 
 def _worker_main(rank: int, world: int, backend: str, init_method: str, runner_kwargs: dict, conn) -> None:
     """A worker rank: build its runner, then run the calls rank 0 sends until None (or the pipe closes)."""
+    conn.send(("started", None))  # (rank 0 waits for this before the rendezvous: _await_start)
     try:
         device = runner_kwargs["device"]
         if device.type == "cuda":
@@ -255,6 +256,7 @@ class TensorParallelRunner:
             self._procs.append(p)
         self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._procs)
         try:
+            self._await_start()
             _init_group(backend, init_method, 0, tp_size)
             self.local = ModelRunner(**runner_kwargs, tp_rank=0, tp_size=tp_size)
             self._gather()  # the workers' runners are built
@@ -262,6 +264,21 @@ class TensorParallelRunner:
             self.close()
             raise
         logger.info("tensor parallel: %d ranks (%s)", tp_size, backend)
+
+    def _await_start(self) -> None:
+        """Wait until every worker process runs (before the rendezvous, which would otherwise wait out
+        PAGEFLASH_TP_TIMEOUT for a worker that died starting up)."""
+        for rank, (c, p) in enumerate(zip(self._conns, self._procs), start=1):
+            while not c.poll(0.2) and p.is_alive():
+                pass
+            try:
+                self._raise(c.recv())
+            except EOFError:  # it died before its first word
+                p.join(timeout=10)
+                raise RuntimeError(
+                    f"tensor-parallel worker {rank} exited with code {p.exitcode} while starting. Workers are "
+                    f"spawned processes that import the main module: a script that creates a tensor-parallel "
+                    f"LLM must do so under `if __name__ == \"__main__\":`") from None
 
     # -- mirroring ------------------------------------------------------------------------------
     def _send(self, method: str, args: tuple, kwargs: dict, reply: bool) -> None:
