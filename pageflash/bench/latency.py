@@ -180,12 +180,15 @@ def dtype_name(dtype: Any) -> str:
 
 
 def dtype_label(result: dict[str, Any]) -> str:
-    """The model's dtype, "+int8" for quantized weights, "/kv:int8" for a quantized KV cache."""
+    """The model's dtype, "+int8" for quantized weights, "/kv:int8" for a quantized KV cache, "/tp2" for
+    two tensor-parallel ranks."""
     label = result["dtype"]
     if result.get("quantization"):
         label += f"+{result['quantization']}"
     if result.get("kv_cache_dtype") not in (None, "auto"):
         label += f"/kv:{result['kv_cache_dtype']}"
+    if (result.get("tensor_parallel_size") or 1) > 1:
+        label += f"/tp{result['tensor_parallel_size']}"
     return label
 
 
@@ -512,6 +515,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         "dtype": dtype_name(eng.dtype),
         "quantization": kwargs.get("quantization"),
         "kv_cache_dtype": kwargs.get("kv_cache_dtype") or "auto",
+        "tensor_parallel_size": kwargs.get("tensor_parallel_size") or 1,
         "device": eng.device.type,
         "input_len": a.input_len,
         "output_len": a.output_len,

@@ -287,6 +287,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         "dtype": dtype_name(eng.dtype),
         "quantization": kwargs.get("quantization"),
         "kv_cache_dtype": kwargs.get("kv_cache_dtype") or "auto",
+        "tensor_parallel_size": kwargs.get("tensor_parallel_size") or 1,
         "kv_cache_blocks": kv_blocks(eng),
         "device": eng.device.type,
         "workload": workload,
