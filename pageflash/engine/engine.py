@@ -256,8 +256,7 @@ class LLMEngine:
             self.spec.bind(num_blocks)
         self.sampler = Sampler()
         self._async_scheduling = (
-            self.device.type == "cuda" if config.async_scheduling is None
-            else bool(config.async_scheduling)
+            self.device.type == "cuda" if config.async_scheduling is None else bool(config.async_scheduling)
         )
         self._inflight: Optional[_Inflight] = None  # a launched step whose sampled tokens are not processed
         self._pooled: list[tuple[Request, int]] = []  # embedding requests _launch found complete: (req, hidden row)
