@@ -335,3 +335,36 @@ def test_a_script_without_a_main_guard_gets_a_clear_error(tmp_path):
     assert r.returncode != 0
     assert "exited with code" in r.stderr and 'if __name__ == "__main__":' in r.stderr
     assert time.monotonic() - t0 < 240
+
+
+def test_a_failed_step_stops_the_ranks_instead_of_running_them_out_of_step(tmp_path):
+    """A step that raises on rank 0 leaves the workers inside its all-reduces: later steps would pair
+    their collectives one step off and give wrong tokens. The engine stops the workers and refuses
+    further steps with the reason; after shutdown() a step says the engine was shut down."""
+    import time
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
+    llm = LLM(folder, max_model_len=64, num_kv_blocks=32, tensor_parallel_size=2)
+    runner = llm.llm_engine.runner
+    real, calls = runner.local.execute, []
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure on rank 0")
+        return real(*a, **kw)
+
+    runner.local.execute = flaky
+    with pytest.raises(RuntimeError, match="injected failure"):
+        _generate(llm, _prompts((5,)))
+    with pytest.raises(RuntimeError, match="out of step since a failed step .*injected failure"):
+        _generate(llm, _prompts((1,)))
+    t0 = time.monotonic()
+    procs = runner._procs
+    llm.shutdown()
+    assert time.monotonic() - t0 < 10 and not any(p.is_alive() for p in procs)
+    with pytest.raises(RuntimeError, match="shut down"):
+        _generate(llm, _prompts((1,)))
+    del llm
+    gc.collect()
+    assert not torch.distributed.is_initialized()

@@ -281,7 +281,14 @@ class TensorParallelRunner:
                     f"LLM must do so under `if __name__ == \"__main__\":`") from None
 
     # -- mirroring ------------------------------------------------------------------------------
+    _broken: Optional[str] = None  # why the ranks are out of step (a call failed on some rank)
+
     def _send(self, method: str, args: tuple, kwargs: dict, reply: bool) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("this tensor-parallel engine was shut down")
+        if self._broken is not None:
+            raise RuntimeError(f"the tensor-parallel ranks are out of step since a failed step ({self._broken}); "
+                               f"start a new engine")
         for c in self._conns:
             if c.poll():  # a worker that failed reported it before exiting
                 self._raise(c.recv())
@@ -341,11 +348,33 @@ class TensorParallelRunner:
             prev_tokens = prev_tokens.contiguous()
             prev = (prev_tokens.numel(), prev_tokens.dtype)
         self._send("execute", (compact_schedule(sched), block_tables, prev), {}, reply=False)
-        if prev is not None:
-            import torch.distributed as dist
+        try:
+            if prev is not None:
+                import torch.distributed as dist
 
-            dist.broadcast(prev_tokens, src=0)
-        return self.local.execute(sched, block_tables, prev_tokens=prev_tokens)
+                dist.broadcast(prev_tokens, src=0)
+            return self.local.execute(sched, block_tables, prev_tokens=prev_tokens)
+        except BaseException as ex:
+            self._fail_step(ex)
+            raise
+
+    def _fail_step(self, ex: BaseException) -> None:
+        """A step failed on rank 0 (or a worker's failure surfaced here as a collective error): the
+        workers may be waiting inside that step's collectives, so every later step would pair its
+        all-reduces with theirs one step off. Stop the workers; later calls raise."""
+        why = f"{type(ex).__name__}: {ex}"
+        for c in self._conns:  # a worker that failed says why (it exits after that)
+            try:
+                if c.poll(1.0):
+                    status, value = c.recv()
+                    if status == "error":
+                        why += f"; a worker failed:\n{value}"
+            except (EOFError, OSError):
+                pass
+        self._broken = why
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
 
     def __getattr__(self, name: str) -> Any:  # everything else: rank 0's runner (cfg, model, kv_cache, ...)
         if name == "local":
