@@ -30,6 +30,8 @@ from typing import Any, Optional
 
 import torch
 
+from pageflash.envs import int_env
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,7 +44,7 @@ def _free_port() -> int:
 def _timeout() -> datetime.timedelta:
     """PAGEFLASH_TP_TIMEOUT seconds (default 600): how long a rank waits for the others (start-up
     rendezvous, a collective) before failing instead of hanging."""
-    return datetime.timedelta(seconds=float(os.environ.get("PAGEFLASH_TP_TIMEOUT", "600")))
+    return datetime.timedelta(seconds=int_env("PAGEFLASH_TP_TIMEOUT", 600, minimum=1))
 
 
 # ---- a step, as the workers receive it ----------------------------------------------------------
