@@ -343,13 +343,14 @@ class TensorParallelRunner:
         request's input token is among them."""
         if extra:
             raise ValueError(f"tensor parallelism: execute() options {sorted(extra)} are not supported")
-        if prev_tokens is not None and not any(s.request.num_pending for s in sched.seqs):
+        compact = compact_schedule(sched)
+        if prev_tokens is not None and not any(compact.columns["pending"]):
             prev_tokens = None
         prev = None
         if prev_tokens is not None:
             prev_tokens = prev_tokens.contiguous()
             prev = (prev_tokens.numel(), prev_tokens.dtype)
-        self._send("execute", (compact_schedule(sched), block_tables, prev), {}, reply=False)
+        self._send("execute", (compact, block_tables, prev), {}, reply=False)
         try:
             if prev is not None:
                 import torch.distributed as dist

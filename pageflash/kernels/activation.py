@@ -28,6 +28,18 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def silu_f32(g, LIBDEVICE: tl.constexpr):
+    """silu(g) of float32 g as ATen computes it: g / (1 + expf(-g)) with libdevice's expf and IEEE
+    division (LIBDEVICE False: tl.exp, the interpreter has no libdevice). Shared by the SiLU epilogues
+    (here, kernels/gemv.py, kernels/fused_moe.py); callers round it to their output dtype."""
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    return tl.math.div_rn(g, 1.0 + e)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     X, O, stride_xt, stride_ot, INTER,
     BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
@@ -38,11 +50,7 @@ def _silu_and_mul_kernel(
     mask = cols < INTER
     g = tl.load(X + t * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(X + t * stride_xt + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    if LIBDEVICE:
-        e = libdevice.exp(-g)
-    else:  # interpreter (no libdevice)
-        e = tl.exp(-g)
-    act = tl.math.div_rn(g, 1.0 + e).to(O.dtype.element_ty).to(tl.float32)
+    act = silu_f32(g, LIBDEVICE).to(O.dtype.element_ty).to(tl.float32)
     tl.store(O + t * stride_ot + cols, (act * u).to(O.dtype.element_ty), mask=mask)
 
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pageflash.kernels.activation import libdevice
+from pageflash.kernels.activation import silu_f32
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.moe import experts_ref, route
@@ -363,11 +363,7 @@ def _moe_gemm_kernel(
             acc_up = acc_up * tl.load(s_ptrs + N, mask=n_mask, other=0.0)[None, :]
     if GATED:
         g = acc.to(C.dtype.element_ty).to(tl.float32)
-        if LIBDEVICE:
-            ex = libdevice.exp(-g)
-        else:  # interpreter
-            ex = tl.exp(-g)
-        act = tl.math.div_rn(g, 1.0 + ex).to(C.dtype.element_ty).to(tl.float32)
+        act = silu_f32(g, LIBDEVICE).to(C.dtype.element_ty).to(tl.float32)
         acc = act * acc_up.to(C.dtype.element_ty).to(tl.float32)
 
     if MUL_SCALE:

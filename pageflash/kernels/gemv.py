@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.activation import silu_f32
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
 
@@ -27,10 +28,6 @@ __all__ = ["gemv", "gemv_ref", "MAX_M"]
 MAX_M = 4
 
 
-try:  # libdevice's expf, as the SiLU kernel (kernels/activation.py) uses it
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover - older layouts
-    from triton.language.extra.cuda import libdevice
 
 
 # M, ROWS and HALF are not specialized: one compile per tile config serves every shape (cold start)
@@ -80,11 +77,7 @@ def _gemv_kernel(
                 # rounded to the output dtype as the unfused projection would store it, then the
                 # SiLU kernel's arithmetic step for step
                 v = out.to(Y.dtype.element_ty).to(tl.float32)
-                if LIBDEVICE:
-                    e = libdevice.exp(-gate)
-                else:  # interpreter (no libdevice)
-                    e = tl.exp(-gate)
-                act = tl.math.div_rn(gate, 1.0 + e).to(Y.dtype.element_ty).to(tl.float32)
+                act = silu_f32(gate, LIBDEVICE).to(Y.dtype.element_ty).to(tl.float32)
                 is_up = (tl.zeros([BM, R], dtype=tl.int32) + (g % 2)) > 0
                 tl.store(Y + offs_m[:, None] * stride_ym + feats[None, :], (act * v).to(Y.dtype.element_ty),
                          mask=(offs_m[:, None] < M) & row_ok[None, :] & is_up)

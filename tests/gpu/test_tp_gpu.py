@@ -6,7 +6,6 @@
   eager steps; INT8 ranks equal HF over the weights as the shards quantize them. Skipped (named in
   -ra's summary) on a machine with fewer GPUs; scripts/gpu_tp.sh runs them on the 2-GPU machine."""
 
-import gc
 import sys
 from pathlib import Path
 
@@ -17,25 +16,11 @@ from pageflash import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from test_tensor_parallel import _close, _generate as _run, _prompts  # noqa: E402
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs 2 GPUs")
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-def _prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 5, 16, 17, 33, 40, 3)]
-
-
-def _run(llm, prompts, params=GREEDY):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _close(llm):
-    llm.shutdown()
-    del llm
-    gc.collect()
+PROMPT_LENS = (1, 5, 16, 17, 33, 40, 3)
 
 
 def _hf_check(tmp_path, name: str, one_device: bool) -> None:
@@ -48,7 +33,7 @@ def _hf_check(tmp_path, name: str, one_device: bool) -> None:
 
     folder = make_random_hf_folder(tmp_path, CONFIGS[name])
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    prompts = _prompts()
+    prompts = _prompts(PROMPT_LENS)
     llm = LLM(folder, dtype="float32", block_size=16, max_num_batched_tokens=32, max_model_len=128,
               num_kv_blocks=64, tensor_parallel_size=2)
     eng = llm.llm_engine
@@ -104,7 +89,7 @@ def _int8_check(tmp_path):
     from test_tensor_parallel import _fake_quantized_tp_hf
 
     folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"], std=0.3)
-    prompts = _prompts()
+    prompts = _prompts(PROMPT_LENS)
     llm = LLM(folder, dtype="float32", max_model_len=64, num_kv_blocks=64, quantization="int8",
               tensor_parallel_size=2)
     got = _run(llm, prompts)
