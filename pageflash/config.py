@@ -37,7 +37,10 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
+    # sliding-window attention: a query at position p sees the keys at positions p - sliding_window + 1
+    # .. p (transformers' mask); in the layers sliding_layers lists (None: every layer)
     sliding_window: Optional[int] = None
+    sliding_layers: Optional[tuple[int, ...]] = None
     # mixture of experts (0 experts: every layer has a dense MLP of intermediate_size)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -71,10 +74,22 @@ class ModelConfig:
                                  f"num_experts ({self.num_experts})")
         elif self.architecture in MOE_ARCHITECTURES:
             raise ValueError(f"model config: {self.architecture} needs num_experts > 0")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"model config: sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if self.sliding_layers is not None and any(
+                not isinstance(i, int) or not 0 <= i < self.num_hidden_layers for i in self.sliding_layers):
+            raise ValueError(f"model config: sliding_layers must be layer indices in [0, {self.num_hidden_layers}), "
+                             f"got {self.sliding_layers!r}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("llama3", "linear", "default"):
                 raise ValueError(f"model config: rope_scaling type {kind!r} is not supported (llama3, linear)")
+
+    def layer_window(self, i: int) -> Optional[int]:
+        """The attention window of decoder layer i (None: full causal attention)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and i not in self.sliding_layers):
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:
@@ -163,6 +178,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         rope_scaling = d.get("rope_scaling")
         rope_theta = d.get("rope_theta")
+        window, window_layers = _sliding_window(d, model_type)
         if rope_theta is None and isinstance(d.get("rope_parameters"), dict):  # transformers >= 5 layout
             rope_theta = d["rope_parameters"].get("rope_theta")
             if d["rope_parameters"].get("rope_type", "default") != "default":
@@ -187,7 +203,8 @@ class ModelConfig:
             architecture=arch,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            sliding_window=_sliding_window(d, model_type),
+            sliding_window=window,
+            sliding_layers=window_layers,
             num_experts=num_experts,
             num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if num_experts else 0,
             moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]) if num_experts else 0,
@@ -224,22 +241,43 @@ class ModelConfig:
                          shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         if self.sliding_window is not None:
             d["sliding_window"] = self.sliding_window
-            d["use_sliding_window"] = True
+            if model_type in ("mistral", "mixtral"):
+                if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
+                    raise ValueError(f"{model_type} slides every layer or none (transformers' config has no "
+                                     f"per-layer types for it)")
+            else:
+                d["use_sliding_window"] = True
+                layers = range(self.num_hidden_layers) if self.sliding_layers is None else self.sliding_layers
+                if model_type == "qwen3_moe" and len(layers) != self.num_hidden_layers:
+                    raise ValueError("qwen3_moe slides every layer or none (transformers reads no layer_types)")
+                d["layer_types"] = ["sliding_attention" if i in layers else "full_attention"
+                                    for i in range(self.num_hidden_layers)]
         return d
 
 
-def _sliding_window(d: dict[str, Any], model_type: str) -> Optional[int]:
-    """The attention window of a config whose layers slide (Mistral v0.1; Qwen2/3 with
-    use_sliding_window, from layer max_window_layers on), else None."""
+def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[Optional[int], Optional[tuple[int, ...]]]:
+    """(window, the layers that slide -- None: all) as transformers 5 reads the config: Mistral /
+    Mixtral and Qwen3-MoE slide every layer (Qwen3-MoE only with use_sliding_window); Qwen2/3 with
+    use_sliding_window the layers from max_window_layers (default 28) on, Qwen2-MoE the even layers
+    below it -- unless ``layer_types`` names each layer's kind (Qwen2/3, Qwen2-MoE). (None, None) when no layer slides."""
     w = d.get("sliding_window")
     if not w or not d.get("use_sliding_window", model_type in ("mistral", "mixtral")):
-        return None
+        return None, None
+    n = int(d["num_hidden_layers"])
+    first = int(d.get("max_window_layers") if d.get("max_window_layers") is not None else 28)
     types = d.get("layer_types")
-    if isinstance(types, list) and "sliding_attention" not in types:
-        return None
-    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and d.get("max_window_layers", d["num_hidden_layers"]) >= d["num_hidden_layers"]:
-        return None  # transformers slides only layers from max_window_layers on
-    return int(w)
+    per_layer = model_type in ("qwen2", "qwen3", "qwen2_moe")  # the others' modeling ignores layer_types
+    if per_layer and isinstance(types, list) and len(types) == n:
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif model_type in ("qwen2", "qwen3"):
+        layers = tuple(range(first, n))
+    elif model_type == "qwen2_moe":
+        layers = tuple(i for i in range(n) if i % 2 == 0 and i < first)
+    else:
+        layers = tuple(range(n))
+    if not layers:
+        return None, None
+    return int(w), (None if len(layers) == n else layers)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> "Any":

@@ -178,31 +178,6 @@ def test_qwen3_gguf_loads_like_its_hf_folder(tmp_path):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
-def test_sliding_window_caps_the_context(tmp_path):
-    """Attention is full causal attention, equal to a sliding window only while a sequence fits it: a
-    config whose layers slide gets its context capped at the window, and a longer max_model_len is a
-    clear error rather than silently different answers."""
-    from hf_ref import make_random_hf_folder
-    from pageflash import LLM
-
-    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0)
-    mistral = dict(base, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=32)
-    assert ModelConfig.from_hf_dict(mistral).sliding_window == 32
-    assert ModelConfig.from_hf_dict(dict(mistral, sliding_window=None)).sliding_window is None
-    qwen2 = dict(base, model_type="qwen2", architectures=["Qwen2ForCausalLM"], sliding_window=32)
-    assert ModelConfig.from_hf_dict(qwen2).sliding_window is None  # use_sliding_window defaults to false
-    # max_window_layers >= the layer count: no layer slides
-    assert ModelConfig.from_hf_dict(dict(qwen2, use_sliding_window=True, max_window_layers=2)).sliding_window is None
-    assert ModelConfig.from_hf_dict(dict(qwen2, use_sliding_window=True, max_window_layers=1)).sliding_window == 32
-
-    folder = make_random_hf_folder(tmp_path, mistral)
-    llm = LLM(folder, num_kv_blocks=16, block_size=4)
-    assert llm.llm_engine.max_model_len == 32
-    with pytest.raises(ValueError, match="sliding attention window of 32"):
-        LLM(folder, max_model_len=64, num_kv_blocks=32, block_size=4)
-
-
 def test_quantized_checkpoint_is_refused_by_name():
     d = dict(NAMED_CONFIGS["smollm2-135m"], quantization_config={"quant_method": "awq", "bits": 4})
     with pytest.raises(ValueError, match=r"quantized checkpoints \(awq\) are not supported"):

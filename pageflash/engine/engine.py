@@ -186,15 +186,6 @@ class LLMEngine:
             self.dtype = _DTYPES[config.dtype]
 
         max_pos = self.model_config.max_position_embeddings
-        window = self.model_config.sliding_window
-        if window is not None and window < max_pos:
-            # Attention here is full causal attention, which equals sliding-window attention while a
-            # sequence fits the window: the context is capped there rather than answers going wrong.
-            if config.max_model_len and config.max_model_len > window:
-                raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding attention "
-                                 f"window of {window} tokens (sliding-window attention is not implemented; "
-                                 f"sequences are limited to the window)")
-            max_pos = window
         self.max_model_len = config.max_model_len or max_pos
         if self.max_model_len > max_pos:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context of {max_pos} tokens")

@@ -418,13 +418,15 @@ class DecodeGraphs:
         r.model.set_prefetcher(pf)  # only while capturing: eager steps skip the fork calls
         try:
             hkv = r.model.cfg.num_key_value_heads
+            windows = sorted({r.model.cfg.layer_window(i) for i in range(r.model.cfg.num_hidden_layers)},
+                             key=lambda w: -1 if w is None else w)
             steps = []  # (bucket, plan, short?) in capture order
             for b in reversed(self.buckets):  # largest first: the pool then fits the smaller ones
                 plan = r.backend.plan(self._meta(b))
                 steps.append((b, plan, False))
                 if 0 < self.short_blocks < self.max_blocks:
                     short = r.backend.plan(self._meta(b, self.short_blocks))
-                    if _decode_splits(short, hkv) != _decode_splits(plan, hkv):
+                    if _decode_splits(short, hkv, windows) != _decode_splits(plan, hkv, windows):
                         steps.append((b, short, True))
             if _precompile_from_env():
                 # every step's Triton kernels compiled at once on a thread pool (their first launches
@@ -546,10 +548,11 @@ def _short_kv_from_env() -> int:
     return int_env("PAGEFLASH_DECODE_SHORT_KV", _SHORT_KV)
 
 
-def _decode_splits(plan: Any, num_kv_heads: int) -> Optional[int]:
-    """The decode split count a plan gives, or None for a backend that does not split."""
+def _decode_splits(plan: Any, num_kv_heads: int, windows: Sequence[Optional[int]] = (None,)) -> Optional[tuple]:
+    """The decode split counts a plan gives the model's layers (one per attention window), or None
+    for a backend that does not split."""
     f = getattr(plan, "splits_for", None)
-    return f(num_kv_heads) if f is not None else None
+    return tuple(f(num_kv_heads, w) for w in windows) if f is not None else None
 
 
 # Batch-1 decode graphs prefetch the head of the o, qkv and gate_up weights into L2 while the

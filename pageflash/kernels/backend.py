@@ -53,7 +53,8 @@ class TritonPlan:
     # (TritonBackend.mixed_decode_min), the rest to the paged kernel (whose query tiles a single
     # query would leave mostly empty)
     decode_prefix: int = 0
-    # num_kv_heads -> decode splits; ("prefix", num_kv_heads) -> those of the decode_prefix sequences
+    # (num_kv_heads, window) -> decode splits; ("prefix", num_kv_heads, window) -> those of the
+    # decode_prefix sequences
     num_splits: dict = field(default_factory=dict)
     # (queries per tile, first sequence with tiles) -> work list
     tiles: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -62,11 +63,16 @@ class TritonPlan:
     def slot_mapping(self) -> torch.Tensor:
         return self.meta.slot_mapping
 
-    def splits_for(self, num_kv_heads: int) -> int:
-        s = self.num_splits.get(num_kv_heads)
+    def kv_bound(self, window: Optional[int]) -> int:
+        """Static bound of the keys one query reads: the block-table span, or a sliding window's
+        (plus the partial tile it starts in)."""
+        return self.max_kv_len if window is None else min(self.max_kv_len, window + 128)
+
+    def splits_for(self, num_kv_heads: int, window: Optional[int] = None) -> int:
+        s = self.num_splits.get((num_kv_heads, window))
         if s is None:
-            s = choose_num_splits(self.meta.num_seqs, num_kv_heads, self.max_kv_len, self.num_sms)
-            self.num_splits[num_kv_heads] = s
+            s = choose_num_splits(self.meta.num_seqs, num_kv_heads, self.kv_bound(window), self.num_sms)
+            self.num_splits[(num_kv_heads, window)] = s
         return s
 
     def tiles_for(self, queries_per_tile: int, device: torch.device, first_seq: int = 0
@@ -164,21 +170,24 @@ class TritonBackend:
         scale: float,
         rope: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
         kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        window: Optional[int] = None,
+        positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D].
         rope: (positions [T], cos, sin): rotate q and k in the launch that stores K/V -- in place, or
         (decode steps) in registers inside the decode kernel, leaving q and k as they were.
-        kv_scales: (k_scale, v_scale) of a quantized cache (pageflash.layers.attention's module doc)."""
+        kv_scales: (k_scale, v_scale) of a quantized cache (pageflash.layers.attention's module doc).
+        window, positions: a sliding-window layer's (the same module doc)."""
         meta = plan.meta
         hkv = k_cache.shape[2]
         if plan.decode:
-            splits = plan.splits_for(hkv)
+            splits = plan.splits_for(hkv, window)
             counters = self._decode_counters(q.device, q.shape[0] * hkv) if splits > 1 else None
             if rope is not None and self.decode_rope:  # rotary + K/V store inside the decode launch
                 return flash_decode(
                     q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits,
                     counters=counters, rope=rope, k_new=k, v_new=v, slot_mapping=meta.slot_mapping,
-                    kv_scales=kv_scales,
+                    kv_scales=kv_scales, window=window,
                 )
         if rope is not None:
             apply_rotary(q, k, *rope, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping,
@@ -188,10 +197,11 @@ class TritonBackend:
         if plan.decode:
             return flash_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits, counters=counters,
-                kv_scales=kv_scales,
+                kv_scales=kv_scales, window=window,
             )
         if plan.fresh_prefill:
-            out, _ = flash_attn_varlen_fwd(q, k, v, meta.query_start_loc, meta.max_query_len, True, scale)
+            out, _ = flash_attn_varlen_fwd(q, k, v, meta.query_start_loc, meta.max_query_len, True, scale,
+                                           window=window)
             return out
         group = q.shape[1] // hkv
         cfg = prefill_config(q.shape[2], group, meta.max_query_len, q.dtype, q.device,
@@ -207,19 +217,19 @@ class TritonBackend:
             # queries 2 splits won 41 -> 33 us, at 64 x 16 they lost 37 -> 47 us; at 1-16 sequences
             # 4-16 splits won 24 -> 9-12 us: scripts/bench_verify_attn.py)
             weight = max(1, cfg["BLOCK_M"] // 16)
-            splits = choose_num_splits(tiles[0].numel() * weight, hkv, plan.max_kv_len, plan.num_sms)
+            splits = choose_num_splits(tiles[0].numel() * weight, hkv, plan.kv_bound(window), plan.num_sms)
         out = paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
             meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask,
-            tiles=tiles, config=cfg, num_splits=splits, kv_scales=kv_scales,
+            tiles=tiles, config=cfg, num_splits=splits, kv_scales=kv_scales, window=window, positions=positions,
         )
         if nd:  # the leading decode sequences' rows (0..nd-1: one each), left unwritten above
-            key = ("prefix", hkv)
+            key = ("prefix", hkv, window)
             dsplits = plan.num_splits.get(key)
             if dsplits is None:
-                dsplits = plan.num_splits[key] = choose_num_splits(nd, hkv, plan.max_kv_len, plan.num_sms)
+                dsplits = plan.num_splits[key] = choose_num_splits(nd, hkv, plan.kv_bound(window), plan.num_sms)
             flash_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                         num_splits=dsplits, kv_scales=kv_scales, out=out[:nd])
+                         num_splits=dsplits, kv_scales=kv_scales, out=out[:nd], window=window)
         return out
 
 

@@ -73,7 +73,7 @@ def _load_rows(base, rows, row_stride, offs_d, row_limit,
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, seqlen, qk_scale,
                offs_m, offs_n, offs_d,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+               BLOCK_N: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr = 0):
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -83,6 +83,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, s
             ok = cols[None, :] < seqlen
             if CAUSAL:
                 ok = ok & (offs_m[:, None] >= cols[None, :])
+            if WINDOW > 0:  # sliding window: row i sees keys i - WINDOW + 1 .. i
+                ok = ok & (cols[None, :] > offs_m[:, None] - WINDOW)
             qk = tl.where(ok, qk * qk_scale, float("-inf"))
         else:
             qk = qk * qk_scale
@@ -108,7 +110,7 @@ def _fwd_kernel(
     seqlen_static, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the heaviest query blocks first: better tail balance
@@ -140,7 +142,21 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if CAUSAL:
+    if CAUSAL and WINDOW > 0:
+        # sliding window (causal only): keys before lo are out of every row's window; keys in
+        # [lo, edge) out of some rows' (masked), [edge, m0) in every row's (unmasked); then the diagonal
+        lo = tl.maximum(m0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        edge = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - WINDOW, 0), BLOCK_N) * BLOCK_N, m0)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, edge, seqlen,
+                                   qk_scale, offs_m, offs_n, offs_d,
+                                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC, WINDOW)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, tl.maximum(edge, lo), m0,
+                                   seqlen, qk_scale, offs_m, offs_n, offs_d,
+                                   False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, m0,
+                                   tl.minimum(m0 + BLOCK_M, seqlen), seqlen, qk_scale, offs_m, offs_n, offs_d,
+                                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC, WINDOW)
+    elif CAUSAL:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, m0, seqlen,
                                    qk_scale, offs_m, offs_n, offs_d,
                                    False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC)
@@ -476,8 +492,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool) -> t
     return hq, hkv, d, n
 
 
-def _fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale, varlen, config=None):
+def _fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale, varlen, config=None, window=None):
     hq, hkv, d, n = _check(q, k, v, varlen)
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"flash attention: a sliding window needs causal attention and window >= 1, got "
+                         f"causal={causal}, window={window}")
     cfg = dict(fwd_config(d, q.dtype, q.device))
     cfg.update(config or {})
     assert cfg["BLOCK_M"] % cfg["BLOCK_N"] == 0, "BLOCK_M must be a multiple of BLOCK_N"
@@ -504,6 +523,8 @@ def _fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale, varlen, config=None):
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         CAUSAL=causal, VARLEN=varlen, PREC=_prec(q.dtype),
+        # a window as long as every sequence changes nothing: no variant for it
+        WINDOW=window if window is not None and window < max_seqlen else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse
@@ -585,12 +606,14 @@ def flash_attn_varlen_fwd(
     causal: bool = True,
     scale: Optional[float] = None,
     config: Optional[dict] = None,
+    window: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only. q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens int32 [B+1], max_seqlen (host int, an upper
-    bound of the lengths). Returns (o [T, Hq, D], lse fp32 [Hq, T], natural log)."""
+    bound of the lengths). window (causal only): sliding-window attention, query i sees keys
+    i - window + 1 .. i. Returns (o [T, Hq, D], lse fp32 [Hq, T], natural log)."""
     _check_cu(cu_seqlens, q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _fwd(q, k, v, cu_seqlens.contiguous(), int(max_seqlen), causal, scale, True, config)
+    return _fwd(q, k, v, cu_seqlens.contiguous(), int(max_seqlen), causal, scale, True, config, window)
 
 
 def flash_attn_varlen(
@@ -622,9 +645,11 @@ def flash_attention(
 
 
 def flash_attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: Optional[float] = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: Optional[float] = None,
+    window: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain attention in float32 (differentiable). q [B, Hq, N, D], k/v [B, Hkv, N, D].
+    """Plain attention in float32 (differentiable). q [B, Hq, N, D], k/v [B, Hkv, N, D]; window: causal
+    sliding-window attention (query i sees keys i - window + 1 .. i).
     Returns (o [B, Hq, N, D] in q's dtype, lse fp32 [B, Hq, N])."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
@@ -633,7 +658,10 @@ def flash_attention_ref(
     s = torch.matmul(q.float(), kk.transpose(-1, -2)) * scale
     if causal:
         n = q.shape[2]
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        if window is not None:
+            allowed &= ~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-window)
+        s = s.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     o = torch.matmul(torch.softmax(s, dim=-1), vv)
     return o.to(q.dtype), lse
@@ -646,13 +674,15 @@ def flash_attn_varlen_ref(
     cu_seqlens: torch.Tensor,
     causal: bool = True,
     scale: Optional[float] = None,
+    window: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for the varlen layout: returns (o [T, Hq, D], lse fp32 [Hq, T]); one sequence at a time."""
     cu = cu_seqlens.tolist()
     outs, lses = [], []
     for s, e in zip(cu[:-1], cu[1:]):
         o, lse = flash_attention_ref(
-            q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None], causal, scale
+            q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None], causal, scale,
+            window,
         )
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])

@@ -42,27 +42,39 @@ def split_chunk(end, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def split_range(end, split, num_splits, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    """Keys [lo, hi) of program `split` of num_splits over keys [0, end): `split_chunk` keys each (the
-    last ones may be short or empty); all of them without SPLIT."""
+def split_range(end, split, num_splits, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, start=0):
+    """Keys [lo, hi) of program `split` of num_splits over keys [start, end) (start a multiple of
+    BLOCK_N): `split_chunk` keys each (the last ones may be short or empty); all of them without SPLIT."""
     if SPLIT:
-        chunk = split_chunk(end, num_splits, BLOCK_N)
-        lo = split * chunk
+        chunk = split_chunk(end - start, num_splits, BLOCK_N)
+        lo = start + split * chunk
         hi = tl.minimum(lo + chunk, end)
     else:
-        lo = 0
+        lo = start
         hi = end
     return lo, hi
 
 
 @triton.jit
-def live_splits(end, num_splits, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr = False):
-    """How many splits hold keys (at least 1, so that an empty sequence still has one, all -inf).
-    STRIDED: split s holds tiles s, s + num_splits, ... of BLOCK_N keys."""
+def live_splits(end, num_splits, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr = False, start=0):
+    """How many splits hold keys of [start, end) (start a multiple of BLOCK_N; at least 1, so that an
+    empty sequence still has one, all -inf). STRIDED: split s holds tiles s, s + num_splits, ... of
+    BLOCK_N keys counted from start."""
+    n = end - start
     if STRIDED:
-        return tl.minimum(tl.maximum(tl.cdiv(end, BLOCK_N), 1), num_splits)
+        return tl.minimum(tl.maximum(tl.cdiv(n, BLOCK_N), 1), num_splits)
     else:
-        return tl.maximum(tl.cdiv(end, tl.maximum(split_chunk(end, num_splits, BLOCK_N), 1)), 1)
+        return tl.maximum(tl.cdiv(n, tl.maximum(split_chunk(n, num_splits, BLOCK_N), 1)), 1)
+
+
+@triton.jit
+def window_start(seq_len, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The first key tile (a multiple of BLOCK_N) that holds a key of a decode query's window (the
+    last WINDOW keys; 0 without a window)."""
+    if WINDOW > 0:
+        return tl.maximum(seq_len - WINDOW, 0) // BLOCK_N * BLOCK_N
+    else:
+        return 0
 
 
 @triton.jit
@@ -93,22 +105,26 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
     BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False,
     QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
     seq_len = tl.load(SEQ_LENS + b)
+    # WINDOW: a sliding-window layer; its query sees keys [seq_len - WINDOW, seq_len), which the splits
+    # share from the tile holding the first of them (w0) on
+    w0 = window_start(seq_len, WINDOW, BLOCK_N)
     if STRIDED and SPLIT:
-        # tiles split, split + num_splits, ...: the first tile's position needs no seq_len
-        lo = split * BLOCK_N
+        # tiles split, split + num_splits, ...: the first tile's position needs no seq_len (no window)
+        lo = w0 + split * BLOCK_N
         hi = seq_len
         step = num_splits * BLOCK_N
     else:
-        lo, hi = split_range(seq_len, split, num_splits, BLOCK_N, SPLIT)
+        lo, hi = split_range(seq_len, split, num_splits, BLOCK_N, SPLIT, w0)
         step = BLOCK_N
     if SPLIT:
-        eff = live_splits(seq_len, num_splits, BLOCK_N, STRIDED)
+        eff = live_splits(seq_len, num_splits, BLOCK_N, STRIDED, w0)
     else:
         eff = 1
     # a program past the last split with keys writes nothing (the combine reads the first eff splits);
@@ -143,7 +159,7 @@ def _decode_split_kernel(
         qp = tl.load(q_ptr + partner[None, :], mask=q_mask, other=0.0)
         q = _rope_tile(q, qp, c[None, :], s[None, :], lo_half[None, :])
         if STRIDED and SPLIT:
-            owner = (seq_len > 0) & (((seq_len - 1) // BLOCK_N) % num_splits == split)
+            owner = (seq_len > 0) & ((((seq_len - 1) - w0) // BLOCK_N) % num_splits == split)
             hi_loop = hi - 1  # == seq_len - 1: no other program's tiles hold that key
         else:
             owner = (seq_len > 0) & (lo <= seq_len - 1) & (seq_len - 1 < hi)
@@ -193,6 +209,8 @@ def _decode_split_kernel(
     for start_n in range(lo, hi_loop, step):
         j = start_n + offs_n
         kv_ok = j < hi_loop
+        if WINDOW > 0:
+            kv_ok = kv_ok & (j >= seq_len - WINDOW)
         if BT_AHEAD:
             blk = blk_a.to(tl.int64)
             jn = j + step
@@ -287,7 +305,7 @@ def _decode_combine_kernel(
     O, PO, PLSE, SEQ_LENS, stride_ob, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     LENS: tl.constexpr, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr = False, BLOCK_DC: tl.constexpr = 0,
-    EAGER: tl.constexpr = False,
+    EAGER: tl.constexpr = False, WINDOW: tl.constexpr = 0,
 ):
     """Grid (Hq, rows, D / BLOCK_DC): program (h, r, c) combines columns [c * BLOCK_DC, ...) of row r,
     head h (BLOCK_DC 0: all of D). EAGER (decode partials, LENS): every split's partial is loaded
@@ -308,7 +326,8 @@ def _decode_combine_kernel(
         po_all = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                          mask=(offs_s < num_splits)[:, None] & d_ok[None, :], other=0.0)
     if LENS:  # the decode kernel's splits: only the first eff hold partials; eff == 1 wrote O itself
-        eff = live_splits(tl.load(SEQ_LENS + b), num_splits, BLOCK_N, STRIDED)
+        seq_len = tl.load(SEQ_LENS + b)
+        eff = live_splits(seq_len, num_splits, BLOCK_N, STRIDED, window_start(seq_len, WINDOW, BLOCK_N))
     else:
         eff = num_splits
     if (eff > 1) | (not LENS):
@@ -407,6 +426,7 @@ def flash_decode(
     slot_mapping: Optional[torch.Tensor] = None,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     out: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its K/V already stored), caches
     [num_blocks, block_size, Hkv, D], block_tables int32 [B, W], seq_lens int32 [B] (>= 1).
@@ -427,7 +447,10 @@ def flash_decode(
     float8_e4m3fn codes, one scale per (token, KV head) (pageflash.layers.attention's module doc).
 
     out: where to write the result ([B, Hq, D] of q's dtype, D contiguous; e.g. rows of a larger
-    step's output); a new tensor when None."""
+    step's output); a new tensor when None.
+
+    window: a sliding-window layer's: each query sees only the last ``window`` keys of its sequence
+    (the splits share those; ``choose_num_splits`` may be given min(max_kv_len, window + BLOCK_N))."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"flash_decode: q must be [B, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
@@ -455,6 +478,8 @@ def flash_decode(
         )
     if num_splits < 1:
         raise ValueError(f"flash_decode: num_splits must be >= 1, got {num_splits}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"flash_decode: window must be a positive int or None, got {window!r}")
     if rope is not None:
         positions, cos, sin = rope
         if k_new is None or v_new is None or slot_mapping is None:
@@ -515,26 +540,28 @@ def flash_decode(
         BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page, SPLIT=num_splits > 1, FUSED=fused, BT_AHEAD=cfg.get("BT_AHEAD", 0),
         STRIDED=bool(cfg.get("STRIDED", False)),
         BLOCK_S=next_pow2(num_splits) if fused else 1,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, WINDOW=window or 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
         enable_fp_fusion=rope is None,
     )
     if num_splits > 1 and not fused:
         combine_partials(o, po, plse, lens=(seq_lens, cfg["BLOCK_N"]), strided=bool(cfg.get("STRIDED", False)),
-                         config={k[len("COMBINE_"):]: v for k, v in cfg.items() if k.startswith("COMBINE_")})
+                         config={k[len("COMBINE_"):]: v for k, v in cfg.items() if k.startswith("COMBINE_")},
+                         window=window)
     return o
 
 
 def combine_partials(o: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
                      lens: Optional[tuple[torch.Tensor, int]] = None, strided: bool = False,
-                     config: Optional[dict] = None) -> None:
+                     config: Optional[dict] = None, window: Optional[int] = None) -> None:
     """o[r, h] = the splits' partial outputs po [R, Hq, S, D] (fp32) weighted by their log2-domain
     log-sum-exps plse [R, Hq, S]; a row whose splits are all empty (lse -inf) becomes zeros. The tile
     over splits is at least 16, so that the batch buckets' split counts share a few compiles.
     lens=(seq_lens, BLOCK_N): the decode kernel's partials, of which only the live splits were
     written (``live_splits``), none where one split held every key (o already written).
-    strided: the decode kernel's STRIDED splits (live splits counted accordingly).
+    strided: the decode kernel's STRIDED splits (live splits counted accordingly); window: its
+    sliding window (the splits share the window's keys).
     config: BLOCK_DC (columns per program; 0: all of D), EAGER (with lens: read every split's partial
     without waiting for seq_len), num_warps."""
     rows, hq, num_splits, d = po.shape
@@ -551,7 +578,7 @@ def combine_partials(o: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
         NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_S=max(16, next_pow2(num_splits)), LENS=lens is not None, BLOCK_N=block_n,
         STRIDED=strided, BLOCK_DC=min(block_dc, block_d), EAGER=bool(cfg["EAGER"]) and lens is not None,
-        num_warps=cfg["num_warps"],
+        WINDOW=(window or 0) if lens is not None else 0, num_warps=cfg["num_warps"],
     )
 
 
@@ -563,6 +590,7 @@ def flash_decode_ref(
     seq_lens: torch.Tensor,
     scale: float,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Reference (float32 math, q's dtype out): the batched decode of pageflash.layers.attention."""
     from pageflash.layers.attention import AttentionMetadata
@@ -578,4 +606,4 @@ def flash_decode_ref(
         seq_lens_cpu=lens,
         block_size=k_cache.shape[1],
     )
-    return _decode_batched_ref(q, k_cache, v_cache, meta, scale, kv_scales)
+    return _decode_batched_ref(q, k_cache, v_cache, meta, scale, kv_scales, window)

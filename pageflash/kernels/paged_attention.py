@@ -43,10 +43,10 @@ LOG2E = 1.4426950408889634
 def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                  lo, hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale, offs_n, offs_d, bt_width,
-                 ks_base, vs_base, stride_sb,
+                 ks_base, vs_base, stride_sb, tree_pos,
                  MASKED: tl.constexpr, USE_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr,
-                 QUANT: tl.constexpr):
+                 QUANT: tl.constexpr, WINDOW: tl.constexpr = 0):
     if BT_AHEAD:
         # a tile's block ids are loaded one iteration ahead (masked by the table's width only): its K/V
         # copies then depend on no load of their own iteration, and Triton's pipeliner gives them
@@ -99,8 +99,13 @@ def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                 tm = tl.load(TREE + q_row[:, None] * stride_tree + t[None, :],
                              mask=row_ok[:, None] & in_tree[None, :], other=0)
                 ok = ok & ((t[None, :] < 0) | (tm != 0))
+                if WINDOW > 0:  # a tree key sits at its node's position (tree_pos: the sequence's positions)
+                    kpos = tl.where(t >= 0, tl.load(tree_pos + t, mask=in_tree, other=0).to(tl.int32), j)
+                    ok = ok & (kpos[None, :] > qpos[:, None] - WINDOW)
             else:
                 ok = ok & (j[None, :] <= qpos[:, None])
+                if WINDOW > 0:
+                    ok = ok & (j[None, :] > qpos[:, None] - WINDOW)
             qk = tl.where(ok, qk * qk_scale, float("-inf"))
         else:
             qk = qk * qk_scale
@@ -135,11 +140,12 @@ def _paged_prefill_kernel(
     stride_vcb, stride_vcs, stride_vch,
     stride_bt, stride_tree, bt_width,
     qk_scale, num_splits,
-    KS, VS, stride_sb, stride_sh,
+    KS, VS, stride_sb, stride_sh, POS,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_TREE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr = 0,
     QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -157,7 +163,10 @@ def _paged_prefill_kernel(
     row_ok = (qi < q_len) & (g < GROUP)
     head = kvh * GROUP + g
     q_row = (q_start + qi).to(tl.int64)
-    qpos = ctx + qi
+    if USE_TREE and WINDOW > 0:  # a tree's queries sit at their nodes' positions
+        qpos = tl.load(POS + q_row, mask=row_ok, other=0).to(tl.int32)
+    else:
+        qpos = ctx + qi
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q_ptrs = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
@@ -184,18 +193,41 @@ def _paged_prefill_kernel(
         shared_end = ctx + qb * (BLOCK_M // GROUP_PAD)
         kv_end = tl.minimum(seq_len, shared_end + BLOCK_M // GROUP_PAD)
     full = shared_end - shared_end % BLOCK_N
-    # Flash-Decoding over the keys with SPLIT: this program takes one BLOCK_N-aligned chunk of [0, kv_end)
-    lo, hi = split_range(kv_end, split, num_splits, BLOCK_N, SPLIT)
+    if USE_TREE and WINDOW > 0:
+        tree_pos = POS + q_start  # the tree keys' positions
+    else:
+        tree_pos = q_start  # unused
+    if WINDOW > 0:
+        # sliding window: keys before start are out of every row's window (skipped), keys before edge
+        # out of some rows' (masked); qpos ranges over [qmin, qmax] in the tile
+        qmin = tl.min(tl.where(row_ok, qpos, 2147483647), 0)
+        qmax = tl.max(tl.where(row_ok, qpos, 0), 0)
+        start = tl.minimum(tl.maximum(qmin - WINDOW + 1, 0), kv_end) // BLOCK_N * BLOCK_N
+        edge = tl.cdiv(tl.maximum(qmax - WINDOW + 1, 0), BLOCK_N) * BLOCK_N
+    else:
+        start = 0
+        edge = 0
+    # Flash-Decoding over the keys with SPLIT: this program takes one BLOCK_N-aligned chunk of [start, kv_end)
+    lo, hi = split_range(kv_end, split, num_splits, BLOCK_N, SPLIT, start)
+    if WINDOW > 0:  # the window's edge, masked
+        acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
+                                     stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+                                     lo, tl.minimum(tl.minimum(edge, full), hi), seq_len, ctx, q_row, qpos, row_ok,
+                                     TREE, stride_tree, qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base,
+                                     stride_sb, tree_pos,
+                                     True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT,
+                                     WINDOW)
+        lo = tl.maximum(lo, tl.minimum(edge, full))
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  lo, tl.minimum(full, hi), seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
-                                 qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb,
+                                 qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos,
                                  False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT)
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  tl.maximum(full, lo), hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
-                                 qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb,
-                                 True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT)
+                                 qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos,
+                                 True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT, WINDOW)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -277,6 +309,8 @@ def paged_attention(
     config: Optional[dict] = None,
     num_splits: int = 1,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    window: Optional[int] = None,
+    positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of the new queries over the paged cache (their K/V already stored; with kv_scales
     (k_scale, v_scale) float32 [num_blocks, Hkv, block_size], a quantized cache of int8 / e4m3 codes).
@@ -287,7 +321,8 @@ def paged_attention(
     :func:`build_tiles` for the config's queries per tile (built here when None). num_splits > 1:
     each (tile, KV head) splits its keys over that many programs whose partial outputs are combined
     by log-sum-exp (Flash-Decoding for few queries over a long context: speculative verify steps).
-    Returns [T, Hq, D].
+    window: a sliding-window layer's (pageflash.layers.attention's module doc); with a tree mask it
+    needs ``positions`` [T] (int32 / int64), the new tokens' positions. Returns [T, Hq, D].
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -342,6 +377,14 @@ def paged_attention(
             tree_mask = tree_mask.contiguous()
     if num_splits < 1:
         raise ValueError(f"paged_attention: num_splits must be >= 1, got {num_splits}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"paged_attention: window must be a positive int or None, got {window!r}")
+    pos = None
+    if window is not None and tree_mask is not None:
+        if positions is None or positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"paged_attention: a sliding window over a tree mask needs positions [{t}] int32/int64, "
+                             f"got {None if positions is None else (tuple(positions.shape), positions.dtype)}")
+        pos = positions.contiguous()
     split = num_splits > 1
     if split:
         po = torch.empty((t, hq, num_splits, d), device=q.device, dtype=torch.float32)
@@ -355,11 +398,12 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), tree_mask.stride(0) if tree_mask is not None else 0, block_tables.shape[1],
-        scale * LOG2E, num_splits, *qargs,
+        scale * LOG2E, num_splits, *qargs, pos,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page,
         USE_TREE=tree_mask is not None, SPLIT=split, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         BT_AHEAD=cfg.get("BT_AHEAD", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **qconst,
+        WINDOW=window or 0,
     )
     if split:
         from pageflash.kernels.flash_decoding import combine_partials

@@ -22,6 +22,10 @@ Conventions shared by every backend:
   token ``j`` (0-based within its sequence) attend to all context tokens and to new tokens
   ``0..j`` (causal) -- or, when ``tree_mask`` is given, to the new tokens ``t`` with
   ``tree_mask[row, t]`` (SpecInfer's topology-aware mask; the diagonal must be set).
+- Sliding-window layers pass ``window=W`` (and ``positions``, the new tokens' positions): a query at
+  position p then sees only the keys at positions > p - W (transformers' mask). A key's position is
+  its index in the sequence's cache, except a token tree's new keys, which sit at ``positions`` (the
+  depth of their node past the context); causal queries sit at ``context_len + j``.
 
 Covers prefill, chunked prefill, prefix-cache hits, decode and multi-token (speculative) decode
 with one mechanism.
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import torch
@@ -204,9 +208,12 @@ def paged_attention_ref(
     meta: AttentionMetadata,
     scale: float,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    window: Optional[int] = None,
+    positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Plain PyTorch attention of the new queries over the paged cache (K/V already stored; with
-    kv_scales, a quantized cache, dequantized).
+    kv_scales, a quantized cache, dequantized; with window, sliding-window attention: the module doc,
+    ``positions`` [T] needed with a tree mask).
 
     Computes in float32 and returns q's dtype. One sequence at a time: the reference, not the fast path.
     """
@@ -231,6 +238,16 @@ def paged_attention_ref(
             allowed[:, ctx:] = torch.ones(qlen, qlen, dtype=torch.bool, device=q.device).tril()
         else:
             allowed[:, ctx:] = meta.tree_mask[s : s + qlen, :qlen]
+        if window is not None:
+            kpos = torch.arange(slen, device=q.device)
+            if meta.tree_mask is None:
+                qpos = kpos[ctx:]
+            else:
+                if positions is None:
+                    raise ValueError("paged_attention_ref: a sliding window over a token tree needs the positions")
+                qpos = positions[s : s + qlen].to(kpos.dtype)
+                kpos = torch.cat([kpos[:ctx], qpos])
+            allowed &= kpos[None, :] > qpos[:, None] - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         p = torch.softmax(scores, dim=-1)
         o = torch.matmul(p, vv.permute(1, 0, 2).unsqueeze(1))  # [Hkv, group, qlen, D]
@@ -241,12 +258,23 @@ def paged_attention_ref(
 @dataclass
 class _CpuDecodePlan:
     """What every layer of one CPU decode step shares: the block ids to gather (int64, [B, blocks of
-    the longest sequence]), that length, and the length mask (None when all sequences are that long)."""
+    the longest sequence]), that length, and the length mask (None when all sequences are that long);
+    ``window_mask(W)`` that of a sliding-window layer."""
 
     meta: AttentionMetadata
     index: torch.Tensor
     max_len: int
     mask: Optional[torch.Tensor]
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: Optional[int]) -> Optional[torch.Tensor]:
+        if window is None or window >= self.max_len:
+            return self.mask
+        m = self.window_masks.get(window)
+        if m is None:
+            m = _window_valid(self.meta.seq_lens, self.max_len, window).view(-1, 1, 1, self.max_len)
+            self.window_masks[window] = m
+        return m
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> "_CpuDecodePlan":
@@ -279,14 +307,17 @@ class TorchBackend:
         plan: Any,
         scale: float,
         kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        window: Optional[int] = None,
+        positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """plan: from `plan(meta)`, or the metadata itself. kv_scales: a quantized cache's scales."""
+        """plan: from `plan(meta)`, or the metadata itself. kv_scales: a quantized cache's scales.
+        window, positions: a sliding-window layer's (module doc)."""
         meta = plan.meta if isinstance(plan, _CpuDecodePlan) else plan
         check_kv_scales(k_cache, v_cache, kv_scales, "TorchBackend.forward")
         if kv_scales is not None:
             store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
             if is_fresh_prefill(meta):
-                return causal_varlen_ref(q, k, v, meta, scale)
+                return causal_varlen_ref(q, k, v, meta, scale, window)
         elif q.device.type == "cpu":  # the CPU's serving path: fewer, larger ops than the reference
             _store_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
@@ -294,9 +325,9 @@ class TorchBackend:
         if meta.is_decode_only:
             if q.device.type == "cpu":
                 p = plan if isinstance(plan, _CpuDecodePlan) else _CpuDecodePlan.of(meta)
-                return _decode_sdpa(q, k_cache, v_cache, p, scale, kv_scales)
-            return _decode_batched_ref(q, k_cache, v_cache, meta, scale, kv_scales)
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, kv_scales)
+                return _decode_sdpa(q, k_cache, v_cache, p, scale, kv_scales, window)
+            return _decode_batched_ref(q, k_cache, v_cache, meta, scale, kv_scales, window)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, kv_scales, window, positions)
 
 
 def is_fresh_prefill(meta: AttentionMetadata) -> bool:
@@ -306,18 +337,26 @@ def is_fresh_prefill(meta: AttentionMetadata) -> bool:
 
 
 def causal_varlen_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its new keys only (a fresh prefill), from
-    k and v as given (not from the cache): torch's SDPA in float32 per sequence, q's dtype out."""
+    k and v as given (not from the cache): torch's SDPA in float32 per sequence, q's dtype out.
+    window: sliding-window attention (query i sees keys i - window + 1 .. i)."""
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     start = 0
     for n in meta.query_lens_cpu:
         if n:
             qq, kk, vv = (x[start:start + n].float().transpose(0, 1) for x in (q, k, v))
-            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
-                                                                 enable_gqa=gqa)
+            if window is not None and window < n:
+                i = torch.arange(n, device=q.device)
+                mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+                o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale,
+                                                                     enable_gqa=gqa)
+            else:
+                o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
+                                                                     enable_gqa=gqa)
             out[start:start + n] = o.transpose(0, 1).to(q.dtype)
         start += n
     return out
@@ -352,9 +391,20 @@ def _gather(cache: torch.Tensor, index: torch.Tensor, max_len: int, scales: Opti
     return dequantize_kv_ref(x, scales[index].transpose(2, 3).flatten(1, 2)[:, :max_len])
 
 
+def _window_valid(seq_lens: torch.Tensor, max_len: int, window: Optional[int]) -> torch.Tensor:
+    """[B, max_len] bool: the key slots a decode query sees (its sequence's length, and the last
+    ``window`` of them for a sliding-window layer)."""
+    pos = torch.arange(max_len, device=seq_lens.device)
+    lens = seq_lens[:, None].to(pos.dtype)
+    valid = pos[None, :] < lens
+    if window is not None:
+        valid &= pos[None, :] >= lens - window
+    return valid
+
+
 def _decode_sdpa(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _CpuDecodePlan, scale: float,
-    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None, window: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode on the CPU: the batch's pages gathered as in _decode_batched_ref, then torch's SDPA
     (GQA without repeating K/V; the plan's length mask). Tested against _decode_batched_ref."""
@@ -363,7 +413,7 @@ def _decode_sdpa(
     kk = _gather(k_cache, plan.index, plan.max_len, ks).transpose(1, 2)  # [B, Hkv, L, D]
     vv = _gather(v_cache, plan.index, plan.max_len, vs).transpose(1, 2)
     o = torch.nn.functional.scaled_dot_product_attention(
-        q.view(b, hq, 1, d), kk.to(q.dtype), vv.to(q.dtype), attn_mask=plan.mask, scale=scale,
+        q.view(b, hq, 1, d), kk.to(q.dtype), vv.to(q.dtype), attn_mask=plan.window_mask(window), scale=scale,
         enable_gqa=hq != k_cache.shape[2],
     )
     return o.view(b, hq, d)
@@ -371,7 +421,7 @@ def _decode_sdpa(
 
 def _decode_batched_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None, window: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode (one query per sequence) for the whole batch at once: gather, pad, mask.
 
@@ -386,8 +436,7 @@ def _decode_batched_ref(
     vv = _gather(v_cache, index, max_len, vs).float()
     qh = q.float().view(b, hkv, group, d)
     scores = torch.einsum("bhgd,blhd->bhgl", qh, kk) * scale
-    pos = torch.arange(max_len, device=q.device)
-    valid = pos[None, :] < meta.seq_lens[:, None].to(pos.dtype)  # [B, L]
+    valid = _window_valid(meta.seq_lens, max_len, window)  # [B, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1)
     o = torch.einsum("bhgl,blhd->bhgd", p, vv)

@@ -43,8 +43,11 @@ def _fused_qk_norm(qkv: torch.Tensor, weight: torch.Tensor) -> Optional[Callable
 
 
 class LlamaAttention(_Prefetching, nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
+        # sliding-window layers pass the backend their window (and the positions: a token tree's keys
+        # sit at their depth, not at their place in the cache)
+        self.window = cfg.layer_window(index)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
@@ -78,13 +81,14 @@ class LlamaAttention(_Prefetching, nn.Module):
             q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         kv_scales = kv_cache[2:] or None
+        win = {} if self.window is None else {"window": self.window, "positions": positions}
         if getattr(backend, "fuses_rope", False) and rotary.fusable(q, k):
             # the backend rotates q and k in the launch that stores k and v in the cache
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale,
-                                rope=(positions, rotary.cos, rotary.sin), kv_scales=kv_scales)
+                                rope=(positions, rotary.cos, rotary.sin), kv_scales=kv_scales, **win)
         else:
             q, k = rotary(positions, q, k)
-            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale, kv_scales=kv_scales)
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale, kv_scales=kv_scales, **win)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -125,7 +129,7 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.tp_size = tp_size
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, index)
         self.mlp = _moe_block(cfg) if cfg.is_moe_layer(index) else LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
