@@ -9,7 +9,9 @@ from pageflash.engine.kv_cache import KVCacheManager
 
 
 def check_invariants(kv: KVCacheManager) -> None:
-    refs = Counter(b for sb in kv.seqs.values() for b in sb.block_ids)
+    refs = Counter(b for sb in kv.seqs.values() for b in sb.block_ids[sb.released:])
+    for sb in kv.seqs.values():  # blocks given back behind a sliding window: placeholders
+        assert sb.block_ids[:sb.released] == [0] * sb.released
     for blk in kv.pool.blocks:
         assert blk.ref_cnt == refs.get(blk.block_id, 0), f"block {blk.block_id}: ref_cnt {blk.ref_cnt} != {refs.get(blk.block_id, 0)}"
         assert (blk.block_id in kv.pool.free_queue) == (blk.ref_cnt == 0)
@@ -162,9 +164,10 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops, st.integers(1, 4), st.integers(4, 24), st.booleans(), st.sampled_from([0, 4, 8, 64]))
-def test_random_operation_sequences_keep_invariants(seq, block_size, num_blocks, caching, locality):
-    kv = KVCacheManager(num_blocks, block_size, caching, locality_tokens=locality)
+@given(ops, st.integers(1, 4), st.integers(4, 24), st.booleans(), st.sampled_from([0, 4, 8, 64]),
+       st.sampled_from([None, None, 1, 3, 9]))
+def test_random_operation_sequences_keep_invariants(seq, block_size, num_blocks, caching, locality, window):
+    kv = KVCacheManager(num_blocks, block_size, caching, locality_tokens=locality, window=window)
     tokens: dict[str, list[int]] = {}
     computed: dict[str, int] = {}
     counter = 0
@@ -201,10 +204,51 @@ def test_random_operation_sequences_keep_invariants(seq, block_size, num_blocks,
         # no block is handed to two sequences unless it is shared on purpose (ref_cnt counts it)
         for sid in tokens:
             assert len(kv.block_ids(sid)) == kv.blocks_needed(computed[sid])
+            if window is not None:  # nothing the next token's window sees was given back
+                assert kv.seqs[sid].released * block_size <= max(0, computed[sid] - window + 1)
     for sid in list(tokens):
         kv.free(sid)
     check_invariants(kv)
     assert kv.pool.num_free == num_blocks
+
+
+def test_sliding_window_gives_back_blocks_behind_the_window():
+    """window 6, blocks of 4: before computing token p the blocks wholly before p - 5 go back to the
+    pool (hash kept: a prefix hit revives them); a sequence then holds ~window + step tokens."""
+    kv = KVCacheManager(16, 4, window=6)
+    toks = list(range(40))
+    assert kv.allocate("a", 0, 10)  # tokens 0-9: blocks 0, 1, 2
+    kv.cache_full_blocks("a", toks, 10)
+    assert kv.allocate("a", 10, 1)  # token 10 sees 5..10: block 0 (0-3) goes
+    assert kv.block_ids("a")[0] == 0 and kv.seqs["a"].released == 1 and kv.pool.num_free == 14
+    assert kv.pool.blocks[0].ref_cnt == 0 and 0 in kv.pool.free_queue
+    for p in range(11, 30):
+        assert kv.allocate("a", p, 1)
+        kv.cache_full_blocks("a", toks, p + 1)
+        assert len(kv.block_ids("a")) - kv.seqs["a"].released <= 3  # (6 + 1) tokens span <= 3 blocks
+    assert kv.seqs["a"].released == (29 - 6 + 1) // 4
+    check_invariants(kv)
+    # a prefix hit on the released blocks revives them for another sequence (still cached)
+    hits = kv.find_cached_prefix(toks[:13])
+    assert len(hits) == 3
+    assert kv.allocate("b", 12, 1, hits)  # b's token 12 sees 7..12: its block 0 and block 1 go again
+    assert kv.seqs["b"].released == 1
+    check_invariants(kv)
+    kv.fork("a", "c", 30)
+    assert kv.seqs["c"].released == kv.seqs["a"].released
+    check_invariants(kv)
+    for sid in ("a", "b", "c"):
+        kv.free(sid)
+    check_invariants(kv)
+    assert kv.pool.num_free == 16
+
+
+def test_blocks_held_max():
+    from pageflash.engine.kv_cache import blocks_held_max
+
+    assert blocks_held_max(16, None, 4096, 512) == 256
+    assert blocks_held_max(16, 1024, 4096, 512) == 96 + 2
+    assert blocks_held_max(16, 4096, 1024, 512) == 64  # never more than the context
 
 
 def test_reset_cache_forgets_free_blocks_only():

@@ -298,6 +298,40 @@ def test_engine_matches_hf_past_the_window(tmp_path, name):
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
 
 
+def test_kv_pool_smaller_than_the_context(tmp_path):
+    """Every layer slides: a sequence holds only its window (+ a step) of KV, so a pool far smaller
+    than max_model_len serves long sequences -- and concurrent ones -- with HF's tokens, without a
+    preemption, and nothing leaks. A model with a full-attention layer still needs the whole context."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_ref import hf_greedy, make_random_hf_folder
+    from pageflash import LLM, SamplingParams
+
+    folder = make_random_hf_folder(tmp_path / "m", ENGINE_CONFIGS["mistral-w8"])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (30, 3, 19)]
+    # per sequence: window 8 + a step of 8 tokens = 4 blocks of 4, + 2 partial: 6 blocks; 3 sequences
+    llm = LLM(folder, block_size=4, max_num_batched_tokens=8, max_model_len=128, num_kv_blocks=18)
+    eng = llm.llm_engine
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):  # 100 tokens of context: 25 blocks each, 75 in all, in a pool of 18
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 70), f"prompt of {len(p)}"
+    assert eng.scheduler.num_preemptions == 0
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+    # parallel sampling: the siblings fork a table whose head was given back
+    (o,) = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(n=2, temperature=0.0, max_tokens=40,
+                                                                            ignore_eos=True), use_tqdm=False)
+    assert [c.token_ids for c in o.outputs] == [hf_greedy(hf, prompts[0], 40)] * 2
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+    with pytest.raises(ValueError, match="sliding window of 8 tokens plus a step's 8"):
+        LLM(folder, block_size=4, max_num_batched_tokens=8, max_model_len=128, num_kv_blocks=5)
+    mixed = make_random_hf_folder(tmp_path / "q", ENGINE_CONFIGS["qwen2-mixed-w11"])
+    with pytest.raises(ValueError, match="fewer than max_model_len=128"):
+        LLM(mixed, block_size=4, max_num_batched_tokens=8, max_model_len=128, num_kv_blocks=18)
+
+
 SPEC_CFG = dict(ENGINE_CONFIGS["mistral-w8"], vocab_size=97, sliding_window=6)
 SPEC_PROMPTS = [[5, 6, 7, 8, 9] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2 + [3, 1], [11, 12, 13], [40] * 9]
 

@@ -20,7 +20,7 @@ import torch
 
 from pageflash.config import ModelConfig
 from pageflash.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from pageflash.engine.kv_cache import KVCacheManager
+from pageflash.engine.kv_cache import KVCacheManager, blocks_held_max
 from pageflash.engine.model_runner import ModelRunner
 from pageflash.engine.sampler import Sampler, SamplingBatch, SamplingRow
 from pageflash.engine.scheduler import Scheduler, SchedulerOutput
@@ -223,7 +223,11 @@ class LLMEngine:
         if config.speculative_config is not None:
             self.spec = SpecDecoder(self, config.speculative_config)
         bs = config.block_size
-        per_seq = -(-self.max_model_len // bs)
+        mc = self.model_config
+        # every layer slides: the KV manager gives back the blocks behind each sequence's window, so
+        # a sequence holds about window + one step's tokens (per_seq) whatever its length
+        kv_window = mc.sliding_window if mc.sliding_window is not None and mc.sliding_layers is None else None
+        per_seq = blocks_held_max(bs, kv_window, self.max_model_len, self.max_num_batched_tokens)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -234,14 +238,17 @@ class LLMEngine:
             if self.spec is not None:
                 num_blocks = self.spec.target_kv_share(num_blocks)
         if num_blocks < per_seq:
+            need = (f"max_model_len={self.max_model_len}" if kv_window is None else
+                    f"one sequence's sliding window of {kv_window} tokens plus a step's "
+                    f"{self.max_num_batched_tokens} (max_num_batched_tokens), {per_seq} blocks")
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), fewer than "
-                f"max_model_len={self.max_model_len}; raise num_kv_blocks (or gpu_memory_utilization) or lower max_model_len"
+                f"{need}; raise num_kv_blocks (or gpu_memory_utilization) or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, 256))
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, window=kv_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
         if self.spec is not None:
             self.spec.bind(num_blocks)

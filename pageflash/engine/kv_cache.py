@@ -6,6 +6,12 @@ and can be shared between requests with reference counts. A block whose count dr
 the tail of the free queue but keeps its hash until it is handed out again (LRU eviction), so a later
 request can still hit it. A sequence forked for parallel sampling shares the blocks of its computed
 tokens; the shared partial last block is copied on write (the copy is recorded here and performed by the model runner).
+
+Sliding-window models (every layer attends to the last ``window`` tokens only): a sequence's blocks
+that lie wholly before the window of its next token are released as it advances -- they go back to
+the pool (keeping their hash, so prefix hits can still revive them) and their entries in the table
+become 0, a placeholder no kernel reads -- so a sequence holds about window + chunk tokens of KV
+whatever its length.
 """
 
 from __future__ import annotations
@@ -155,12 +161,23 @@ class BlockPool:
             self.cached[block_hash] = block_id
 
 
+def blocks_held_max(block_size: int, window: Optional[int], max_model_len: int, max_step_tokens: int) -> int:
+    """The most blocks one sequence holds at once: its whole context, or with a sliding window (see
+    the module doc) the window plus one step's tokens and the partial blocks at either end."""
+    full = -(-max_model_len // block_size)
+    if window is None:
+        return full
+    return min(full, -(-(window + max_step_tokens) // block_size) + 2)
+
+
 @dataclass
 class SeqBlocks:
-    """One sequence's block table and the hashes of its full, computed blocks (a prefix of the table)."""
+    """One sequence's block table and the hashes of its full, computed blocks (a prefix of the table);
+    its first ``released`` entries are placeholders (blocks behind a sliding window, given back)."""
 
     block_ids: list[int]
     hashes: list[int]
+    released: int = 0
 
 
 class KVCacheManager:
@@ -171,12 +188,16 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 locality_tokens: int = 64) -> None:
+                 locality_tokens: int = 64, window: Optional[int] = None) -> None:
         """locality_tokens: keep runs of this many tokens of a sequence in consecutive blocks where the
-        pool allows (BlockPool.allocate's `run`; the decode kernel's 64-key tiles); 0 turns it off."""
+        pool allows (BlockPool.allocate's `run`; the decode kernel's 64-key tiles); 0 turns it off.
+        window: the model's attention window when every layer slides (blocks behind it are released)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         self.block_size = block_size
+        self.window = window
         self.pool = BlockPool(num_blocks, enable_prefix_caching, run=max(1, locality_tokens // block_size))
         self.seqs: dict[str, SeqBlocks] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, for the runner
@@ -197,6 +218,18 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _release(self, sb: SeqBlocks, num_computed: int) -> None:
+        """Give back the blocks no query from token num_computed on can see (sliding window): the
+        window of token p starts at p - window + 1."""
+        if self.window is None:
+            return
+        upto = min(max(0, num_computed - self.window + 1) // self.block_size, len(sb.block_ids))
+        if upto > sb.released:
+            drop = sb.block_ids[sb.released:upto]
+            sb.block_ids[sb.released:upto] = [0] * len(drop)
+            sb.released = upto
+            self.pool.free(drop)
 
     # -- prefix cache -----------------------------------------------------------------------------
     def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
@@ -228,7 +261,8 @@ class KVCacheManager:
         parent = sb.hashes[-1] if sb.hashes else None
         for i in range(len(sb.hashes), min(num_computed, len(token_ids)) // bs):
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
-            self.pool.cache(sb.block_ids[i], h)
+            if i >= sb.released:  # (a block released before it was published is gone; the chain goes on)
+                self.pool.cache(sb.block_ids[i], h)
             sb.hashes.append(h)
             parent = h
 
@@ -252,17 +286,21 @@ class KVCacheManager:
     def allocate(self, seq_id: str, num_computed: int, num_new: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Make room for tokens [num_computed, num_computed + num_new) of seq_id.
 
-        cached_blocks: prefix-cache hits for a new sequence (from find_cached_prefix). Returns False,
-        changing nothing, when the pool has too few free blocks.
+        cached_blocks: prefix-cache hits for a new sequence (from find_cached_prefix). Returns False
+        when the pool has too few free blocks, changing nothing but the release of blocks behind a
+        sliding window (which no later step reads).
         """
+        sb = self.seqs.get(seq_id)
+        if sb is not None:
+            self._release(sb, num_computed)
         need = self._blocks_to_add(seq_id, num_computed, num_new, cached_blocks)
         if need is None:
             return False
-        sb = self.seqs.get(seq_id)
         if sb is None:
             self.pool.touch(cached_blocks)
             hashes = [self.pool.blocks[b].block_hash for b in cached_blocks]
             sb = self.seqs[seq_id] = SeqBlocks(list(cached_blocks), hashes)  # type: ignore[arg-type]
+            self._release(sb, num_computed)
         if num_new > 0 and num_computed % self.block_size:
             idx = num_computed // self.block_size
             old = sb.block_ids[idx]
@@ -281,7 +319,7 @@ class KVCacheManager:
         """Release a sequence's blocks; its tail is freed first so it is evicted first."""
         sb = self.seqs.pop(seq_id, None)
         if sb is not None:
-            self.pool.free(list(reversed(sb.block_ids)))
+            self.pool.free(list(reversed(sb.block_ids[sb.released:])))
 
     def fork(self, parent_id: str, child_id: str, num_computed: int) -> None:
         """child shares the blocks of parent that cover its first num_computed tokens (parallel
@@ -291,8 +329,9 @@ class KVCacheManager:
         written from num_computed on."""
         sb = self.seqs[parent_id]
         keep = sb.block_ids[: self.blocks_needed(num_computed)]
-        self.pool.touch(keep)
-        self.seqs[child_id] = SeqBlocks(keep, sb.hashes[: num_computed // self.block_size])
+        self.pool.touch(keep[sb.released:])
+        self.seqs[child_id] = SeqBlocks(keep, sb.hashes[: num_computed // self.block_size],
+                                        min(sb.released, len(keep)))
 
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         """Keep only the blocks covering num_tokens (speculative rollback of rejected slots)."""
