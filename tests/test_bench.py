@@ -51,6 +51,22 @@ def test_roofline_bytes_and_flops_by_hand(tied):
     assert roofline.decode_step_flops(cfg, [3, 4]) == roofline.flops_per_token(cfg, 3) + roofline.flops_per_token(cfg, 4)
 
 
+def test_roofline_sliding_window_by_hand():
+    """A sliding-window layer reads at most its window of keys: layer 1 of 2 slides with window 4."""
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_cfg(False), sliding_window=4, sliding_layers=(1,))
+    assert roofline.layer_keys(cfg, 10) == 10 + 4 and roofline.layer_keys(cfg, 3) == 6
+    # per layer and key: K and V, 1 KV head, head_dim 4, bf16 = 16 bytes
+    assert roofline.decode_step_bytes(cfg, [10, 3], 2) == 2896 + 16 * (14 + 6)
+    assert roofline.flops_per_token(cfg, 10) == 2 * 1448 + 32 * 14
+    # 9 tokens fed: every layer-key count of p = 1..9 summed
+    assert roofline.sequence_flops(cfg, 7, 3) == sum(roofline.flops_per_token(cfg, p + 1) for p in range(9))
+    every = dataclasses.replace(cfg, sliding_layers=None)
+    assert roofline.layer_keys(every, 10) == 8
+    assert roofline.sequence_flops(every, 7, 3) == sum(roofline.flops_per_token(every, p + 1) for p in range(9))
+
+
 def test_roofline_named_configs():
     for name, d in NAMED_CONFIGS.items():
         cfg = ModelConfig.from_hf_dict(d)

@@ -13,7 +13,8 @@ Cost model (a Llama-family decoder, ``ModelConfig``):
   embeddings, the table once more because it is read as the LM head.
 - bytes per decode step (batch B, contexts L_i) = matmul parameters * weight bytes
   + 2 (K and V) * layers * kv_heads * head_dim * kv bytes * sum_i L_i. L_i counts the keys token i
-  attends to (its own included). Not counted (each < 0.1% at batch 1): the embedding rows gathered,
+  attends to (its own included) -- in a sliding-window layer at most its window, so the sum runs over
+  layers, min(L_i, window). Not counted (each < 0.1% at batch 1): the embedding rows gathered,
   the one K/V slot written per sequence, activations and logits.
 - Mixtures of experts: a step of T tokens reads the experts its tokens pick. Bytes count the expected
   distinct experts per MoE layer if tokens pick uniformly, E (1 - (1 - k/E)^T) (``ModelConfig.
@@ -187,6 +188,22 @@ def weight_bytes(cfg: ModelConfig, weight_bytes_per_param: float, num_tokens: Op
     return round(matmul_params(cfg, experts) * weight_bytes_per_param)
 
 
+def layer_keys(cfg: ModelConfig, context_len: int) -> int:
+    """Keys a token at context context_len reads summed over the layers: context_len in each layer
+    that attends to everything, at most the window in each sliding-window layer."""
+    return sum(context_len if (w := cfg.layer_window(i)) is None else min(context_len, w)
+               for i in range(cfg.num_hidden_layers))
+
+
+def _layer_keys_causal(cfg: ModelConfig, t: int) -> int:
+    """sum_{p=1..t} layer_keys(cfg, p): the keys a causal sequence of t tokens reads, over the layers."""
+    total = 0
+    for i in range(cfg.num_hidden_layers):
+        w = cfg.layer_window(i)
+        total += t * (t + 1) // 2 if w is None or w >= t else w * (w + 1) // 2 + (t - w) * w
+    return total
+
+
 def kv_bytes_per_token(cfg: ModelConfig, kv_bytes_per_elem: float) -> int:
     """K and V bytes of one cached token across all layers (kv_bytes_per_elem: a quantized cache's
     code size plus its per-row scale's share, e.g. 1 + 4 / head_dim)."""
@@ -210,26 +227,27 @@ def decode_step_bytes(
         kv_bytes_per_elem = weight_bytes_per_param
     if isinstance(context_lens, int):
         num_seqs = 1 if batch_size is None else batch_size
-        total_ctx = context_lens * num_seqs
+        keys = layer_keys(cfg, context_lens) * num_seqs
     else:
         if batch_size is not None:
             raise ValueError("batch_size is only for a single int context length")
         lens = list(context_lens)
-        num_seqs, total_ctx = len(lens), sum(lens)
-    return (weight_bytes(cfg, weight_bytes_per_param, num_seqs)
-            + kv_bytes_per_token(cfg, kv_bytes_per_elem) * total_ctx)
+        num_seqs, keys = len(lens), sum(layer_keys(cfg, n) for n in lens)
+    per_layer_key = kv_bytes_per_token(cfg, kv_bytes_per_elem) / cfg.num_hidden_layers
+    return weight_bytes(cfg, weight_bytes_per_param, num_seqs) + round(per_layer_key * keys)
 
 
 def flops_per_token(cfg: ModelConfig, context_len: float) -> float:
-    """Forward FLOPs of one token attending to context_len keys: 2 * matmul params + attention."""
-    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context_len
+    """Forward FLOPs of one token attending to context_len keys (a sliding-window layer: at most its
+    window): 2 * matmul params + attention."""
+    attn = 4 * cfg.num_attention_heads * cfg.head_dim * layer_keys(cfg, round(context_len))
     return 2 * active_params(cfg) + attn
 
 
 def decode_step_flops(cfg: ModelConfig, context_lens: Iterable[int]) -> float:
     """Forward FLOPs of one decode step: one token per sequence, sequence i attending to context_lens[i] keys."""
     lens = list(context_lens)
-    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * sum(lens)
+    attn = 4 * cfg.num_attention_heads * cfg.head_dim * sum(layer_keys(cfg, n) for n in lens)
     return 2.0 * active_params(cfg) * len(lens) + attn
 
 
@@ -237,5 +255,5 @@ def sequence_flops(cfg: ModelConfig, num_prompt_tokens: int, num_output_tokens: 
     """Forward FLOPs to run one request end to end: the prompt and every generated token but the last
     are fed through the model (T = n + m - 1 tokens, token at position p attends to p + 1 keys)."""
     t = num_prompt_tokens + max(num_output_tokens, 1) - 1
-    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * (t * (t + 1) // 2)
+    attn = 4 * cfg.num_attention_heads * cfg.head_dim * _layer_keys_causal(cfg, t)
     return 2.0 * active_params(cfg) * t + attn

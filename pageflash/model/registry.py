@@ -47,6 +47,14 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
     ),
+    # Mistral-7B v0.1 (and its fine-tunes: Zephyr, OpenHermes...): every layer attends to the last
+    # 4096 tokens of a 32k context
+    "mistral-7b-v0.1": dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
+        bos_token_id=1, eos_token_id=2,
+    ),
     "qwen2.5-7b": dict(
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
         intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
