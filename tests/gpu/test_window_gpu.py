@@ -18,7 +18,9 @@ from pageflash.layers.attention import TorchBackend
 from pageflash.model.registry import NAMED_CONFIGS
 from test_kernels_gpu import DEV, TOL, make_case, rel_err, rnd
 
-pytestmark = pytest.mark.usefixtures("poison_outputs")
+# kernel outputs start poisoned (not the engine test's: the fixture's torch.empty would escape the
+# engine's torch.device context)
+poisoned = pytest.mark.usefixtures("poison_outputs")
 
 
 def positions(meta) -> torch.Tensor:
@@ -32,6 +34,7 @@ def positions(meta) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64, device=DEV)
 
 
+@poisoned
 @pytest.mark.parametrize("window", [1000, 4096])
 @pytest.mark.parametrize("b,L", [(1, 32768), (16, 8192), (64, 2048), (256, 1024), (7, 17)])
 def test_decode_window(b, L, window):
@@ -64,6 +67,7 @@ PAGED = {
 }
 
 
+@poisoned
 @pytest.mark.parametrize("window", [100, 1024])
 @pytest.mark.parametrize("case,tree,splits", [("chunked", False, 1), ("spec", False, 1), ("spec", False, 16),
                                               ("spec", True, 1), ("spec", True, 16)])
@@ -80,6 +84,7 @@ def test_paged_window(case, tree, splits, window):
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
+@poisoned
 @pytest.mark.parametrize("window", [64, 1000, 4096])
 def test_varlen_prefill_window(window):
     lens = [4096, 1000, 17, 2500]
