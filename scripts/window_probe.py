@@ -3,9 +3,10 @@ one, over the same long contexts, and against the plain kernel over a context as
 
     PYTHONPATH=. python scripts/window_probe.py [--window 4096] [--context 16384]
 
-Decode (Flash-Decoding over the paged cache, 32 / 8 heads, D 128, bf16, pages shuffled): batch 1 /
-16 / 64, each sequence `context` long; bytes = the K/V the query reads (its window); % of the copy
-bandwidth measured in the same process. Prefill: the contiguous varlen kernel over one `context`
+Decode (Flash-Decoding over the paged cache, 32 / 8 heads, D 128, bf16, pages shuffled; the K/V
+store and the split combine included, timed inside a CUDA graph): batch 1 / 16 / 64, each sequence
+`context` long; bytes = the K/V the query reads (its window); % of the copy bandwidth measured in the
+same process. Prefill: the contiguous varlen kernel over one `context`
 prompt (TFLOP/s counted over the keys each query sees), and the paged kernel on a 2048-token chunk
 at the end of a `context` sequence. Prints one table.
 """
@@ -22,6 +23,21 @@ from pageflash.kernels.flash_attention import flash_attn_varlen_fwd
 from pageflash.layers.attention import AttentionMetadata
 
 DEV = torch.device("cuda")
+
+
+def graph_us(fn, reps: int = 20, iters: int = 20) -> float:
+    """GPU time of one fn() call: reps calls captured in a CUDA graph, replayed (no host launch time)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        for _ in range(reps):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return timed_us(g.replay, iters) / reps
 
 
 def timed_us(fn, iters: int = 30) -> float:
@@ -75,7 +91,7 @@ def main() -> None:
         for label, ctx, win in (("full", L, None), ("window", L, w), ("short", w, None)):
             q, k, v, kc, vc, meta = paged_case(b, ctx - 1, 1)
             plan = be.plan(meta)
-            times[label] = timed_us(lambda: be.forward(q, k, v, kc, vc, plan, 0.088, window=win))
+            times[label] = graph_us(lambda: be.forward(q, k, v, kc, vc, plan, 0.088, window=win))
             del q, k, v, kc, vc
         gbs = b * min(w, L) * kv_tok / times["window"] / 1e3
         rows.append((f"decode B{b} L{L}", times["full"], times["window"], times["short"],
