@@ -43,7 +43,7 @@ LOG2E = 1.4426950408889634
 def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                  lo, hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale, offs_n, offs_d, bt_width,
-                 ks_base, vs_base, stride_sb, tree_pos,
+                 ks_base, vs_base, stride_sb, tree_pos, key_lo,
                  MASKED: tl.constexpr, USE_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr,
                  QUANT: tl.constexpr, WINDOW: tl.constexpr = 0):
@@ -58,6 +58,8 @@ def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
         j = start_n + offs_n
         if MASKED:
             kv_ok = j < seq_len
+            if WINDOW > 0:  # keys before every row's window are not loaded (nor their given-back blocks)
+                kv_ok = kv_ok & (j >= key_lo)
         if BT_AHEAD:
             blk = blk_a.to(tl.int64)
             jn = j + BLOCK_N
@@ -202,9 +204,11 @@ def _paged_prefill_kernel(
         # out of some rows' (masked); qpos ranges over [qmin, qmax] in the tile
         qmin = tl.min(tl.where(row_ok, qpos, 2147483647), 0)
         qmax = tl.max(tl.where(row_ok, qpos, 0), 0)
-        start = tl.minimum(tl.maximum(qmin - WINDOW + 1, 0), kv_end) // BLOCK_N * BLOCK_N
+        key_lo = qmin - WINDOW + 1
+        start = tl.minimum(tl.maximum(key_lo, 0), kv_end) // BLOCK_N * BLOCK_N
         edge = tl.cdiv(tl.maximum(qmax - WINDOW + 1, 0), BLOCK_N) * BLOCK_N
     else:
+        key_lo = 0
         start = 0
         edge = 0
     # Flash-Decoding over the keys with SPLIT: this program takes one BLOCK_N-aligned chunk of [start, kv_end)
@@ -214,19 +218,19 @@ def _paged_prefill_kernel(
                                      stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                      lo, tl.minimum(tl.minimum(edge, full), hi), seq_len, ctx, q_row, qpos, row_ok,
                                      TREE, stride_tree, qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base,
-                                     stride_sb, tree_pos,
+                                     stride_sb, tree_pos, key_lo,
                                      True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT,
                                      WINDOW)
         lo = tl.maximum(lo, tl.minimum(edge, full))
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  lo, tl.minimum(full, hi), seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
-                                 qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos,
+                                 qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos, key_lo,
                                  False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT)
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  tl.maximum(full, lo), hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
-                                 qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos,
+                                 qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos, key_lo,
                                  True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT, WINDOW)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
