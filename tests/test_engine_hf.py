@@ -109,6 +109,9 @@ CONFIGS = {
                           num_key_value_heads=2, head_dim=32, rope_theta=1000000.0, attention_bias=False),
     "mistral": dict(BASE, model_type="mistral", architectures=["MistralForCausalLM"], num_attention_heads=4,
                     num_key_value_heads=2, rope_theta=1000000.0, sliding_window=None),
+    # Mistral v0.1's sliding window, shrunk: every layer sees the last 8 tokens (prompts up to 40 + 20)
+    "mistral-window": dict(BASE, model_type="mistral", architectures=["MistralForCausalLM"], num_attention_heads=4,
+                           num_key_value_heads=2, rope_theta=10000.0, sliding_window=8),
     # mixtures of experts: top-2 of 4 renormalized; Qwen3-MoE top-2 of 6 with a dense layer (mlp_only_layers)
     # and q/k norm; Qwen2-MoE top-3 of 4 not renormalized, a gated shared expert, every 2nd layer sparse
     "mixtral": dict(BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], num_attention_heads=4,
@@ -138,8 +141,11 @@ def test_random_models_match_hf(tmp_path, name):
                         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 20)
-    # tiny pool: preemption, same tokens
-    small = LLM(folder, block_size=4, max_num_batched_tokens=24, max_model_len=64, num_kv_blocks=20)
+    # tiny pool: preemption, same tokens (a sliding window's sequences hold only their windows: a
+    # smaller pool still)
+    tiny = dict(num_kv_blocks=8, max_num_batched_tokens=8) if CONFIGS[name].get("sliding_window") else \
+        dict(num_kv_blocks=20, max_num_batched_tokens=24)
+    small = LLM(folder, block_size=4, max_model_len=64, **tiny)
     outs2 = small.generate([{"prompt_token_ids": p} for p in prompts[:4]],
                            SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0

@@ -105,10 +105,10 @@ def _close(llm) -> None:
 @pytest.mark.parametrize("name,async_scheduling", [("llama-gqa", False), ("llama-gqa", True),
                                                    ("llama-mqa-tied", False), ("qwen2-bias", True),
                                                    ("qwen3-qk-norm", False), ("qwen3-moe", True),
-                                                   ("qwen2-moe", False)])
+                                                   ("qwen2-moe", False), ("mistral-window", True)])
 def test_two_ranks_match_hf(tmp_path, name, async_scheduling):
     """Two ranks give HF's greedy tokens, with chunked prefill (a budget of 24 tokens, blocks of 4) in a
-    pool small enough to preempt; no KV block leaks; the workers stop at shutdown. With async
+    pool small enough to preempt (a sliding window over every layer: blocks behind it given back); no KV block leaks; the workers stop at shutdown. With async
     scheduling, rank 0 broadcasts the in-flight step's sampled ids that the next step reads."""
     from transformers import AutoModelForCausalLM
 
@@ -116,14 +116,17 @@ def test_two_ranks_match_hf(tmp_path, name, async_scheduling):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = _prompts()
     want = [hf_greedy(hf, p, 16) for p in prompts]
-    llm = LLM(folder, block_size=4, max_num_batched_tokens=24, max_model_len=64, num_kv_blocks=20,
-              tensor_parallel_size=2, async_scheduling=async_scheduling)
+    # (a sliding window's sequences hold only their windows: a smaller pool to preempt)
+    pool = dict(num_kv_blocks=8, max_num_batched_tokens=8) if CONFIGS[name].get("sliding_window") else \
+        dict(num_kv_blocks=20, max_num_batched_tokens=24)
+    llm = LLM(folder, block_size=4, max_model_len=64, tensor_parallel_size=2, async_scheduling=async_scheduling,
+              **pool)
     eng = llm.llm_engine
     assert eng.runner.tp_size == 2 and eng.async_scheduling == async_scheduling
     assert eng.runner.model.cfg.num_attention_heads == hf.config.num_attention_heads // 2
     assert _generate(llm, prompts) == want
     assert eng.scheduler.num_preemptions > 0
-    assert eng.kv.num_free_blocks == 20
+    assert eng.kv.num_free_blocks == pool["num_kv_blocks"]
     procs = eng.runner._procs
     _close(llm)
     assert not any(p.is_alive() for p in procs)
