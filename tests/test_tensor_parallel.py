@@ -133,6 +133,31 @@ def test_two_ranks_match_hf(tmp_path, name, async_scheduling):
     assert not torch.distributed.is_initialized()
 
 
+SPEC_PROMPTS = [[5, 6, 7, 8, 9] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 3 + [3, 1], [11, 12, 13], [40] * 9]
+
+
+@pytest.mark.parametrize("spec", [dict(method="ngram", num_speculative_tokens=3),
+                                  dict(method="ngram", tree=[2], num_speculative_tokens=5),
+                                  dict(method="early_exit", num_layers=1, tree=[2, 1]),
+                                  # (the target itself as the draft: every draft is accepted)
+                                  dict(method="draft_model", model="{target}", num_speculative_tokens=2)],
+                         ids=["ngram", "ngram-tree", "early_exit-tree", "draft_model"])
+def test_two_ranks_with_speculation_equal_plain_greedy(tmp_path, spec):
+    """Speculative decoding over two ranks: verify steps (chains; token trees, whose accepted nodes'
+    KV is compacted on every rank), early-exit drafts (the ranks' first layer only) and a draft model
+    (rank 0 alone) give the one-rank engine's plain greedy tokens, with drafts accepted; no leaks."""
+    folder = make_random_hf_folder(tmp_path / "t", CONFIGS["llama-gqa"])
+    spec = {k: (v.format(target=folder) if isinstance(v, str) else v) for k, v in spec.items()}
+    kw = dict(block_size=4, max_num_batched_tokens=32, max_model_len=96, num_kv_blocks=120)
+    want = _generate(LLM(folder, **kw), SPEC_PROMPTS, GREEDY)
+    llm = LLM(folder, tensor_parallel_size=2, speculative_config=spec, **kw)
+    eng = llm.llm_engine
+    assert _generate(llm, SPEC_PROMPTS, GREEDY) == want
+    assert eng.get_stats()["spec"][spec["method"]]["num_accepted_tokens"] > 0
+    assert eng.kv.num_free_blocks == 120
+    _close(llm)
+
+
 def _fake_quantized_tp_hf(folder: str, tp: int):
     """HF's model over the weights as `tp` INT8 ranks hold them: every projection quantized per row, the
     row-parallel ones (o_proj, down_proj, the experts' down) per row of each rank's column slice."""
@@ -171,8 +196,6 @@ def test_two_int8_ranks_match_hf_on_their_quantization(tmp_path, name):
 
 def test_tensor_parallel_errors_name_the_problem(tmp_path):
     folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
-    with pytest.raises(ValueError, match="speculative decoding with tensor_parallel_size"):
-        LLM(folder, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(folder, tensor_parallel_size=0)
     # 8 heads over 3 ranks: refused before any process starts; nothing is left behind

@@ -122,8 +122,6 @@ class EngineConfig:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.tensor_parallel_size > 1:
-            if self.speculative_config is not None:
-                raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported")
             if re.fullmatch(r"cuda:[1-9]\d*", str(self.device)):
                 raise ValueError(f"tensor_parallel_size > 1 runs on cuda:0..N-1; device={self.device!r} is not "
                                  f"supported (use 'cuda' or 'auto', and CUDA_VISIBLE_DEVICES to pick GPUs)")

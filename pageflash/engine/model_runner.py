@@ -221,6 +221,21 @@ class ModelRunner:
             if self.kv_scale is not None:
                 self.kv_scale[:, :, dst] = self.kv_scale[:, :, src]
 
+    def move_kv_slots(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy the K/V of cache slots src_slots (and a quantized cache's scales) to dst_slots, in every
+        layer: speculative tree compaction, the accepted nodes' KV moved next to the root."""
+        if not src_slots:
+            return
+        bs = self.block_size
+        kvc = kv_bytes_view(self.kv_cache)  # [L, 2, num_blocks, block_size, H, D]
+        flat = kvc.view(kvc.shape[0], 2, -1, kvc.shape[4], kvc.shape[5])
+        src = torch.tensor(src_slots, device=self.device)
+        dst = torch.tensor(dst_slots, device=self.device)
+        flat[:, :, dst] = flat[:, :, src]
+        if self.kv_scale is not None:  # [L, 2, num_blocks, H, block_size]
+            sc = self.kv_scale
+            sc[:, :, dst // bs, :, dst % bs] = sc[:, :, src // bs, :, src % bs]
+
     # -- the step ---------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]], fixes: Optional[list] = None):
         """Host-side index arithmetic for one step. block_tables[i]: physical blocks of seq i.

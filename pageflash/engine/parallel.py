@@ -13,8 +13,12 @@ are used (every rank holds the LM head; the workers' logits are dropped).
 
 Async scheduling: a step launched before the previous step's sampled ids reach the host reads its
 pending input tokens from them on the device; rank 0 broadcasts those ids to the workers (in stream
-order, no host sync) before the step. Not supported with N > 1 (the engine refuses it): speculative
-decoding.
+order, no host sync) before the step.
+
+Speculative decoding: verify steps (chains and token trees), early-exit drafts and Medusa's steps pass
+their options to every rank (STEP_OPTIONS), and a tree's KV compaction runs on every rank's cache; a
+draft model runs on rank 0 alone, unsharded (as vLLM's draft runs at TP 1). Verify and draft steps run
+without CUDA graphs with N > 1 (plain decode steps keep theirs).
 """
 
 from __future__ import annotations
@@ -131,23 +135,25 @@ class _Sched:
 
 
 def compact_schedule(sched: Any) -> _Sched:
-    """What ModelRunner.execute reads of a SchedulerOutput, without the requests' token histories."""
+    """What ModelRunner.execute reads of a SchedulerOutput, without the requests' token histories. Its
+    seqs' requests are engine Requests or speculative decoding's Feeds (spec/draft.py: tokens fed at
+    known slots, which have no prompt, pooling or pending token)."""
     reqs = [s.request for s in sched.seqs]
     comp = [r.num_computed_tokens for r in reqs]
     new = [s.num_new_tokens for s in sched.seqs]
     nspec = [s.num_spec_tokens for s in sched.seqs]
     want = [bool(getattr(r, "needs_prompt_logprobs", False)) for r in reqs]
-    pending = [r.num_pending for r in reqs]
-    length = [len(r.token_ids) for r in reqs]
+    pending = [getattr(r, "num_pending", 0) for r in reqs]
+    length = [r.num_tokens - p for r, p in zip(reqs, pending)]  # (a Request's: len(token_ids))
     return _Sched(
         list(sched.block_copies), sched.is_decode,
-        request_ids=[r.request_id for r in reqs], computed=comp,
+        request_ids=[getattr(r, "request_id", "") for r in reqs], computed=comp,
         window=[r.token_ids[c: c + n] for r, c, n in zip(reqs, comp, new)], length=length,
         spec=[r.spec_token_ids[:k] if k else [] for r, k in zip(reqs, nspec)],
-        num_prompt=[r.num_prompt_tokens for r in reqs], want_prompt_lp=want,
+        num_prompt=[getattr(r, "num_prompt_tokens", 0) for r in reqs], want_prompt_lp=want,
         prompt_lp_len=[len(r.prompt_logprobs) if w else 0 for r, w in zip(reqs, want)],
-        pooling=[r.pooling is not None for r in reqs], pending=pending,
-        pending_row=[r.pending_row for r in reqs], new=new, num_spec=nspec,
+        pooling=[getattr(r, "pooling", None) is not None for r in reqs], pending=pending,
+        pending_row=[getattr(r, "pending_row", 0) for r in reqs], new=new, num_spec=nspec,
         # ScheduledSeq.samples, from the columns (num_tokens = len(token_ids) + num_pending)
         samples=[c + n - k >= ln + p for c, n, k, ln, p in zip(comp, new, nspec, length, pending)],
     )
@@ -155,22 +161,31 @@ def compact_schedule(sched: Any) -> _Sched:
 
 # ---- the worker processes --------------------------------------------------------------------
 
+# ModelRunner.execute options a tensor-parallel step passes to every rank (speculative decoding)
+STEP_OPTIONS = ("tree_mask", "positions_override", "num_layers", "need_hidden")
+
+
 def _init_group(backend: str, init_method: str, rank: int, world: int) -> None:
     import torch.distributed as dist
 
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=_timeout())
 
 
-def _execute(runner: Any, sched: _Sched, block_tables: list[list[int]], prev: Optional[tuple]) -> None:
+def _execute(runner: Any, sched: _Sched, block_tables: list[list[int]], prev: Optional[tuple],
+             options: Optional[dict] = None) -> None:
     """A worker's step. prev: (numel, dtype) of rank 0's previous sampled ids, which rank 0 broadcasts
-    (async scheduling: the inputs of requests with a pending token are read from them on the device)."""
+    (async scheduling: the inputs of requests with a pending token are read from them on the device).
+    options: the step's speculative-decoding options (STEP_OPTIONS; a tree mask as a host tensor)."""
     prev_tokens = None
     if prev is not None:
         import torch.distributed as dist
 
         prev_tokens = torch.empty(prev[0], dtype=prev[1], device=runner.device)
         dist.broadcast(prev_tokens, src=0)
-    runner.execute(sched, block_tables, prev_tokens=prev_tokens)
+    options = dict(options or {})
+    if options.get("tree_mask") is not None:
+        options["tree_mask"] = options["tree_mask"].to(runner.device)
+    runner.execute(sched, block_tables, prev_tokens=prev_tokens, **options)
 
 
 def _worker_main(rank: int, world: int, backend: str, init_method: str, runner_kwargs: dict, conn) -> None:
@@ -337,12 +352,18 @@ class TensorParallelRunner:
         self._call("capture_decode_graphs", max_batch)
 
     def execute(self, sched: Any, block_tables: list[list[int]], prev_tokens: Optional[torch.Tensor] = None,
-                **extra: Any):
+                **options: Any):
         """One step on every rank. prev_tokens (async scheduling): the sampled ids of the step in flight,
         on rank 0's device; broadcast to the workers in stream order (no host sync) when a scheduled
-        request's input token is among them."""
-        if extra:
-            raise ValueError(f"tensor parallelism: execute() options {sorted(extra)} are not supported")
+        request's input token is among them. options: speculative decoding's (STEP_OPTIONS: a verify
+        step's tree mask and positions, an early-exit draft's layer count, Medusa's hidden states),
+        passed to every rank so that all take the same path through the model."""
+        bad = sorted(set(options) - set(STEP_OPTIONS))
+        if bad:
+            raise ValueError(f"tensor parallelism: execute() options {bad} are not supported")
+        sent = dict(options)
+        if sent.get("tree_mask") is not None:  # down the pipe as a host tensor
+            sent["tree_mask"] = sent["tree_mask"].cpu()
         compact = compact_schedule(sched)
         if prev_tokens is not None and not any(compact.columns["pending"]):
             prev_tokens = None
@@ -350,16 +371,32 @@ class TensorParallelRunner:
         if prev_tokens is not None:
             prev_tokens = prev_tokens.contiguous()
             prev = (prev_tokens.numel(), prev_tokens.dtype)
-        self._send("execute", (compact, block_tables, prev), {}, reply=False)
+        self._send("execute", (compact, block_tables, prev, sent), {}, reply=False)
         try:
             if prev is not None:
                 import torch.distributed as dist
 
                 dist.broadcast(prev_tokens, src=0)
-            return self.local.execute(sched, block_tables, prev_tokens=prev_tokens)
+            return self.local.execute(sched, block_tables, prev_tokens=prev_tokens, **options)
         except BaseException as ex:
             self._fail_step(ex)
             raise
+
+    def move_kv_slots(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Speculative tree compaction on every rank's cache (in order with the steps)."""
+        if not src_slots:
+            return
+        self._send("move_kv_slots", (src_slots, dst_slots), {}, reply=False)
+        try:
+            self.local.move_kv_slots(src_slots, dst_slots)
+        except BaseException as ex:
+            self._fail_step(ex)
+            raise
+
+    def enable_step_graphs(self, *args: Any, **kwargs: Any) -> None:
+        """No CUDA graphs for verify / draft steps with N ranks: capturing runs a warm-up forward whose
+        collectives the workers would not meet (these steps run eagerly; plain decode keeps its graphs)."""
+        return None
 
     def _fail_step(self, ex: BaseException) -> None:
         """A step failed on rank 0 (or a worker's failure surfaced here as a collective error): the

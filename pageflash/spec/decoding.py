@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from pageflash.engine.model_runner import ModelRunner, StepResult
-from pageflash.layers.attention import kv_bytes_view
 from pageflash.engine.sampler import SamplerOutput, SamplingBatch, SamplingRow, _add_logprobs, compute_probs
 from pageflash.engine.scheduler import SchedulerOutput
 from pageflash.engine.sequence import Request
@@ -557,16 +556,7 @@ class SpecDecoder:
                 for row in rows:
                     blk, off = divmod(base + row, bs)
                     slots.append(table[blk] * bs + off)
-        if src_slots:
-            runner = self.engine.runner
-            kvc = kv_bytes_view(runner.kv_cache)  # [L, 2, num_blocks, block_size, H, D]
-            flat = kvc.view(kvc.shape[0], 2, -1, kvc.shape[4], kvc.shape[5])
-            dev = kvc.device
-            src, dst = torch.tensor(src_slots, device=dev), torch.tensor(dst_slots, device=dev)
-            flat[:, :, dst] = flat[:, :, src]
-            if runner.kv_scale is not None:  # [L, 2, num_blocks, H, block_size]
-                sc = runner.kv_scale
-                sc[:, :, dst // bs, :, dst % bs] = sc[:, :, src // bs, :, src % bs]
+        self.engine.runner.move_kv_slots(src_slots, dst_slots)
 
     def _logprobs(self, reqs, paths, emitted, starts, logits) -> list[Optional[list[tuple]]]:
         """Raw logprobs of every emitted token (and the top ones), for requests that asked.

@@ -104,6 +104,10 @@ class Feed:
         return self.start + len(self.tokens) + (0 if self.logits else 1)
 
     @property
+    def pooling(self) -> None:  # (SchedulerOutput.is_decode reads it: a feed is never an embedding request)
+        return None
+
+    @property
     def num_query(self) -> int:
         return len(self.tokens) + (len(self.tree) if self.tree is not None else 0)
 
