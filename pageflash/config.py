@@ -92,6 +92,11 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def kv_window(self) -> Optional[int]:
+        """The window when every layer slides (the KV manager then gives back blocks behind it), else None."""
+        return self.sliding_window if self.sliding_layers is None else None
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -257,11 +262,16 @@ class ModelConfig:
 
 def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[Optional[int], Optional[tuple[int, ...]]]:
     """(window, the layers that slide -- None: all) as transformers 5 reads the config: Mistral /
-    Mixtral and Qwen3-MoE slide every layer (Qwen3-MoE only with use_sliding_window); Qwen2/3 with
-    use_sliding_window the layers from max_window_layers (default 28) on, Qwen2-MoE the even layers
-    below it -- unless ``layer_types`` names each layer's kind (Qwen2/3, Qwen2-MoE). (None, None) when no layer slides."""
-    w = d.get("sliding_window")
-    if not w or not d.get("use_sliding_window", model_type in ("mistral", "mixtral")):
+    Mixtral slide every layer whenever sliding_window is set (Mistral's default: 4096), Qwen3-MoE
+    every layer with use_sliding_window; Qwen2/3 with use_sliding_window the layers from
+    max_window_layers (default 28) on, Qwen2-MoE the even layers below it -- unless ``layer_types``
+    names each layer's kind (Qwen2/3, Qwen2-MoE). Llama never slides. (None, None) when no layer does."""
+    # transformers' defaults when the key is absent: MistralConfig and the Qwen configs 4096, Mixtral none;
+    # Mistral's and Mixtral's modeling read no use_sliding_window (an explicit false still slides)
+    if model_type not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        return None, None  # (transformers' Llama ignores sliding_window)
+    w = d.get("sliding_window", None if model_type == "mixtral" else 4096)
+    if not w or (model_type not in ("mistral", "mixtral") and not d.get("use_sliding_window", False)):
         return None, None
     n = int(d["num_hidden_layers"])
     first = int(d.get("max_window_layers") if d.get("max_window_layers") is not None else 28)

@@ -251,12 +251,65 @@ def test_config_sliding_layers():
     q3moe = dict(on, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], max_window_layers=3,
                  layer_types=["full_attention"] * 4, **MOE)
     assert ModelConfig.from_hf_dict(q3moe).sliding_layers is None  # every layer (its modeling reads no types)
+    # transformers' Mistral modeling reads no use_sliding_window, and MistralConfig's default is 4096;
+    # Mixtral's is none; Llama ignores the key
+    assert ModelConfig.from_hf_dict(dict(mistral, use_sliding_window=False)).sliding_window == 32
+    assert ModelConfig.from_hf_dict({k: v for k, v in mistral.items() if k != "sliding_window"}).sliding_window == 4096
+    mixtral = dict(mistral, model_type="mixtral", architectures=["MixtralForCausalLM"], **MOE)
+    mixtral["num_local_experts"] = mixtral.pop("num_experts")
+    assert ModelConfig.from_hf_dict({k: v for k, v in mixtral.items() if k != "sliding_window"}).sliding_window is None
+    assert ModelConfig.from_hf_dict(mixtral).sliding_layers is None and ModelConfig.from_hf_dict(mixtral).sliding_window == 32
+    llama = dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"], sliding_window=32, use_sliding_window=True)
+    assert ModelConfig.from_hf_dict(llama).sliding_window is None
+    assert ModelConfig.from_hf_dict({k: v for k, v in on.items() if k != "sliding_window"} | {"max_window_layers": 1}
+                                    ).sliding_window == 4096
     with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
         ModelConfig.from_hf_dict(dict(mistral, sliding_window=-3))
     # to_hf_dict round trip
     for d in (mistral, dict(on, max_window_layers=1), dict(on, layer_types=["sliding_attention", "full_attention"] * 2)):
         c = ModelConfig.from_hf_dict(d)
         assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+
+
+ARCHS = {"mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+         "llama": "LlamaForCausalLM"}
+TYPES = ["full_attention", "sliding_attention"] * 2
+
+
+@pytest.mark.parametrize("d", [
+    dict(model_type="mistral"), dict(model_type="mistral", sliding_window=16, use_sliding_window=False),
+    dict(model_type="mistral", sliding_window=None),
+    dict(model_type="mixtral", sliding_window=16, num_local_experts=4, num_experts_per_tok=2),
+    dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    dict(model_type="qwen2", use_sliding_window=True, max_window_layers=2),
+    dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0),
+    dict(model_type="qwen2", sliding_window=16, max_window_layers=0),
+    dict(model_type="qwen3", use_sliding_window=True, sliding_window=16, layer_types=TYPES),
+    dict(model_type="qwen2_moe", use_sliding_window=True, sliding_window=16, max_window_layers=3, **MOE),
+    dict(model_type="qwen2_moe", use_sliding_window=True, sliding_window=16, layer_types=TYPES, **MOE),
+    dict(model_type="qwen3_moe", use_sliding_window=True, sliding_window=16, max_window_layers=1, **MOE),
+    dict(model_type="qwen3_moe", use_sliding_window=True, **MOE),
+    dict(model_type="llama", sliding_window=16, use_sliding_window=True),
+], ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items() if k in ("model_type", "sliding_window",
+                                                                   "use_sliding_window", "max_window_layers")))
+def test_config_windows_match_transformers(d):
+    """Each layer's window as transformers' config object gives it to the layer (Mistral, Mixtral and
+    Qwen3-MoE: the config's sliding_window in every layer; Qwen2/3 and Qwen2-MoE: by layer_types;
+    Llama: never)."""
+    from transformers import AutoConfig
+
+    d = dict(BASE, architectures=[ARCHS[d["model_type"]]], **d)
+    c = AutoConfig.for_model(**d)
+    n = c.num_hidden_layers
+    if d["model_type"] == "llama":
+        want = [None] * n
+    elif d["model_type"] in ("mistral", "mixtral", "qwen3_moe"):
+        want = [c.sliding_window or None] * n
+    else:
+        want = [(c.sliding_window or None) if c.layer_types[i] == "sliding_attention" else None for i in range(n)]
+    cfg = ModelConfig.from_hf_dict(d)
+    assert [cfg.layer_window(i) for i in range(n)] == want
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +385,40 @@ def test_kv_pool_smaller_than_the_context(tmp_path):
         LLM(mixed, block_size=4, max_num_batched_tokens=8, max_model_len=128, num_kv_blocks=18)
 
 
+def test_long_prefix_hit_in_a_window_sized_pool(tmp_path):
+    """A prompt whose cached prefix is as long as the whole (window-sized) pool is admitted: the hits
+    behind its window are not taken (the engine used to wait for free blocks that could never be);
+    its tokens are HF's, and a beam search over such a pool finishes too."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_ref import hf_greedy, make_random_hf_folder
+    from pageflash import LLM, SamplingParams
+    from pageflash.beam_search import BeamSearchParams
+
+    folder = make_random_hf_folder(tmp_path / "m", ENGINE_CONFIGS["mistral-w8"])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    p = torch.randint(0, 211, (72,), generator=torch.Generator().manual_seed(1)).tolist()
+    llm = LLM(folder, block_size=4, max_num_batched_tokens=8, max_model_len=128, num_kv_blocks=18)
+    eng = llm.llm_engine
+    llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                 use_tqdm=False)
+    p2 = p + [1, 2, 3, 4, 5]
+    assert len(eng.kv.find_cached_prefix(p2)) == 18  # every block of the pool holds a hit
+    eng.add_request("r", {"prompt_token_ids": p2}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    out = None
+    for _ in range(200):
+        for o in eng.step():
+            if o.finished:
+                out = o
+        if out is not None:
+            break
+    assert out is not None, "the request was never admitted"
+    assert out.outputs[0].token_ids == hf_greedy(hf, p2, 6)
+    assert eng.kv.num_free_blocks == 18
+    beams = llm.beam_search([{"prompt_token_ids": p[:40]}], BeamSearchParams(beam_width=2, max_tokens=24))
+    assert len(beams[0].sequences) == 2 and eng.kv.num_free_blocks == 18
+
+
 SPEC_CFG = dict(ENGINE_CONFIGS["mistral-w8"], vocab_size=97, sliding_window=6)
 SPEC_PROMPTS = [[5, 6, 7, 8, 9] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2 + [3, 1], [11, 12, 13], [40] * 9]
 
@@ -353,14 +440,18 @@ def spec_env(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("spec", [None, dict(method="ngram", num_speculative_tokens=3),
                                   dict(method="ngram", tree=[2], num_speculative_tokens=5),
-                                  dict(method="early_exit", num_layers=1, tree=[2, 1])],
-                         ids=["plain", "ngram", "ngram-tree", "early_exit-tree"])
+                                  dict(method="early_exit", num_layers=1, tree=[2, 1]),
+                                  # the target as its own draft: the draft's pool gives back blocks too
+                                  dict(method="draft_model", model="{folder}", num_speculative_tokens=2)],
+                         ids=["plain", "ngram", "ngram-tree", "early_exit-tree", "draft_model"])
 def test_speculation_with_a_window_equals_plain(spec_env, spec, backend):
     """Verify steps (chains and token trees, whose keys sit at their depth) over a sliding window give
     plain greedy's tokens: the reference backend, and the Triton kernels (interpreter) through the
     static-buffer path the verify graphs replay."""
     from pageflash import LLM
 
+    if spec is not None:
+        spec = {k: (v.format(folder=spec_env["folder"]) if isinstance(v, str) else v) for k, v in spec.items()}
     llm = LLM(spec_env["folder"], attention_backend=backend, speculative_config=spec, **spec_env["eng"])
     eng = llm.llm_engine
     if spec is not None and backend == "triton":
@@ -374,3 +465,6 @@ def test_speculation_with_a_window_equals_plain(spec_env, spec, backend):
         if backend == "triton":
             assert eng.runner.step_graphs.replays > 0
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+    if spec is not None and spec["method"] == "draft_model":
+        assert eng.spec.draft_kv.window == 6
+        assert eng.spec.draft_kv.num_free_blocks == eng.spec.draft_kv.pool.num_blocks

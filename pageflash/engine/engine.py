@@ -224,15 +224,19 @@ class LLMEngine:
         mc = self.model_config
         # every layer slides: the KV manager gives back the blocks behind each sequence's window, so
         # a sequence holds about window + one step's tokens (per_seq) whatever its length
-        kv_window = mc.sliding_window if mc.sliding_window is not None and mc.sliding_layers is None else None
+        kv_window = mc.kv_window
         per_seq = blocks_held_max(bs, kv_window, self.max_model_len, self.max_num_batched_tokens)
+        cap_per_seq = per_seq  # (a draft model's pool gets as many blocks: sized for what it holds too)
+        if self.spec is not None and self.spec.draft_runner is not None:
+            cap_per_seq = max(per_seq, blocks_held_max(bs, self.spec.draft_runner.cfg.kv_window, self.max_model_len,
+                                                       self.max_num_batched_tokens))
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
             num_blocks = self.runner.auto_num_blocks(
                 config.gpu_memory_utilization, self.max_num_batched_tokens, config.max_num_seqs
             )
-            num_blocks = min(num_blocks, config.max_num_seqs * per_seq + 1)
+            num_blocks = min(num_blocks, config.max_num_seqs * cap_per_seq + 1)
             if self.spec is not None:
                 num_blocks = self.spec.target_kv_share(num_blocks)
         if num_blocks < per_seq:

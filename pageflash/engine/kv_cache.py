@@ -219,12 +219,16 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _release(self, sb: SeqBlocks, num_computed: int) -> None:
-        """Give back the blocks no query from token num_computed on can see (sliding window): the
-        window of token p starts at p - window + 1."""
+    def _behind_window(self, num_computed: int) -> int:
+        """How many leading blocks no query from token num_computed on can see (sliding window: the
+        window of token p starts at p - window + 1); 0 without a window."""
         if self.window is None:
-            return
-        upto = min(max(0, num_computed - self.window + 1) // self.block_size, len(sb.block_ids))
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def _release(self, sb: SeqBlocks, num_computed: int) -> None:
+        """Give back the blocks behind the window of token num_computed."""
+        upto = min(self._behind_window(num_computed), len(sb.block_ids))
         if upto > sb.released:
             drop = sb.block_ids[sb.released:upto]
             sb.block_ids[sb.released:upto] = [0] * len(drop)
@@ -279,8 +283,10 @@ class KVCacheManager:
             last = sb.block_ids[num_computed // self.block_size]
             if self.pool.blocks[last].ref_cnt > 1:
                 need += 1
-        # Cached hits that sit in the free queue stop being allocatable once we take them.
-        revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_cnt == 0)
+        # Cached hits that sit in the free queue stop being allocatable once we take them (not those
+        # behind a sliding window, which the new sequence never takes).
+        behind = self._behind_window(num_computed) if sb is None else 0
+        revived = sum(1 for b in cached_blocks[behind:] if self.pool.blocks[b].ref_cnt == 0)
         return need if need + revived <= self.pool.num_free else None
 
     def allocate(self, seq_id: str, num_computed: int, num_new: int, cached_blocks: Sequence[int] = ()) -> bool:
@@ -297,10 +303,12 @@ class KVCacheManager:
         if need is None:
             return False
         if sb is None:
-            self.pool.touch(cached_blocks)
+            # hits behind the window are not taken: placeholders in the table, their hashes kept
+            behind = min(self._behind_window(num_computed), len(cached_blocks))
+            self.pool.touch(cached_blocks[behind:])
             hashes = [self.pool.blocks[b].block_hash for b in cached_blocks]
-            sb = self.seqs[seq_id] = SeqBlocks(list(cached_blocks), hashes)  # type: ignore[arg-type]
-            self._release(sb, num_computed)
+            table = [0] * behind + list(cached_blocks[behind:])
+            sb = self.seqs[seq_id] = SeqBlocks(table, hashes, behind)  # type: ignore[arg-type]
         if num_new > 0 and num_computed % self.block_size:
             idx = num_computed // self.block_size
             old = sb.block_ids[idx]

@@ -45,7 +45,8 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral-7b": dict(
         architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=32768, hidden_size=4096,
         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
+        bos_token_id=1, eos_token_id=2,
     ),
     # Mistral-7B v0.1 (and its fine-tunes: Zephyr, OpenHermes...): every layer attends to the last
     # 4096 tokens of a 32k context

@@ -211,7 +211,8 @@ class SpecDecoder:
         elif c.method == "draft_model":
             nb = c.draft_num_kv_blocks or num_blocks
             self.draft_runner.allocate_kv_cache(nb)
-            self.draft_kv = KVCacheManager(nb, eng.config.block_size, eng.config.enable_prefix_caching)
+            self.draft_kv = KVCacheManager(nb, eng.config.block_size, eng.config.enable_prefix_caching,
+                                           window=self.draft_runner.cfg.kv_window)
             self.proposer = ModelDraftProposer(
                 "draft_model", self.draft_runner, self.draft_kv, c.expansion or chain, owns_kv=True,
                 max_batch_tokens=eng.max_num_batched_tokens, vocab_size=eng.vocab_size,
