@@ -3,7 +3,9 @@
 - Two ranks on one GPU (PAGEFLASH_TP_ONE_DEVICE=1: gloo, eager steps): the worker processes on CUDA
   and the Triton kernels at the shards' shapes (heads, KV heads, MLP and expert slices); any GPU.
 - Two GPUs (NCCL): the same through the decode graphs, which capture the all-reduces; graphs equal
-  eager steps; INT8 ranks equal HF over the weights as the shards quantize them. Skipped (named in
+  eager steps; INT8 ranks equal HF over the weights as the shards quantize them.
+- Speculative decoding (n-gram trees, early-exit trees, a draft model on rank 0) over two ranks gives
+  one rank's plain greedy tokens, on one GPU and on two. Skipped (named in
   -ra's summary) on a machine with fewer GPUs; scripts/gpu_tp.sh runs them on the 2-GPU machine."""
 
 import sys
@@ -46,7 +48,7 @@ def _hf_check(tmp_path, name: str, one_device: bool) -> None:
     assert got == [hf_greedy(hf, p, 16) for p in prompts]
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qk-norm", "qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qk-norm", "qwen3-moe", "qwen2-moe", "mistral-window"])
 def test_two_ranks_on_one_gpu_match_hf_fp32(tmp_path, name, monkeypatch):
     monkeypatch.setenv("PAGEFLASH_TP_ONE_DEVICE", "1")
     _hf_check(tmp_path, name, one_device=True)
@@ -96,3 +98,45 @@ def _int8_check(tmp_path):
     _close(llm)
     hf_q = _fake_quantized_tp_hf(folder, 2)
     assert got == [hf_greedy(hf_q, p, 16) for p in prompts]
+
+
+SPECS = [dict(method="ngram", tree=[2], num_speculative_tokens=5), dict(method="early_exit", num_layers=1, tree=[2, 1]),
+         dict(method="draft_model", model="{target}", num_speculative_tokens=3)]
+SPEC_IDS = ["ngram-tree", "early_exit-tree", "draft_model"]
+
+
+def _spec_check(tmp_path, spec: dict) -> None:
+    """Speculative decoding over two ranks gives one rank's plain greedy tokens (float32), drafts
+    accepted, no block leaks."""
+    import gc
+
+    from hf_ref import make_random_hf_folder
+    from test_engine_hf import CONFIGS
+    from test_tensor_parallel import SPEC_PROMPTS
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
+    spec = {k: (v.format(target=folder) if isinstance(v, str) else v) for k, v in spec.items()}
+    kw = dict(dtype="float32", block_size=16, max_num_batched_tokens=64, max_model_len=128, num_kv_blocks=64)
+    plain = LLM(folder, **kw)
+    want = _run(plain, SPEC_PROMPTS)
+    del plain
+    gc.collect()
+    llm = LLM(folder, tensor_parallel_size=2, speculative_config=spec, **kw)
+    eng = llm.llm_engine
+    got = _run(llm, SPEC_PROMPTS)
+    accepted = eng.get_stats()["spec"][spec["method"]]["num_accepted_tokens"]
+    free = eng.kv.num_free_blocks
+    _close(llm)
+    assert got == want and accepted > 0 and free == 64
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_speculation_on_two_ranks_on_one_gpu(tmp_path, spec, monkeypatch):
+    monkeypatch.setenv("PAGEFLASH_TP_ONE_DEVICE", "1")
+    _spec_check(tmp_path, spec)
+
+
+@two_gpus
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_speculation_on_two_gpus(tmp_path, spec):
+    _spec_check(tmp_path, spec)
