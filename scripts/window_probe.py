@@ -17,43 +17,13 @@ import argparse
 
 import torch
 
+from pageflash.bench.moe import eager_time_us, graph_time_us
 from pageflash.bench.roofline import measure_copy_bandwidth
 from pageflash.kernels.backend import TritonBackend
 from pageflash.kernels.flash_attention import flash_attn_varlen_fwd
 from pageflash.layers.attention import AttentionMetadata
 
 DEV = torch.device("cuda")
-
-
-def graph_us(fn, reps: int = 20, iters: int = 20) -> float:
-    """GPU time of one fn() call: reps calls captured in a CUDA graph, replayed (no host launch time)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        for _ in range(reps):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    return timed_us(g.replay, iters) / reps
-
-
-def timed_us(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def paged_case(b: int, ctx: int, qlen: int, page: int = 16, hq: int = 32, hkv: int = 8, d: int = 128):
@@ -91,7 +61,7 @@ def main() -> None:
         for label, ctx, win in (("full", L, None), ("window", L, w), ("short", w, None)):
             q, k, v, kc, vc, meta = paged_case(b, ctx - 1, 1)
             plan = be.plan(meta)
-            times[label] = graph_us(lambda: be.forward(q, k, v, kc, vc, plan, 0.088, window=win))
+            times[label] = graph_time_us(lambda: be.forward(q, k, v, kc, vc, plan, 0.088, window=win), iters=20)
             del q, k, v, kc, vc
         gbs = b * min(w, L) * kv_tok / times["window"] / 1e3
         rows.append((f"decode B{b} L{L}", times["full"], times["window"], times["short"],
@@ -102,21 +72,21 @@ def main() -> None:
     k = torch.randn(L, 8, 128, device=DEV, dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
     cu = torch.tensor([0, L], dtype=torch.int32, device=DEV)
-    t_full = timed_us(lambda: flash_attn_varlen_fwd(q, k, v, cu, L, True, 0.088), 10)
-    t_win = timed_us(lambda: flash_attn_varlen_fwd(q, k, v, cu, L, True, 0.088, window=w), 10)
+    t_full = eager_time_us(lambda: flash_attn_varlen_fwd(q, k, v, cu, L, True, 0.088), iters=1, reps=10)
+    t_win = eager_time_us(lambda: flash_attn_varlen_fwd(q, k, v, cu, L, True, 0.088, window=w), iters=1, reps=10)
     cw = torch.tensor([0, w], dtype=torch.int32, device=DEV)
-    t_short = timed_us(lambda: flash_attn_varlen_fwd(q[:w], k[:w], v[:w], cw, w, True, 0.088), 10)
+    t_short = eager_time_us(lambda: flash_attn_varlen_fwd(q[:w], k[:w], v[:w], cw, w, True, 0.088), iters=1, reps=10)
     keys = sum(min(p + 1, w) for p in range(L))
     tf = 4 * 32 * 128 * keys / t_win / 1e6
     rows.append((f"prefill varlen {L}", t_full, t_win, t_short, f"{tf:.0f} TFLOP/s over the window's keys"))
     # a 2048-token chunk at the end of an L-token sequence (chunked prefill), paged kernel
     q, k, v, kc, vc, meta = paged_case(1, L - 2048, 2048)
     plan = be.plan(meta)
-    t_full = timed_us(lambda: be.forward(q, k, v, kc, vc, plan, 0.088), 10)
-    t_win = timed_us(lambda: be.forward(q, k, v, kc, vc, plan, 0.088, window=w), 10)
+    t_full = eager_time_us(lambda: be.forward(q, k, v, kc, vc, plan, 0.088), iters=1, reps=10)
+    t_win = eager_time_us(lambda: be.forward(q, k, v, kc, vc, plan, 0.088, window=w), iters=1, reps=10)
     q2, k2, v2, kc2, vc2, meta2 = paged_case(1, w - 2048, 2048)
     plan2 = be.plan(meta2)
-    t_short = timed_us(lambda: be.forward(q2, k2, v2, kc2, vc2, plan2, 0.088), 10)
+    t_short = eager_time_us(lambda: be.forward(q2, k2, v2, kc2, vc2, plan2, 0.088), iters=1, reps=10)
     keys = 2048 * w
     tf = 4 * 32 * 128 * keys / t_win / 1e6
     rows.append((f"chunk 2048 @ {L}", t_full, t_win, t_short, f"{tf:.0f} TFLOP/s over the window's keys"))
