@@ -158,6 +158,24 @@ def test_two_ranks_with_speculation_equal_plain_greedy(tmp_path, spec):
     _close(llm)
 
 
+def test_two_ranks_early_exit_with_parallel_sampling(tmp_path):
+    """n = 2 siblings share the prompt's partial last block; the early-exit drafter's allocation is the
+    first write into it, and the copy it records must reach every rank (it once reached rank 0 only:
+    one sibling of each pair then read stale KV on the other rank)."""
+    folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
+    prompts = _prompts((9, 7))
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)
+    kw = dict(block_size=4, max_model_len=64, num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in LLM(folder, **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    llm = LLM(folder, tensor_parallel_size=2, speculative_config=dict(method="early_exit", num_layers=1,
+                                                                      num_speculative_tokens=3), **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[w[:12]] * 2 for w in want]
+    assert llm.llm_engine.kv.num_free_blocks == 64
+    _close(llm)
+
+
 def _fake_quantized_tp_hf(folder: str, tp: int):
     """HF's model over the weights as `tp` INT8 ranks hold them: every projection quantized per row, the
     row-parallel ones (o_proj, down_proj, the experts' down) per row of each rank's column slice."""

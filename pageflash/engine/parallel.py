@@ -16,7 +16,8 @@ pending input tokens from them on the device; rank 0 broadcasts those ids to the
 order, no host sync) before the step.
 
 Speculative decoding: verify steps (chains and token trees), early-exit drafts and Medusa's steps pass
-their options to every rank (STEP_OPTIONS), and a tree's KV compaction runs on every rank's cache; a
+their options to every rank (STEP_OPTIONS), and a tree's KV compaction and an early-exit drafter's
+copy-on-write block copies run on every rank's cache; a
 draft model runs on rank 0 alone, unsharded (as vLLM's draft runs at TP 1). Verify and draft steps run
 without CUDA graphs with N > 1 (plain decode steps keep theirs).
 """
@@ -382,16 +383,25 @@ class TensorParallelRunner:
             self._fail_step(ex)
             raise
 
-    def move_kv_slots(self, src_slots: list[int], dst_slots: list[int]) -> None:
-        """Speculative tree compaction on every rank's cache (in order with the steps)."""
-        if not src_slots:
-            return
-        self._send("move_kv_slots", (src_slots, dst_slots), {}, reply=False)
+    def _mirror(self, method: str, *args: Any) -> None:
+        """A cache operation on every rank, in order with the steps (no reply awaited)."""
+        self._send(method, args, {}, reply=False)
         try:
-            self.local.move_kv_slots(src_slots, dst_slots)
+            getattr(self.local, method)(*args)
         except BaseException as ex:
             self._fail_step(ex)
             raise
+
+    def move_kv_slots(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Speculative tree compaction on every rank's cache."""
+        if src_slots:
+            self._mirror("move_kv_slots", src_slots, dst_slots)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write block copies on every rank's cache: those an early-exit drafter's allocations
+        record (the scheduler's travel with their step)."""
+        if copies:
+            self._mirror("copy_blocks", copies)
 
     def enable_step_graphs(self, *args: Any, **kwargs: Any) -> None:
         """No CUDA graphs for verify / draft steps with N ranks: capturing runs a warm-up forward whose
