@@ -137,24 +137,23 @@ class _Sched:
 
 def compact_schedule(sched: Any) -> _Sched:
     """What ModelRunner.execute reads of a SchedulerOutput, without the requests' token histories. Its
-    seqs' requests are engine Requests or speculative decoding's Feeds (spec/draft.py: tokens fed at
-    known slots, which have no prompt, pooling or pending token)."""
+    seqs' requests are engine Requests or speculative decoding's Feeds (spec/draft.py, shaped alike)."""
     reqs = [s.request for s in sched.seqs]
     comp = [r.num_computed_tokens for r in reqs]
     new = [s.num_new_tokens for s in sched.seqs]
     nspec = [s.num_spec_tokens for s in sched.seqs]
     want = [bool(getattr(r, "needs_prompt_logprobs", False)) for r in reqs]
-    pending = [getattr(r, "num_pending", 0) for r in reqs]
+    pending = [r.num_pending for r in reqs]
     length = [r.num_tokens - p for r, p in zip(reqs, pending)]  # (a Request's: len(token_ids))
     return _Sched(
         list(sched.block_copies), sched.is_decode,
-        request_ids=[getattr(r, "request_id", "") for r in reqs], computed=comp,
+        request_ids=[r.request_id for r in reqs], computed=comp,
         window=[r.token_ids[c: c + n] for r, c, n in zip(reqs, comp, new)], length=length,
         spec=[r.spec_token_ids[:k] if k else [] for r, k in zip(reqs, nspec)],
-        num_prompt=[getattr(r, "num_prompt_tokens", 0) for r in reqs], want_prompt_lp=want,
+        num_prompt=[r.num_prompt_tokens for r in reqs], want_prompt_lp=want,
         prompt_lp_len=[len(r.prompt_logprobs) if w else 0 for r, w in zip(reqs, want)],
-        pooling=[getattr(r, "pooling", None) is not None for r in reqs], pending=pending,
-        pending_row=[getattr(r, "pending_row", 0) for r in reqs], new=new, num_spec=nspec,
+        pooling=[r.pooling is not None for r in reqs], pending=pending,
+        pending_row=[r.pending_row for r in reqs], new=new, num_spec=nspec,
         # ScheduledSeq.samples, from the columns (num_tokens = len(token_ids) + num_pending)
         samples=[c + n - k >= ln + p for c, n, k, ln, p in zip(comp, new, nspec, length, pending)],
     )

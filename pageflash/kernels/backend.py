@@ -34,6 +34,9 @@ __all__ = ["TritonBackend", "TritonPlan"]
 # the split count comes from static quantities only (tile count, block-table width), so CUDA graphs
 # of these steps stay valid. Longer queries (prefill chunks) have tiles enough.
 MAX_SPLIT_QUERY_LEN = 16
+# A sliding window's keys start inside a key tile (at most 128 keys: decode_config's largest BLOCK_N):
+# the static bound of the keys one windowed query reads is the window plus that tile.
+WINDOW_TILE_SLACK = 128
 
 
 @dataclass
@@ -66,7 +69,7 @@ class TritonPlan:
     def kv_bound(self, window: Optional[int]) -> int:
         """Static bound of the keys one query reads: the block-table span, or a sliding window's
         (plus the partial tile it starts in)."""
-        return self.max_kv_len if window is None else min(self.max_kv_len, window + 128)
+        return self.max_kv_len if window is None else min(self.max_kv_len, window + WINDOW_TILE_SLACK)
 
     def splits_for(self, num_kv_heads: int, window: Optional[int] = None) -> int:
         s = self.num_splits.get((num_kv_heads, window))

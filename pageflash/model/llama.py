@@ -81,14 +81,15 @@ class LlamaAttention(_Prefetching, nn.Module):
             q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         kv_scales = kv_cache[2:] or None
-        win = {} if self.window is None else {"window": self.window, "positions": positions}
         if getattr(backend, "fuses_rope", False) and rotary.fusable(q, k):
             # the backend rotates q and k in the launch that stores k and v in the cache
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale,
-                                rope=(positions, rotary.cos, rotary.sin), kv_scales=kv_scales, **win)
+                                rope=(positions, rotary.cos, rotary.sin), kv_scales=kv_scales,
+                                window=self.window, positions=positions)
         else:
             q, k = rotary(positions, q, k)
-            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale, kv_scales=kv_scales, **win)
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale, kv_scales=kv_scales,
+                                window=self.window, positions=positions)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -86,6 +86,14 @@ class Feed:
     tree: Optional[DraftTree] = None
     logits: bool = True
 
+    # a feed has no id, prompt, pooling or token still in flight (what the engine's Request adds;
+    # SchedulerOutput.is_decode and tensor parallelism's compact_schedule read these)
+    request_id = ""
+    num_prompt_tokens = 0
+    pooling = None
+    num_pending = 0
+    pending_row = 0
+
     # what ModelRunner.prepare reads
     @property
     def num_computed_tokens(self) -> int:
@@ -102,10 +110,6 @@ class Feed:
     @property
     def num_tokens(self) -> int:
         return self.start + len(self.tokens) + (0 if self.logits else 1)
-
-    @property
-    def pooling(self) -> None:  # (SchedulerOutput.is_decode reads it: a feed is never an embedding request)
-        return None
 
     @property
     def num_query(self) -> int:
