@@ -10,9 +10,30 @@ from typing import Any, Optional
 # architecture -> HF model_type
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                "Qwen3MoeForCausalLM": "qwen3_moe"}
+                "Qwen3MoeForCausalLM": "qwen3_moe", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
+                "Gemma3ForCausalLM": "gemma3_text"}
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation (SwiGLU / GeGLU with tanh GELU)
+
+# transformers 5's defaults for the Gemma configs' keys a config.json may leave out (GemmaConfig,
+# Gemma2Config, Gemma3TextConfig): Gemma 3's multimodal checkpoints keep only a few text_config keys
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma": dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=16, head_dim=256, max_position_embeddings=8192,
+                  rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True),
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                   rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0),
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+                        query_pre_attn_scalar=256,
+                        sliding_window=4096, final_logit_softcapping=None, attn_logit_softcapping=None),
+}
 
 
 @dataclass(frozen=True)
@@ -49,6 +70,15 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 and i not in mlp_only_layers
     mlp_only_layers: tuple[int, ...] = ()
+    # Gemma 1/2/3 (all False / None for the others)
+    hidden_act: str = "silu"  # the MLP's gate activation: act(gate) * up
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32, rounded once
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), rounded to the model's dtype
+    sandwich_norm: bool = False  # Gemma 2/3: norms after attention and after the MLP too (4 per layer)
+    query_pre_attn_scalar: Optional[float] = None  # the attention scale is its -1/2 power (else head_dim's)
+    rope_local_theta: Optional[float] = None  # Gemma 3: the sliding layers' rope base (without rope_scaling)
+    attn_logit_softcapping: Optional[float] = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: Optional[float] = None  # Gemma 2: logits -> cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -80,6 +110,13 @@ class ModelConfig:
                 not isinstance(i, int) or not 0 <= i < self.num_hidden_layers for i in self.sliding_layers):
             raise ValueError(f"model config: sliding_layers must be layer indices in [0, {self.num_hidden_layers}), "
                              f"got {self.sliding_layers!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"model config: hidden activation {self.hidden_act!r} is not supported "
+                             f"({', '.join(ACTIVATIONS)})")
+        for name in ("query_pre_attn_scalar", "rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ValueError(f"model config: {name} must be a positive number or None, got {v!r}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("llama3", "linear", "default"):
@@ -90,6 +127,15 @@ class ModelConfig:
         if self.sliding_window is None or (self.sliding_layers is not None and i not in self.sliding_layers):
             return None
         return self.sliding_window
+
+    def layer_rope_local(self, i: int) -> bool:
+        """Whether decoder layer i rotates with the local rope base (Gemma 3's sliding layers)."""
+        return self.rope_local_theta is not None and self.layer_window(i) is not None
+
+    @property
+    def attn_scale(self) -> float:
+        """The softmax scale of q . k."""
+        return float(self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     @property
     def kv_window(self) -> Optional[int]:
@@ -118,6 +164,7 @@ class ModelConfig:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
         per_layer += 2 * self.head_dim if self.qk_norm else 0
+        per_layer += 2 * h if self.sandwich_norm else 0
         per_layer += (self.q_size + 2 * self.kv_size) if self.attention_bias else 0
         n = L * per_layer + h + (L - self.num_moe_layers) * 3 * h * i
         if self.num_moe_layers:
@@ -178,16 +225,47 @@ class ModelConfig:
         archs = d.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         model_type = d.get("model_type", "llama")
+        if model_type == "gemma3" or arch == "Gemma3ForConditionalGeneration":
+            # Gemma 3's image-text checkpoints (4B and up): the text decoder alone (images are not supported)
+            text = d.get("text_config") or {}
+            if not isinstance(text, dict):
+                raise ValueError("model config: Gemma 3's text_config must be a JSON object")
+            top = {k: d[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in d}
+            d = {**top, **text, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+            arch, model_type = "Gemma3ForCausalLM", "gemma3_text"
+        if model_type in GEMMA_MODEL_TYPES:
+            if d.get("use_bidirectional_attention"):
+                raise ValueError("model config: use_bidirectional_attention (an embedding model) is not supported")
+            d = {**_GEMMA_DEFAULTS[model_type], **d}
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         rope_scaling = d.get("rope_scaling")
         rope_theta = d.get("rope_theta")
         window, window_layers = _sliding_window(d, model_type)
-        if rope_theta is None and isinstance(d.get("rope_parameters"), dict):  # transformers >= 5 layout
-            rope_theta = d["rope_parameters"].get("rope_theta")
-            if d["rope_parameters"].get("rope_type", "default") != "default":
-                rope_scaling = d["rope_parameters"]
+        local_theta = d.get("rope_local_base_freq") if model_type == "gemma3_text" else None
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):  # per layer type (Gemma 3)
+            local = rp.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"model config: the sliding layers' rope_type {local['rope_type']!r} is not "
+                                 "supported (default)")
+            if model_type == "gemma3_text" and local.get("rope_theta") is not None:
+                local_theta = local["rope_theta"]
+            rp = rp["full_attention"]
+        if rope_theta is None and isinstance(rp, dict):  # transformers >= 5 layout
+            rope_theta = rp.get("rope_theta")
+            if rp.get("rope_type", "default") != "default":
+                rope_scaling = rp
+        gemma = model_type in GEMMA_MODEL_TYPES
+        if model_type == "gemma3_text":  # its defaults: 1e6 for the full layers, 1e4 for the sliding ones
+            rope_theta = 1_000_000.0 if rope_theta is None else rope_theta
+            local_theta = 10_000.0 if local_theta is None else local_theta
+        act = d.get("hidden_activation") if model_type in ("gemma2", "gemma3_text") else d.get("hidden_act")
+        act = {"swish": "silu", "gelu_tanh": "gelu_pytorch_tanh"}.get(act, act) or (
+            "gelu_pytorch_tanh" if gemma else "silu")
+        if model_type == "gemma" and act == "gelu":  # as transformers: Gemma's "gelu" means the tanh form
+            act = "gelu_pytorch_tanh"
         moe = model_type in ("mixtral", "qwen2_moe", "qwen3_moe") or arch in MOE_ARCHITECTURES
         num_experts = int((d.get("num_experts") or d.get("num_local_experts") or 0) if moe else 0)
         return cls(
@@ -204,7 +282,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("qkv_bias", d.get("attention_bias", model_type in ("qwen2", "qwen2_moe")))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             architecture=arch,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -218,6 +296,14 @@ class ModelConfig:
             shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0) if num_experts else 0,
             decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+            hidden_act=act,
+            norm_unit_offset=gemma,
+            embed_scale=gemma,
+            sandwich_norm=model_type in ("gemma2", "gemma3_text"),
+            query_pre_attn_scalar=_opt_float(d.get("query_pre_attn_scalar")) if gemma and model_type != "gemma" else None,
+            rope_local_theta=_opt_float(local_theta),
+            attn_logit_softcapping=_opt_float(d.get("attn_logit_softcapping")) if gemma else None,
+            final_logit_softcapping=_opt_float(d.get("final_logit_softcapping")) if gemma else None,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -230,9 +316,19 @@ class ModelConfig:
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
             max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            tie_word_embeddings=self.tie_word_embeddings, hidden_act="silu",
+            tie_word_embeddings=self.tie_word_embeddings, hidden_act=self.hidden_act,
             bos_token_id=self.bos_token_id, eos_token_id=list(self.eos_token_ids) or None,
         )
+        if model_type in GEMMA_MODEL_TYPES:
+            d["attention_bias"] = self.attention_bias
+            if model_type != "gemma":
+                d.update(hidden_activation=self.hidden_act, query_pre_attn_scalar=self.query_pre_attn_scalar,
+                         attn_logit_softcapping=self.attn_logit_softcapping,
+                         final_logit_softcapping=self.final_logit_softcapping, sliding_window=self.sliding_window)
+                if self.sliding_window is None:  # transformers' default would slide with 4096
+                    raise ValueError(f"{model_type}: the config needs a sliding window")
+            if model_type == "gemma3_text":
+                d["rope_local_base_freq"] = self.rope_local_theta
         if model_type in ("llama", "qwen3", "qwen3_moe"):
             d["attention_bias"] = self.attention_bias
         if model_type == "qwen2_moe":
@@ -246,6 +342,8 @@ class ModelConfig:
                          shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         if self.sliding_window is not None:
             d["sliding_window"] = self.sliding_window
+            if model_type == "gemma":
+                raise ValueError("gemma has no sliding window")
             if model_type in ("mistral", "mixtral"):
                 if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
                     raise ValueError(f"{model_type} slides every layer or none (transformers' config has no "
@@ -268,8 +366,22 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[Optional[int], 
     names each layer's kind (Qwen2/3, Qwen2-MoE). Llama never slides. (None, None) when no layer does."""
     # transformers' defaults when the key is absent: MistralConfig and the Qwen configs 4096, Mixtral none;
     # Mistral's and Mixtral's modeling read no use_sliding_window (an explicit false still slides)
+    if model_type in ("gemma2", "gemma3_text"):
+        # the even layers of Gemma 2 slide, 5 of every 6 of Gemma 3 (sliding_window_pattern), unless
+        # layer_types says; the defaults (4096) are filled in by from_hf_dict
+        n = int(d["num_hidden_layers"])
+        types = d.get("layer_types")
+        if isinstance(types, list) and len(types) == n:
+            layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        else:
+            pattern = 2 if model_type == "gemma2" else int(d.get("sliding_window_pattern") or 6)
+            layers = tuple(i for i in range(n) if (i + 1) % pattern)
+        w = d.get("sliding_window")
+        if not w or not layers:
+            return None, None
+        return int(w), (None if len(layers) == n else layers)
     if model_type not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        return None, None  # (transformers' Llama ignores sliding_window)
+        return None, None  # (transformers' Llama and Gemma 1 ignore sliding_window)
     w = d.get("sliding_window", None if model_type == "mixtral" else 4096)
     if not w or (model_type not in ("mistral", "mixtral") and not d.get("use_sliding_window", False)):
         return None, None
@@ -290,13 +402,20 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[Optional[int], 
     return int(w), (None if len(layers) == n else layers)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> "Any":
-    """Inverse frequencies [head_dim // 2] with Llama 3.1 / linear scaling applied (float32 math, as transformers does, so that greedy outputs match it)."""
+def _opt_float(v: Any) -> Optional[float]:
+    return None if v is None else float(v)
+
+
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> "Any":
+    """Inverse frequencies [head_dim // 2] with Llama 3.1 / linear scaling applied (float32 math, as
+    transformers does, so that greedy outputs match it). local: Gemma 3's sliding layers' (base
+    rope_local_theta, no scaling)."""
     import torch
 
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    rs = cfg.rope_scaling
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = None if local else cfg.rope_scaling
     kind = (rs or {}).get("rope_type", (rs or {}).get("type"))
     if kind == "linear":
         inv = inv / float(rs["factor"])

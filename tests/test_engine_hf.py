@@ -11,6 +11,7 @@ import torch
 
 from hf_ref import hf_greedy, hf_model_from_gguf, make_random_hf_folder
 from pageflash import LLM, SamplingParams
+from pageflash.config import ModelConfig
 
 NEW = 48
 RAW = [
@@ -124,6 +125,16 @@ CONFIGS = {
                       num_key_value_heads=2, rope_theta=1000000.0, num_experts=4, num_experts_per_tok=3,
                       moe_intermediate_size=40, shared_expert_intermediate_size=56, norm_topk_prob=False,
                       decoder_sparse_step=1),
+    # Gemma: GeGLU ("gelu" read as its tanh form), (1 + w) norms, scaled embeddings, MQA, head_dim 32
+    "gemma": dict(BASE, model_type="gemma", architectures=["GemmaForCausalLM"], num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=32, hidden_act="gelu", tie_word_embeddings=True),
+    # Gemma 3: sandwich norms, q/k norms, query_pre_attn_scalar, two sliding layers (window 8, the local
+    # rope base) and a full one (rope base 1e6 with linear scaling)
+    "gemma3": dict(BASE, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                   sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                   rope_scaling=dict(rope_type="linear", factor=2.0), tie_word_embeddings=True),
 }
 
 
@@ -143,7 +154,7 @@ def test_random_models_match_hf(tmp_path, name):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 20)
     # tiny pool: preemption, same tokens (a sliding window's sequences hold only their windows: a
     # smaller pool still)
-    tiny = dict(num_kv_blocks=8, max_num_batched_tokens=8) if CONFIGS[name].get("sliding_window") else \
+    tiny = dict(num_kv_blocks=8, max_num_batched_tokens=8) if ModelConfig.from_hf_dict(CONFIGS[name]).kv_window else \
         dict(num_kv_blocks=20, max_num_batched_tokens=24)
     small = LLM(folder, block_size=4, max_model_len=64, **tiny)
     outs2 = small.generate([{"prompt_token_ids": p} for p in prompts[:4]],

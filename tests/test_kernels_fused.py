@@ -12,7 +12,7 @@ import torch
 from kernel_checks import poison_outputs  # noqa: F401  (autouse: outputs start poisoned)
 
 from pageflash.config import ModelConfig
-from pageflash.kernels.activation import silu_and_mul, silu_and_mul_ref
+from pageflash.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from pageflash.kernels.rms_norm import qk_rms_norm_, qk_rms_norm_ref, rms_norm, rms_norm_fused_ref, rms_norm_ref
 from pageflash.kernels.rotary import apply_rotary, apply_rotary_ref
 from pageflash.layers import activation as activation_layer
@@ -56,6 +56,24 @@ def test_rms_norm_residual(t, h, dtype):
     assert torch.equal(new_r, ref_r)  # the add rounds exactly as PyTorch's does
     assert rel_err(out, ref) < TOL[dtype]
     assert torch.equal(x, x0) and torch.equal(r, r0)  # inputs untouched by default
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h", [(1, 64), (6, 200)])
+def test_rms_norm_unit_offset(t, h, dtype):
+    """Gemma's norm: times (1 + weight) in float32, one rounding; with and without the residual add;
+    it differs from the Llama form (so the flag is not a no-op)."""
+    g = torch.Generator().manual_seed(t * 7 + h)
+    x, r, w = rnd(t, h, dtype=dtype, g=g, scale=3.0), rnd(t, h, dtype=dtype, g=g), rnd(h, dtype=dtype, g=g)
+    ref = rms_norm_ref(x, w, 1e-6, unit_offset=True)
+    xf = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.equal(ref, (xf * (1 + w.float())).to(dtype))  # the reference is transformers' GemmaRMSNorm
+    out = rms_norm(x, w, 1e-6, unit_offset=True)
+    assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype]
+    assert rel_err(out, rms_norm_ref(x, w, 1e-6)) > 0.1
+    out, new_r = rms_norm(x, w, 1e-6, r, unit_offset=True)
+    ref, ref_r = rms_norm_fused_ref(x, w, 1e-6, r, unit_offset=True)
+    assert torch.equal(new_r, ref_r) and rel_err(out, ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -107,6 +125,10 @@ def test_qk_rms_norm_in_place(t, hq, hkv, d, dtype):
     assert out.data_ptr() == qkv.data_ptr()
     assert rel_err(qkv, ref) < TOL[dtype]
     assert torch.equal(qkv[:, (hq + hkv) * d:], ref[:, (hq + hkv) * d:]) and torch.equal(buf[:, width:], tail)
+    qkv2 = buf[:, :width].clone()
+    ref2 = qk_rms_norm_ref(qkv2.clone(), qw - 1, kw - 1, 1e-6, hq, hkv, d, unit_offset=True)  # Gemma 3's
+    qk_rms_norm_(qkv2, qw - 1, kw - 1, 1e-6, hq, hkv, d, unit_offset=True)
+    assert rel_err(qkv2, ref2) < TOL[dtype]
     with pytest.raises(ValueError, match="qkv must be"):
         qk_rms_norm_(qkv[:, :-1], qw, kw, 1e-6, hq, hkv, d)
     with pytest.raises(ValueError, match="k_weight"):
@@ -219,6 +241,18 @@ def test_silu_and_mul(t, i, dtype):
     assert rel_err(silu_and_mul(x), silu_and_mul_ref(x)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,i", [(1, 64), (20, 130)])
+def test_gelu_tanh_and_mul(t, i, dtype):
+    """Gemma's GeGLU: torch's gelu(approximate="tanh") of the gate times up (the interpreter's tanh
+    goes through exp; CUDA's through libdevice, tests/gpu)."""
+    g = torch.Generator().manual_seed(t * i + 1)
+    x = rnd(t, 2 * i, dtype=dtype, g=g, scale=4.0)
+    x[0, :4] = torch.tensor([-30.0, 30.0, 0.0, -3.0])  # tanh's saturated ends
+    assert rel_err(gelu_tanh_and_mul(x), gelu_tanh_and_mul_ref(x)) < TOL[dtype]
+    assert rel_err(gelu_tanh_and_mul(x), silu_and_mul_ref(x)) > 0.01
+
+
 def test_silu_and_mul_strided_rows_and_out():
     g = torch.Generator().manual_seed(5)
     buf = rnd(4, 3 * 48, dtype=torch.float16, g=g)
@@ -238,7 +272,7 @@ def fused_layers(monkeypatch):
     """Make the layers take their Triton path on CPU tensors (interpreter)."""
     monkeypatch.setattr(norm_layer, "_use_fused", lambda x, w: True)
     monkeypatch.setattr(rotary_layer, "_use_fused", lambda q, k: True)
-    monkeypatch.setattr(activation_layer, "_use_fused", lambda x: True)
+    monkeypatch.setattr(activation_layer, "_use_fused", lambda x, act="silu": True)
 
 
 def test_layers_dispatch_to_kernels(fused_layers):
@@ -266,6 +300,15 @@ def test_layers_dispatch_to_kernels(fused_layers):
     y = rnd(2, 3, 2 * 96, dtype=dtype, g=g)  # leading dims are flattened and restored
     out = activation_layer.silu_and_mul(y)
     assert out.shape == (2, 3, 96) and rel_err(out, silu_and_mul_ref(y)) < TOL[dtype]
+    out = activation_layer.act_and_mul(y, "gelu_pytorch_tanh")
+    assert out.shape == (2, 3, 96) and rel_err(out, gelu_tanh_and_mul_ref(y)) < TOL[dtype]
+
+    gemma = norm_layer.RMSNorm(64, 1e-6, unit_offset=True).to(dtype)
+    assert torch.equal(gemma.weight, torch.zeros(64, dtype=dtype))  # stored as offsets from 1
+    gemma.weight.data.copy_(rnd(64, dtype=dtype, g=g))
+    h, new_r = gemma(x, r)
+    ref, ref_r = rms_norm_fused_ref(x0, gemma.weight, 1e-6, r0, unit_offset=True)
+    assert torch.equal(new_r, ref_r) and rel_err(h, ref) < TOL[dtype]
 
 
 def test_layers_stay_on_pytorch_without_cuda():

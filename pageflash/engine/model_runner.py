@@ -23,7 +23,6 @@ from pageflash.envs import int_env
 from pageflash.kernels.launch import precompile
 from pageflash.transfer import copy_to, to_device
 from pageflash.layers.attention import KV_CACHE_DTYPES, AttentionMetadata, get_backend, kv_bytes_view
-from pageflash.layers.rotary import RotaryEmbedding
 from pageflash.model.llama import LlamaForCausalLM
 from pageflash.model.loader import ModelSource, init_dummy_weights, iter_weights
 
@@ -118,7 +117,7 @@ class ModelRunner:
             model.quantize_(self.quantization, device=self.device if staged else None)
         if staged:  # the rotary tables as the device computes them (as an unstaged model has them)
             with torch.device(self.device):
-                model.rotary = RotaryEmbedding(self.cfg, max_positions=self.max_model_len)
+                model.make_rotary(self.max_model_len)
         return model.eval()
 
     @property

@@ -1,8 +1,11 @@
-"""silu(gate) * up over a fused gate/up projection output, in one Triton kernel.
+"""act(gate) * up over a fused gate/up projection output, in one Triton kernel: SiLU (SwiGLU) or
+GELU's tanh form (GeGLU, Gemma).
 
-Same arithmetic as ``pageflash.layers.activation.silu_and_mul_ref`` on CUDA, operation for operation:
-``silu(g) = g / (1 + exp(-g))`` in float32 (libdevice ``expf`` and IEEE division, as in ATen's silu
-kernel), rounded to the input dtype, then multiplied by ``up`` (float32 product, rounded once).
+Same arithmetic as ``pageflash.layers.activation.silu_and_mul_ref`` / ``gelu_tanh_and_mul_ref`` on
+CUDA, operation for operation: ``silu(g) = g / (1 + exp(-g))`` in float32 (libdevice ``expf`` and IEEE
+division, as in ATen's silu kernel); ``gelu(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`` in
+float32 (libdevice ``tanhf``, as ATen's); rounded to the input dtype, then multiplied by ``up``
+(float32 product, rounded once).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ except ImportError:  # pragma: no cover - older layouts
 
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
-from pageflash.layers.activation import silu_and_mul_ref
+from pageflash.layers.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 
-__all__ = ["silu_and_mul", "silu_and_mul_ref"]
+__all__ = ["silu_and_mul", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -40,9 +43,21 @@ def silu_f32(g, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(
+def gelu_tanh_f32(g, LIBDEVICE: tl.constexpr):
+    """GELU's tanh approximation of float32 g as ATen computes it (libdevice's tanhf; LIBDEVICE False:
+    tanh through exp, the interpreter has no libdevice)."""
+    inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+    if LIBDEVICE:
+        th = libdevice.tanh(inner)
+    else:
+        th = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+    return 0.5 * g * (1.0 + th)
+
+
+@triton.jit
+def _act_and_mul_kernel(
     X, O, stride_xt, stride_ot, INTER,
-    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, GELU: tl.constexpr,
 ):
     # grid (T, cdiv(INTER, BLOCK))
     t = tl.program_id(0).to(tl.int64)
@@ -50,11 +65,15 @@ def _silu_and_mul_kernel(
     mask = cols < INTER
     g = tl.load(X + t * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(X + t * stride_xt + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    act = silu_f32(g, LIBDEVICE).to(O.dtype.element_ty).to(tl.float32)
+    if GELU:
+        act = gelu_tanh_f32(g, LIBDEVICE)
+    else:
+        act = silu_f32(g, LIBDEVICE)
+    act = act.to(O.dtype.element_ty).to(tl.float32)
     tl.store(O + t * stride_ot + cols, (act * u).to(O.dtype.element_ty), mask=mask)
 
 
-_silu_and_mul_kernel = fast_launch(_silu_and_mul_kernel)  # host launches via the cached CompiledKernel
+_act_and_mul_kernel = fast_launch(_act_and_mul_kernel)  # host launches via the cached CompiledKernel
 
 
 def _config(num_tokens: int) -> tuple[int, int]:
@@ -65,23 +84,33 @@ def _config(num_tokens: int) -> tuple[int, int]:
 def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x: [T, 2*I] float16/bfloat16/float32 (gate columns, then up; rows may be strided, columns
     contiguous). Returns silu(gate) * up: [T, I] in x's dtype, written to out if given."""
+    return _act_and_mul(x, out, gelu=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As silu_and_mul, with GELU's tanh approximation: gelu_tanh(gate) * up."""
+    return _act_and_mul(x, out, gelu=True)
+
+
+def _act_and_mul(x: torch.Tensor, out: Optional[torch.Tensor], gelu: bool) -> torch.Tensor:
+    name = "gelu_tanh_and_mul" if gelu else "silu_and_mul"
     if x.dim() != 2 or x.shape[1] % 2:
-        raise ValueError(f"silu_and_mul: x must be [T, 2*I], got {tuple(x.shape)}")
+        raise ValueError(f"{name}: x must be [T, 2*I], got {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
-        raise TypeError(f"silu_and_mul: dtype must be float16/bfloat16/float32, got {x.dtype}")
+        raise TypeError(f"{name}: dtype must be float16/bfloat16/float32, got {x.dtype}")
     t, inter = x.shape[0], x.shape[1] // 2
     if out is None:
         out = torch.empty((t, inter), device=x.device, dtype=x.dtype)
     if out.shape != (t, inter) or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"silu_and_mul: out must be [{t}, {inter}] {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype}")
-    for name, a in (("x", x), ("out", out)):
+        raise ValueError(f"{name}: out must be [{t}, {inter}] {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype}")
+    for arg, a in (("x", x), ("out", out)):
         if a.stride(1) != 1 and a.shape[1] > 1:
-            raise ValueError(f"silu_and_mul: {name} must be contiguous in its last dim (strides {a.stride()})")
+            raise ValueError(f"{name}: {arg} must be contiguous in its last dim (strides {a.stride()})")
     if t == 0 or inter == 0:
         return out
     block, num_warps = _config(t)
-    _silu_and_mul_kernel[(t, cdiv(inter, block))](
+    _act_and_mul_kernel[(t, cdiv(inter, block))](
         x, out, x.stride(0), out.stride(0), inter,
-        BLOCK=block, LIBDEVICE=x.is_cuda, num_warps=num_warps, enable_fp_fusion=False,
+        BLOCK=block, LIBDEVICE=x.is_cuda, GELU=gelu, num_warps=num_warps, enable_fp_fusion=False,
     )
     return out

@@ -7,6 +7,8 @@ outputs stay close to HF's bit for bit:
     xn   = float32(s) * rsqrt(mean(float32(s)^2) + eps)
     out  = weight * xn.to(x.dtype)          (product rounded once, in promote(x, weight) dtype)
 
+or, with ``unit_offset`` (GemmaRMSNorm), ``out = (xn * (1 + float32(weight))).to(x.dtype)``.
+
 Everything but the sum of squares matches PyTorch's CUDA kernels operation for operation (rsqrt from
 libdevice like CUDA's ``rsqrtf``, the mean as ``sum * (1/H)`` like ATen's MeanOps, no FMA
 contraction); the summation order differs, so ``out`` can differ from the reference by one rounding
@@ -37,15 +39,18 @@ MAX_HIDDEN = 65536  # the whole row lives in registers
 
 
 @triton.jit
-def _normed(x, w, inv_h, eps, LIBDEVICE: tl.constexpr):
+def _normed(x, w, inv_h, eps, LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     """rms_norm_ref's arithmetic on one row x (the sum of squares aside): float32(x) * rsqrt(mean + eps)
-    rounded to x's dtype, times w in float32 (exact for 16-bit operands); the caller rounds once."""
+    rounded to x's dtype, times w in float32 (exact for 16-bit operands); UNIT_OFFSET (Gemma): not
+    rounded, times 1 + w in float32. The caller rounds once."""
     xf = x.to(tl.float32)
     ms = tl.sum(xf * xf, axis=0) * inv_h + eps
     if LIBDEVICE:
         rstd = libdevice.rsqrt(ms)
     else:  # interpreter (no libdevice)
         rstd = tl.math.rsqrt(ms)
+    if UNIT_OFFSET:
+        return (xf * rstd) * (1.0 + w.to(tl.float32))
     xn = (xf * rstd).to(x.dtype)
     return xn.to(tl.float32) * w.to(tl.float32)
 
@@ -55,7 +60,7 @@ def _rms_norm_kernel(
     X, R, W, O, RO,
     stride_x, stride_r, stride_o, stride_ro,
     H, inv_h, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -68,7 +73,7 @@ def _rms_norm_kernel(
         r = tl.load(R + t * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(RO + t * stride_ro + cols, x, mask=mask)
-    y = _normed(x, w, inv_h, eps, LIBDEVICE)
+    y = _normed(x, w, inv_h, eps, LIBDEVICE, UNIT_OFFSET)
     tl.store(O + t * stride_o + cols, y.to(O.dtype.element_ty), mask=mask)
 
 
@@ -76,11 +81,11 @@ _rms_norm_kernel = fast_launch(_rms_norm_kernel)  # host launches via the cached
 
 
 def rms_norm_fused_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm_ref(x + residual), x + residual): what the fused form computes."""
     s = x + residual
-    return rms_norm_ref(s, weight, eps), s
+    return rms_norm_ref(s, weight, eps, unit_offset), s
 
 
 def _num_warps(block: int) -> int:
@@ -96,8 +101,10 @@ def rms_norm(
     out: Optional[torch.Tensor] = None,
     residual_out: Optional[torch.Tensor] = None,
     num_warps: Optional[int] = None,
+    unit_offset: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """RMSNorm of each row of x, optionally after adding residual.
+    """RMSNorm of each row of x, optionally after adding residual (unit_offset: Gemma's, scaled by
+    1 + weight, the output in x's dtype).
 
     x: [T, H] float16/bfloat16/float32, rows may be strided (H contiguous). weight: [H], contiguous.
     residual: [T, H], x's dtype. Returns out [T, H] in promote(x.dtype, weight.dtype); with residual,
@@ -116,7 +123,7 @@ def rms_norm(
         raise ValueError(f"rms_norm: weight must be contiguous [{h}], got {tuple(weight.shape)} stride {weight.stride()}")
     if h > MAX_HIDDEN:
         raise ValueError(f"rms_norm: hidden size {h} exceeds the kernel's limit {MAX_HIDDEN}")
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
     tensors = [("x", x)]
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -152,7 +159,7 @@ def rms_norm(
             x.stride(0), residual.stride(0) if has_res else None, out.stride(0),
             residual_out.stride(0) if has_res else None,
             h, 1.0 / h, eps,
-            HAS_RES=residual is not None, BLOCK=block, LIBDEVICE=x.is_cuda,
+            HAS_RES=residual is not None, BLOCK=block, LIBDEVICE=x.is_cuda, UNIT_OFFSET=unit_offset,
             num_warps=num_warps or _num_warps(block), enable_fp_fusion=False,
         )
     return out if residual is None else (out, residual_out)
@@ -162,7 +169,7 @@ def rms_norm(
 @triton.jit
 def _qk_norm_kernel(
     X, QW, KW, stride_t, num_q_heads, inv_d, eps,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     """One program per (token, head) of the q and k heads: the head's vector is normed in place with
     q_weight (heads < num_q_heads) or k_weight, with _rms_norm_kernel's arithmetic."""
@@ -173,25 +180,25 @@ def _qk_norm_kernel(
     ptr = X + t * stride_t + h * HEAD_DIM + cols
     x = tl.load(ptr, mask=mask, other=0.0)
     w = tl.where(h < num_q_heads, tl.load(QW + cols, mask=mask, other=0.0), tl.load(KW + cols, mask=mask, other=0.0))
-    tl.store(ptr, _normed(x, w, inv_d, eps, LIBDEVICE).to(X.dtype.element_ty), mask=mask)
+    tl.store(ptr, _normed(x, w, inv_d, eps, LIBDEVICE, UNIT_OFFSET).to(X.dtype.element_ty), mask=mask)
 
 
 _qk_norm_kernel = fast_launch(_qk_norm_kernel)
 
 
 def qk_rms_norm_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                    num_q_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                    num_q_heads: int, num_kv_heads: int, head_dim: int, unit_offset: bool = False) -> torch.Tensor:
     """A new [T, (Hq + 2 Hkv) * D] tensor: qkv with each q head normed by q_weight and each k head by
     k_weight (rms_norm_ref over head_dim); v as it was."""
     t = qkv.shape[0]
     heads = qkv.reshape(t, num_q_heads + 2 * num_kv_heads, head_dim)
-    q = rms_norm_ref(heads[:, :num_q_heads], q_weight, eps)
-    k = rms_norm_ref(heads[:, num_q_heads:num_q_heads + num_kv_heads], k_weight, eps)
+    q = rms_norm_ref(heads[:, :num_q_heads], q_weight, eps, unit_offset)
+    k = rms_norm_ref(heads[:, num_q_heads:num_q_heads + num_kv_heads], k_weight, eps, unit_offset)
     return torch.cat([q, k, heads[:, num_q_heads + num_kv_heads:]], dim=1).reshape(qkv.shape)
 
 
 def qk_rms_norm_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                 num_q_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, unit_offset: bool = False) -> torch.Tensor:
     """In place: norm each q head of qkv [T, (Hq + 2 Hkv) * D] (rows may be strided, the rest
     contiguous) with q_weight [D] and each k head with k_weight [D], in one launch (instead of two
     copies out of the projection and two norms). The weights must have qkv's dtype (the product is
@@ -211,7 +218,8 @@ def qk_rms_norm_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
         block = next_pow2(head_dim)
         _qk_norm_kernel[(t, num_q_heads + num_kv_heads)](
             qkv, q_weight, k_weight, qkv.stride(0), num_q_heads, 1.0 / head_dim, eps,
-            HEAD_DIM=head_dim, BLOCK=block, LIBDEVICE=qkv.is_cuda, num_warps=1 if block <= 128 else 2,
+            HEAD_DIM=head_dim, BLOCK=block, LIBDEVICE=qkv.is_cuda, UNIT_OFFSET=unit_offset,
+            num_warps=1 if block <= 128 else 2,
             enable_fp_fusion=False,
         )
     return qkv

@@ -8,11 +8,14 @@ from torch import nn
 from pageflash.layers import triton_kernel
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, as transformers' LlamaRMSNorm does."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as transformers' LlamaRMSNorm does; unit_offset: as
+    GemmaRMSNorm does, times (1 + weight) in float32, rounded once to x's dtype."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.float())).to(dtype)
     return weight * xf.to(dtype)
 
 
@@ -39,21 +42,23 @@ class RMSNorm(nn.Module):
     (the sum of squares aside, see there); elsewhere rms_norm_ref. Inputs are never modified.
     """
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.unit_offset = unit_offset  # Gemma: scale by (1 + weight); its weights are stored as offsets from 1
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size),
+                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if _use_fused(x, self.weight) and (
             residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)
         ):
             # new tensors for both outputs: the caller may still hold x or residual
-            return _fused_kernel()(x, self.weight, self.eps, residual)
+            return _fused_kernel()(x, self.weight, self.eps, residual, unit_offset=self.unit_offset)
         if residual is None:
-            return rms_norm_ref(x, self.weight, self.eps)
+            return rms_norm_ref(x, self.weight, self.eps, self.unit_offset)
         x = x + residual
-        return rms_norm_ref(x, self.weight, self.eps), x
+        return rms_norm_ref(x, self.weight, self.eps, self.unit_offset), x
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)

@@ -34,9 +34,10 @@ class RotaryEmbedding(nn.Module):
     in float32, so that greedy outputs match it bit for bit as far as possible.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, local: bool = False) -> None:
+        """local: Gemma 3's sliding layers' table (base rope_local_theta, no scaling)."""
         super().__init__()
-        inv = rope_inv_freq(cfg).float()
+        inv = rope_inv_freq(cfg, local).float()
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         self.register_buffer("cos", freqs.cos(), persistent=False)

@@ -1,5 +1,7 @@
 """Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2; with mixture-of-experts layers:
-Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat varlen token batch.
+Mixtral, Qwen2-MoE, Qwen3-MoE; Gemma 1/2/3, whose differences are ModelConfig flags: GeGLU, (1 + w)
+norms, scaled embeddings, sandwich norms, softcapping, a local rope for sliding layers) over a flat
+varlen token batch.
 
 All sequences of a step are concatenated into one token dimension T; attention goes through the
 backend with the step's plan (see pageflash/layers/attention.py), so prefill chunks, decodes and
@@ -8,6 +10,7 @@ draft tokens share one forward.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable, Iterable, Optional
 
@@ -16,7 +19,7 @@ from torch import nn
 
 from pageflash.config import ModelConfig
 from pageflash.layers import triton_kernel
-from pageflash.layers.activation import silu_and_mul
+from pageflash.layers.activation import act_and_mul
 from pageflash.layers.attention import AttentionBackend
 from pageflash.layers.linear import GateUpLinear, Linear, QKVLinear, VocabEmbedding, gate_up_silu, linear
 from pageflash.layers.moe import SparseMoE
@@ -51,10 +54,11 @@ class LlamaAttention(_Prefetching, nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
-        self.scale = cfg.head_dim ** -0.5
-        # Qwen3: RMSNorm over each head's q and k (one weight per head dim, shared by the heads)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale
+        # Qwen3, Gemma 3: RMSNorm over each head's q and k (one weight per head dim, shared by the heads)
+        off = cfg.norm_unit_offset
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, off) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, off) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -71,7 +75,7 @@ class LlamaAttention(_Prefetching, nn.Module):
         fused_qk_norm = _fused_qk_norm(qkv, self.q_norm.weight) if self.q_norm is not None else None
         if fused_qk_norm is not None:  # one launch, in place, instead of two copies and two norms
             fused_qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads,
-                          self.num_kv_heads, self.head_dim)
+                          self.num_kv_heads, self.head_dim, unit_offset=self.q_norm.unit_offset)
         q, k, v = self.qkv_proj.split(qkv)
         self._prefetch("o", self.o_proj.weight)  # while attention runs
         q = q.view(t, self.num_heads, self.head_dim)
@@ -94,18 +98,19 @@ class LlamaAttention(_Prefetching, nn.Module):
 
 
 class LlamaMLP(_Prefetching, nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
+        self.act = act  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU: Gemma)
         self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # decode at batch 1: SiLU in the GEMV's epilogue
-        act = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.weight_scale)
+        act = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.weight_scale) if self.act == "silu" else None
         if act is None:
             gu = self.gate_up_proj(x)
-            self._prefetch("down", self.down_proj.weight)  # while SiLU-and-mul runs
-            act = silu_and_mul(gu)
+            self._prefetch("down", self.down_proj.weight)  # while the activation runs
+            act = act_and_mul(gu, self.act)
         else:
             self._prefetch("down", self.down_proj.weight)
         return self.down_proj(act)
@@ -115,6 +120,12 @@ def _moe_block(cfg: ModelConfig) -> SparseMoE:
     shared = cfg.shared_expert_intermediate_size
     return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                      cfg.norm_topk_prob, shared_expert=LlamaMLP(cfg.hidden_size, shared) if shared else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _rounded(v: float, dtype: torch.dtype) -> float:
+    """v rounded to dtype (a Python float: multiplying by it computes as by a 0-dim tensor of dtype)."""
+    return float(torch.tensor(v, dtype=torch.float64).to(dtype))
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -131,9 +142,18 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
         super().__init__()
         self.tp_size = tp_size
         self.self_attn = LlamaAttention(cfg, index)
-        self.mlp = _moe_block(cfg) if cfg.is_moe_layer(index) else LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.local_rope = cfg.layer_rope_local(index)  # Gemma 3's sliding layers: the model's rotary_local
+        self.mlp = _moe_block(cfg) if cfg.is_moe_layer(index) else \
+            LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        # Llama: the norm before the MLP; Gemma 2/3 (sandwich): the norm of the attention's output, with
+        # pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it
+        self.post_attention_layernorm = norm()
+        self.sandwich = cfg.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, x, residual, positions, rotary, kv_cache, backend, plan):
         self._prefetch("qkv", self.self_attn.qkv_proj.weight)  # while the input norm runs
@@ -146,9 +166,15 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
             h = _all_reduce(h)
         if isinstance(self.mlp, LlamaMLP):  # (an MoE block's weights depend on the routing)
             self._prefetch("gate_up", self.mlp.gate_up_proj.weight)  # while the post-attention norm runs
-        h, residual = self.post_attention_layernorm(h, residual)
+        if self.sandwich:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        else:
+            h, residual = self.post_attention_layernorm(h, residual)
         h = self.mlp(h)
-        return (_all_reduce(h) if self.tp_size > 1 else h), residual
+        if self.tp_size > 1:
+            h = _all_reduce(h)
+        # (the caller adds the residual: the next layer's input norm, or the final norm)
+        return (self.post_feedforward_layernorm(h) if self.sandwich else h), residual
 
 
 class LlamaForCausalLM(_Prefetching, nn.Module):
@@ -167,10 +193,19 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         self.cfg = cfg
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        # Gemma: the embeddings times sqrt(hidden_size), that factor rounded to the model's dtype first
+        self.embed_scale = float(cfg.hidden_size) ** 0.5 if cfg.embed_scale else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp_size) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.rotary = RotaryEmbedding(cfg, max_positions)
+        self.make_rotary(max_positions)
+
+    def make_rotary(self, max_positions: int) -> None:
+        """The rotary tables on the current default device: ``rotary``, and ``rotary_local`` (Gemma 3's
+        sliding layers' base) or None."""
+        self.rotary = RotaryEmbedding(self.cfg, max_positions)
+        self.rotary_local = RotaryEmbedding(self.cfg, max_positions, local=True) \
+            if any(layer.local_rope for layer in self.layers) else None
 
     def forward(
         self,
@@ -183,9 +218,12 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
     ) -> torch.Tensor:
         """num_layers < L runs only the first layers (early-exit drafts); the final norm is applied."""
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * _rounded(self.embed_scale, x.dtype)
         residual = None
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
-            x, residual = layer(x, residual, positions, self.rotary, kv_caches[i], backend, plan)
+            rotary = self.rotary_local if layer.local_rope else self.rotary
+            x, residual = layer(x, residual, positions, rotary, kv_caches[i], backend, plan)
         self._prefetch("lm_head", self.head_weight)
         x, _ = self.norm(x, residual)
         if self.prefetcher is not None:
@@ -221,7 +259,11 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.head_weight, large=True, float_out=True)
+        logits = linear(hidden, self.head_weight, large=True, float_out=True)
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:  # Gemma 2: in float32 (transformers: in the model's dtype)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     # ---- weights -------------------------------------------------------------------------------
     # HF checkpoint name -> (our parameter name, shard id of a merged projection)
@@ -269,6 +311,13 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                                "model.multi_modal_projector.")):
+                continue  # Gemma 3's image encoder (its text decoder alone is run)
+            for prefix in ("language_model.model.", "model.language_model.", "language_model."):
+                if name.startswith(prefix):  # Gemma 3's image-text checkpoints (older and transformers 5 names)
+                    name = "model." + name.removeprefix(prefix)
+                    break
             name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's block name
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding table serves as the head

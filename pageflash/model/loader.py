@@ -274,8 +274,10 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     g = torch.Generator(device=next(model.parameters()).device)
     for name, p in model.named_parameters():
         g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
-        if p.dim() == 1:
-            p.data.fill_(1.0) if name.endswith("norm.weight") else p.data.normal_(0.0, 0.02, generator=g)
+        if p.dim() == 1 and name.endswith("norm.weight"):  # unit norms (Gemma's store 1 + weight: zeros)
+            p.data.fill_(0.0 if getattr(model.get_submodule(name.rsplit(".", 1)[0]), "unit_offset", False) else 1.0)
+        elif p.dim() == 1:
+            p.data.normal_(0.0, 0.02, generator=g)
         else:
             p.data.normal_(0.0, 0.02, generator=g)
 
