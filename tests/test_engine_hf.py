@@ -128,6 +128,11 @@ CONFIGS = {
     # Gemma: GeGLU ("gelu" read as its tanh form), (1 + w) norms, scaled embeddings, MQA, head_dim 32
     "gemma": dict(BASE, model_type="gemma", architectures=["GemmaForCausalLM"], num_attention_heads=4,
                   num_key_value_heads=1, head_dim=32, hidden_act="gelu", tie_word_embeddings=True),
+    # Gemma 2: softcapped attention scores and logits (caps small enough to bite on these weights), the
+    # even layers sliding (window 8), sandwich norms
+    "gemma2": dict(BASE, model_type="gemma2", architectures=["Gemma2ForCausalLM"], num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=20, sliding_window=8,
+                   attn_logit_softcapping=1.5, final_logit_softcapping=4.0, tie_word_embeddings=True),
     # Gemma 3: sandwich norms, q/k norms, query_pre_attn_scalar, two sliding layers (window 8, the local
     # rope base) and a full one (rope base 1e6 with linear scaling)
     "gemma3": dict(BASE, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], num_hidden_layers=3,

@@ -31,9 +31,10 @@ def tree_positions(meta) -> torch.Tensor:
     return torch.tensor(pos, dtype=torch.int64)
 
 
-def brute(q, kc, vc, meta, scale, window, positions):
+def brute(q, kc, vc, meta, scale, window, positions, softcap=None):
     """One (query, head) at a time in float64: the keys a query sees are its context's and its own
-    ancestors' (or causal predecessors') whose position is > its position - window."""
+    ancestors' (or causal predecessors') whose position is > its position - window. softcap: each
+    score s becomes softcap * tanh(s / softcap)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     hq, hkv = q.shape[1], kc.shape[2]
     row = 0
@@ -56,6 +57,8 @@ def brute(q, kc, vc, meta, scale, window, positions):
             for h in range(hq):
                 g = h // (hq // hkv)
                 sc = (kk[keys, g] @ q[row + j, h].double()) * scale
+                if softcap is not None:
+                    sc = torch.tanh(sc / softcap) * softcap
                 out[row + j, h] = torch.softmax(sc, 0) @ vv[keys, g]
         row += n
     return out

@@ -105,7 +105,8 @@ def _close(llm) -> None:
 @pytest.mark.parametrize("name,async_scheduling", [("llama-gqa", False), ("llama-gqa", True),
                                                    ("llama-mqa-tied", False), ("qwen2-bias", True),
                                                    ("qwen3-qk-norm", False), ("qwen3-moe", True),
-                                                   ("qwen2-moe", False), ("mistral-window", True)])
+                                                   ("qwen2-moe", False), ("mistral-window", True),
+                                                   ("gemma2", True), ("gemma3", False)])
 def test_two_ranks_match_hf(tmp_path, name, async_scheduling):
     """Two ranks give HF's greedy tokens, with chunked prefill (a budget of 24 tokens, blocks of 4) in a
     pool small enough to preempt (a sliding window over every layer: blocks behind it given back); no KV block leaks; the workers stop at shutdown. With async
@@ -117,7 +118,7 @@ def test_two_ranks_match_hf(tmp_path, name, async_scheduling):
     prompts = _prompts()
     want = [hf_greedy(hf, p, 16) for p in prompts]
     # (a sliding window's sequences hold only their windows: a smaller pool to preempt)
-    pool = dict(num_kv_blocks=8, max_num_batched_tokens=8) if CONFIGS[name].get("sliding_window") else \
+    pool = dict(num_kv_blocks=8, max_num_batched_tokens=8) if ModelConfig.from_hf_dict(CONFIGS[name]).kv_window else \
         dict(num_kv_blocks=20, max_num_batched_tokens=24)
     llm = LLM(folder, block_size=4, max_model_len=64, tensor_parallel_size=2, async_scheduling=async_scheduling,
               **pool)

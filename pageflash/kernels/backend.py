@@ -175,12 +175,13 @@ class TritonBackend:
         kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         window: Optional[int] = None,
         positions: Optional[torch.Tensor] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D].
         rope: (positions [T], cos, sin): rotate q and k in the launch that stores K/V -- in place, or
         (decode steps) in registers inside the decode kernel, leaving q and k as they were.
         kv_scales: (k_scale, v_scale) of a quantized cache (pageflash.layers.attention's module doc).
-        window, positions: a sliding-window layer's (the same module doc)."""
+        window, positions: a sliding-window layer's; softcap: Gemma 2's score capping (the same module doc)."""
         meta = plan.meta
         hkv = k_cache.shape[2]
         if plan.decode:
@@ -190,7 +191,7 @@ class TritonBackend:
                 return flash_decode(
                     q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits,
                     counters=counters, rope=rope, k_new=k, v_new=v, slot_mapping=meta.slot_mapping,
-                    kv_scales=kv_scales, window=window,
+                    kv_scales=kv_scales, window=window, softcap=softcap,
                 )
         if rope is not None:
             apply_rotary(q, k, *rope, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping,
@@ -200,11 +201,11 @@ class TritonBackend:
         if plan.decode:
             return flash_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits, counters=counters,
-                kv_scales=kv_scales, window=window,
+                kv_scales=kv_scales, window=window, softcap=softcap,
             )
         if plan.fresh_prefill:
             out, _ = flash_attn_varlen_fwd(q, k, v, meta.query_start_loc, meta.max_query_len, True, scale,
-                                           window=window)
+                                           window=window, softcap=softcap)
             return out
         group = q.shape[1] // hkv
         cfg = prefill_config(q.shape[2], group, meta.max_query_len, q.dtype, q.device,
@@ -225,6 +226,7 @@ class TritonBackend:
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
             meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask,
             tiles=tiles, config=cfg, num_splits=splits, kv_scales=kv_scales, window=window, positions=positions,
+            softcap=softcap,
         )
         if nd:  # the leading decode sequences' rows (0..nd-1: one each), left unwritten above
             key = ("prefix", hkv, window)
@@ -232,7 +234,7 @@ class TritonBackend:
             if dsplits is None:
                 dsplits = plan.num_splits[key] = choose_num_splits(nd, hkv, plan.kv_bound(window), plan.num_sms)
             flash_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                         num_splits=dsplits, kv_scales=kv_scales, out=out[:nd], window=window)
+                         num_splits=dsplits, kv_scales=kv_scales, out=out[:nd], window=window, softcap=softcap)
         return out
 
 

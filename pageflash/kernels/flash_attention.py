@@ -32,6 +32,7 @@ import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.launch import fast_launch
+from pageflash.layers.attention import soft_cap
 
 __all__ = [
     "flash_attention",
@@ -70,10 +71,31 @@ def _load_rows(base, rows, row_stride, offs_d, row_limit,
 
 
 @triton.jit
+def scale_scores(qk, qk_scale, SOFTCAP: tl.constexpr):
+    """qk * qk_scale (scale * log2(e): the kernels' exp2 domain), softcapped when SOFTCAP > 0 (Gemma 2:
+    c * tanh(s / c) of the score s = scale * q . k; SOFTCAP = c * log2(e), the cap in the same domain).
+    tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both saturated ends, no libdevice (the interpreter too)."""
+    x = qk * qk_scale
+    if SOFTCAP > 0:
+        e = tl.math.exp2(x * (2.0 * 1.4426950408889634 / SOFTCAP))
+        x = SOFTCAP - (2.0 * SOFTCAP) / (e + 1.0)
+    return x
+
+
+def softcap_arg(softcap: Optional[float]) -> float:
+    """The kernels' SOFTCAP constexpr for a layer's attention softcap (None: 0.0, none)."""
+    if softcap is None:
+        return 0.0
+    if not softcap > 0:
+        raise ValueError(f"attention softcap must be positive, got {softcap!r}")
+    return float(softcap) * LOG2E
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, seqlen, qk_scale,
                offs_m, offs_n, offs_d,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_N: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr = 0):
+               BLOCK_N: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -85,9 +107,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, s
                 ok = ok & (offs_m[:, None] >= cols[None, :])
             if WINDOW > 0:  # sliding window: row i sees keys i - WINDOW + 1 .. i
                 ok = ok & (cols[None, :] > offs_m[:, None] - WINDOW)
-            qk = tl.where(ok, qk * qk_scale, float("-inf"))
+            qk = tl.where(ok, scale_scores(qk, qk_scale, SOFTCAP), float("-inf"))
         else:
-            qk = qk * qk_scale
+            qk = scale_scores(qk, qk_scale, SOFTCAP)
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
@@ -111,6 +133,7 @@ def _fwd_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the heaviest query blocks first: better tail balance
@@ -149,28 +172,28 @@ def _fwd_kernel(
         edge = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - WINDOW, 0), BLOCK_N) * BLOCK_N, m0)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, edge, seqlen,
                                    qk_scale, offs_m, offs_n, offs_d,
-                                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC, WINDOW)
+                                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC, WINDOW, SOFTCAP)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, tl.maximum(edge, lo), m0,
                                    seqlen, qk_scale, offs_m, offs_n, offs_d,
-                                   False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC)
+                                   False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC, 0, SOFTCAP)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, m0,
                                    tl.minimum(m0 + BLOCK_M, seqlen), seqlen, qk_scale, offs_m, offs_n, offs_d,
-                                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC, WINDOW)
+                                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC, WINDOW, SOFTCAP)
     elif CAUSAL:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, m0, seqlen,
                                    qk_scale, offs_m, offs_n, offs_d,
-                                   False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC)
+                                   False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC, 0, SOFTCAP)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, m0,
                                    tl.minimum(m0 + BLOCK_M, seqlen), seqlen, qk_scale, offs_m, offs_n, offs_d,
-                                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC)
+                                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC, 0, SOFTCAP)
     else:
         full = seqlen - seqlen % BLOCK_N
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, full, seqlen,
                                    qk_scale, offs_m, offs_n, offs_d,
-                                   False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC)
+                                   False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC, 0, SOFTCAP)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full, seqlen, seqlen,
                                    qk_scale, offs_m, offs_n, offs_d,
-                                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC)
+                                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, PREC, 0, SOFTCAP)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     row_ok = offs_m < seqlen
@@ -492,7 +515,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool) -> t
     return hq, hkv, d, n
 
 
-def _fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale, varlen, config=None, window=None):
+def _fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale, varlen, config=None, window=None, softcap=None):
     hq, hkv, d, n = _check(q, k, v, varlen)
     if window is not None and (not causal or window < 1):
         raise ValueError(f"flash attention: a sliding window needs causal attention and window >= 1, got "
@@ -524,7 +547,7 @@ def _fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale, varlen, config=None, wi
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         CAUSAL=causal, VARLEN=varlen, PREC=_prec(q.dtype),
         # a window as long as every sequence changes nothing: no variant for it
-        WINDOW=window if window is not None and window < max_seqlen else 0,
+        WINDOW=window if window is not None and window < max_seqlen else 0, SOFTCAP=softcap_arg(softcap),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse
@@ -607,13 +630,15 @@ def flash_attn_varlen_fwd(
     scale: Optional[float] = None,
     config: Optional[dict] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only. q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens int32 [B+1], max_seqlen (host int, an upper
     bound of the lengths). window (causal only): sliding-window attention, query i sees keys
-    i - window + 1 .. i. Returns (o [T, Hq, D], lse fp32 [Hq, T], natural log)."""
+    i - window + 1 .. i. softcap: scores s -> softcap * tanh(s / softcap) (Gemma 2).
+    Returns (o [T, Hq, D], lse fp32 [Hq, T], natural log)."""
     _check_cu(cu_seqlens, q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _fwd(q, k, v, cu_seqlens.contiguous(), int(max_seqlen), causal, scale, True, config, window)
+    return _fwd(q, k, v, cu_seqlens.contiguous(), int(max_seqlen), causal, scale, True, config, window, softcap)
 
 
 def flash_attn_varlen(
@@ -647,15 +672,16 @@ def flash_attention(
 def flash_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: Optional[float] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain attention in float32 (differentiable). q [B, Hq, N, D], k/v [B, Hkv, N, D]; window: causal
-    sliding-window attention (query i sees keys i - window + 1 .. i).
+    sliding-window attention (query i sees keys i - window + 1 .. i); softcap: capped scores.
     Returns (o [B, Hq, N, D] in q's dtype, lse fp32 [B, Hq, N])."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
     kk = k.float().repeat_interleave(group, dim=1)
     vv = v.float().repeat_interleave(group, dim=1)
-    s = torch.matmul(q.float(), kk.transpose(-1, -2)) * scale
+    s = soft_cap(torch.matmul(q.float(), kk.transpose(-1, -2)) * scale, softcap)
     if causal:
         n = q.shape[2]
         allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
@@ -675,6 +701,7 @@ def flash_attn_varlen_ref(
     causal: bool = True,
     scale: Optional[float] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for the varlen layout: returns (o [T, Hq, D], lse fp32 [Hq, T]); one sequence at a time."""
     cu = cu_seqlens.tolist()
@@ -682,7 +709,7 @@ def flash_attn_varlen_ref(
     for s, e in zip(cu[:-1], cu[1:]):
         o, lse = flash_attention_ref(
             q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None], causal, scale,
-            window,
+            window, softcap,
         )
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])

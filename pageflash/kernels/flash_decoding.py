@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.flash_attention import scale_scores, softcap_arg
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.kv_store import check_store_args, kv_scale_args, store_quantized_row
 from pageflash.kernels.launch import fast_launch
@@ -105,7 +106,7 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
     BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False,
     QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
-    WINDOW: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -233,7 +234,7 @@ def _decode_split_kernel(
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         if QUANT:
             qk = qk * k_sc[None, :]
-        qk = tl.where(kv_ok[None, :], qk * qk_scale, float("-inf"))
+        qk = tl.where(kv_ok[None, :], scale_scores(qk, qk_scale, SOFTCAP), float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
@@ -246,7 +247,7 @@ def _decode_split_kernel(
         m_i = m_ij
     if ROPE:
         # the new key, from registers (the owner only: everyone else adds a zero weight)
-        qk_n = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * qk_scale
+        qk_n = scale_scores(tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1), qk_scale, SOFTCAP)
         qk_n = tl.where(owner, qk_n, float("-inf"))
         m_ij = tl.maximum(m_i, qk_n)
         p_n = tl.math.exp2(qk_n - m_ij)
@@ -427,6 +428,7 @@ def flash_decode(
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     out: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its K/V already stored), caches
     [num_blocks, block_size, Hkv, D], block_tables int32 [B, W], seq_lens int32 [B] (>= 1).
@@ -450,7 +452,9 @@ def flash_decode(
     step's output); a new tensor when None.
 
     window: a sliding-window layer's: each query sees only the last ``window`` keys of its sequence
-    (the splits share those; ``choose_num_splits`` may be given min(max_kv_len, window + BLOCK_N))."""
+    (the splits share those; ``choose_num_splits`` may be given min(max_kv_len, window + BLOCK_N)).
+
+    softcap: scores s -> softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"flash_decode: q must be [B, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
@@ -541,7 +545,7 @@ def flash_decode(
         STRIDED=bool(cfg.get("STRIDED", False)),
         BLOCK_S=next_pow2(num_splits) if fused else 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, WINDOW=window or 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SOFTCAP=softcap_arg(softcap), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
         enable_fp_fusion=rope is None,
     )
@@ -591,6 +595,7 @@ def flash_decode_ref(
     scale: float,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Reference (float32 math, q's dtype out): the batched decode of pageflash.layers.attention."""
     from pageflash.layers.attention import AttentionMetadata
@@ -606,4 +611,4 @@ def flash_decode_ref(
         seq_lens_cpu=lens,
         block_size=k_cache.shape[1],
     )
-    return _decode_batched_ref(q, k_cache, v_cache, meta, scale, kv_scales, window)
+    return _decode_batched_ref(q, k_cache, v_cache, meta, scale, kv_scales, window, softcap)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.flash_attention import scale_scores, softcap_arg
 from pageflash.kernels.flash_decoding import split_range
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.kv_store import kv_scale_args
@@ -46,7 +47,7 @@ def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                  ks_base, vs_base, stride_sb, tree_pos, key_lo,
                  MASKED: tl.constexpr, USE_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr,
-                 QUANT: tl.constexpr, WINDOW: tl.constexpr = 0):
+                 QUANT: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     if BT_AHEAD:
         # a tile's block ids are loaded one iteration ahead (masked by the table's width only): its K/V
         # copies then depend on no load of their own iteration, and Triton's pipeliner gives them
@@ -108,9 +109,9 @@ def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                 ok = ok & (j[None, :] <= qpos[:, None])
                 if WINDOW > 0:
                     ok = ok & (j[None, :] > qpos[:, None] - WINDOW)
-            qk = tl.where(ok, qk * qk_scale, float("-inf"))
+            qk = tl.where(ok, scale_scores(qk, qk_scale, SOFTCAP), float("-inf"))
         else:
-            qk = qk * qk_scale
+            qk = scale_scores(qk, qk_scale, SOFTCAP)
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
@@ -147,7 +148,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_TREE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr = 0,
     QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
-    WINDOW: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -220,18 +221,18 @@ def _paged_prefill_kernel(
                                      TREE, stride_tree, qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base,
                                      stride_sb, tree_pos, key_lo,
                                      True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT,
-                                     WINDOW)
+                                     WINDOW, SOFTCAP)
         lo = tl.maximum(lo, tl.minimum(edge, full))
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  lo, tl.minimum(full, hi), seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
                                  qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos, key_lo,
-                                 False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT)
+                                 False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT, 0, SOFTCAP)
     acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  tl.maximum(full, lo), hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
                                  qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos, key_lo,
-                                 True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT, WINDOW)
+                                 True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT, WINDOW, SOFTCAP)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -315,6 +316,7 @@ def paged_attention(
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     window: Optional[int] = None,
     positions: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Attention of the new queries over the paged cache (their K/V already stored; with kv_scales
     (k_scale, v_scale) float32 [num_blocks, Hkv, block_size], a quantized cache of int8 / e4m3 codes).
@@ -326,7 +328,8 @@ def paged_attention(
     each (tile, KV head) splits its keys over that many programs whose partial outputs are combined
     by log-sum-exp (Flash-Decoding for few queries over a long context: speculative verify steps).
     window: a sliding-window layer's (pageflash.layers.attention's module doc); with a tree mask it
-    needs ``positions`` [T] (int32 / int64), the new tokens' positions. Returns [T, Hq, D].
+    needs ``positions`` [T] (int32 / int64), the new tokens' positions. softcap: scores s ->
+    softcap * tanh(s / softcap) (Gemma 2). Returns [T, Hq, D].
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -407,7 +410,7 @@ def paged_attention(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=page,
         USE_TREE=tree_mask is not None, SPLIT=split, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         BT_AHEAD=cfg.get("BT_AHEAD", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **qconst,
-        WINDOW=window or 0,
+        WINDOW=window or 0, SOFTCAP=softcap_arg(softcap),
     )
     if split:
         from pageflash.kernels.flash_decoding import combine_partials

@@ -26,6 +26,8 @@ Conventions shared by every backend:
   position p then sees only the keys at positions > p - W (transformers' mask). A key's position is
   its index in the sequence's cache, except a token tree's new keys, which sit at ``positions`` (the
   depth of their node past the context); causal queries sit at ``context_len + j``.
+- Gemma 2's layers pass ``softcap=c``: each score ``s = scale * q . k`` becomes ``c * tanh(s / c)``
+  before the mask and the softmax (transformers' attn_logit_softcapping).
 
 Covers prefill, chunked prefill, prefix-cache hits, decode and multi-token (speculative) decode
 with one mechanism.
@@ -99,9 +101,12 @@ class AttentionBackend(Protocol):
         plan: Any,
         scale: float,
         kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        window: Optional[int] = None,
+        positions: Optional[torch.Tensor] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches (and, for a quantized cache, kv_scales) as in the
-        module doc. Returns [T, Hq, D].
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches (and, for a quantized cache, kv_scales), window,
+        positions and softcap as in the module doc. Returns [T, Hq, D].
 
         A backend with ``fuses_rope = True`` also accepts ``rope=(positions, cos, sin)``: q and k
         arrive unrotated and it applies the rotary embedding (kernels/rotary.py's arithmetic) itself."""
@@ -210,10 +215,11 @@ def paged_attention_ref(
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     window: Optional[int] = None,
     positions: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Plain PyTorch attention of the new queries over the paged cache (K/V already stored; with
     kv_scales, a quantized cache, dequantized; with window, sliding-window attention: the module doc,
-    ``positions`` [T] needed with a tree mask).
+    ``positions`` [T] needed with a tree mask; softcap: scores -> softcap * tanh(scores / softcap)).
 
     Computes in float32 and returns q's dtype. One sequence at a time: the reference, not the fast path.
     """
@@ -232,7 +238,7 @@ def paged_attention_ref(
         ctx = slen - qlen
         # [Hkv, group, qlen, D] x [Hkv, D, L] -> [Hkv, group, qlen, L]
         qh = qq.view(qlen, hkv, group, -1).permute(1, 2, 0, 3)
-        scores = torch.matmul(qh, kk.permute(1, 2, 0).unsqueeze(1)) * scale
+        scores = soft_cap(torch.matmul(qh, kk.permute(1, 2, 0).unsqueeze(1)) * scale, softcap)
         allowed = torch.ones(qlen, slen, dtype=torch.bool, device=q.device)
         if meta.tree_mask is None:
             allowed[:, ctx:] = torch.ones(qlen, qlen, dtype=torch.bool, device=q.device).tril()
@@ -309,25 +315,31 @@ class TorchBackend:
         kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         window: Optional[int] = None,
         positions: Optional[torch.Tensor] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
         """plan: from `plan(meta)`, or the metadata itself. kv_scales: a quantized cache's scales.
-        window, positions: a sliding-window layer's (module doc)."""
+        window, positions: a sliding-window layer's; softcap: Gemma 2's score capping (module doc)."""
         meta = plan.meta if isinstance(plan, _CpuDecodePlan) else plan
         check_kv_scales(k_cache, v_cache, kv_scales, "TorchBackend.forward")
         if kv_scales is not None:
             store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
             if is_fresh_prefill(meta):
-                return causal_varlen_ref(q, k, v, meta, scale, window)
+                return causal_varlen_ref(q, k, v, meta, scale, window, softcap)
         elif q.device.type == "cpu":  # the CPU's serving path: fewer, larger ops than the reference
             _store_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
-            if q.device.type == "cpu":
+            if q.device.type == "cpu" and softcap is None:  # (SDPA has no score capping)
                 p = plan if isinstance(plan, _CpuDecodePlan) else _CpuDecodePlan.of(meta)
                 return _decode_sdpa(q, k_cache, v_cache, p, scale, kv_scales, window)
-            return _decode_batched_ref(q, k_cache, v_cache, meta, scale, kv_scales, window)
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, kv_scales, window, positions)
+            return _decode_batched_ref(q, k_cache, v_cache, meta, scale, kv_scales, window, softcap)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, kv_scales, window, positions, softcap)
+
+
+def soft_cap(scores: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """Gemma 2's attention-logit softcapping: cap * tanh(scores / cap) (scores as they are when cap is None)."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
 def is_fresh_prefill(meta: AttentionMetadata) -> bool:
@@ -338,18 +350,28 @@ def is_fresh_prefill(meta: AttentionMetadata) -> bool:
 
 def causal_varlen_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
-    window: Optional[int] = None,
+    window: Optional[int] = None, softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its new keys only (a fresh prefill), from
     k and v as given (not from the cache): torch's SDPA in float32 per sequence, q's dtype out.
-    window: sliding-window attention (query i sees keys i - window + 1 .. i)."""
+    window: sliding-window attention (query i sees keys i - window + 1 .. i); softcap: capped scores
+    (then without SDPA, which has no such option)."""
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     start = 0
     for n in meta.query_lens_cpu:
         if n:
             qq, kk, vv = (x[start:start + n].float().transpose(0, 1) for x in (q, k, v))
-            if window is not None and window < n:
+            if softcap is not None:
+                i = torch.arange(n, device=q.device)
+                mask = i[None, :] <= i[:, None]
+                if window is not None:
+                    mask &= i[None, :] > i[:, None] - window
+                if gqa:
+                    kk, vv = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=0) for x in (kk, vv))
+                scores = soft_cap(torch.matmul(qq, kk.transpose(1, 2)) * scale, softcap)
+                o = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), vv)
+            elif window is not None and window < n:
                 i = torch.arange(n, device=q.device)
                 mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
                 o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale,
@@ -422,6 +444,7 @@ def _decode_sdpa(
 def _decode_batched_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None, window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Decode (one query per sequence) for the whole batch at once: gather, pad, mask.
 
@@ -435,7 +458,7 @@ def _decode_batched_ref(
     kk = _gather(k_cache, index, max_len, ks).float()  # [B, L, Hkv, D]
     vv = _gather(v_cache, index, max_len, vs).float()
     qh = q.float().view(b, hkv, group, d)
-    scores = torch.einsum("bhgd,blhd->bhgl", qh, kk) * scale
+    scores = soft_cap(torch.einsum("bhgd,blhd->bhgl", qh, kk) * scale, softcap)
     valid = _window_valid(meta.seq_lens, max_len, window)  # [B, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1)

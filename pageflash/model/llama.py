@@ -51,6 +51,7 @@ class LlamaAttention(_Prefetching, nn.Module):
         # sliding-window layers pass the backend their window (and the positions: a token tree's keys
         # sit at their depth, not at their place in the cache)
         self.window = cfg.layer_window(index)
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
@@ -89,11 +90,11 @@ class LlamaAttention(_Prefetching, nn.Module):
             # the backend rotates q and k in the launch that stores k and v in the cache
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale,
                                 rope=(positions, rotary.cos, rotary.sin), kv_scales=kv_scales,
-                                window=self.window, positions=positions)
+                                window=self.window, positions=positions, softcap=self.softcap)
         else:
             q, k = rotary(positions, q, k)
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale, kv_scales=kv_scales,
-                                window=self.window, positions=positions)
+                                window=self.window, positions=positions, softcap=self.softcap)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -74,6 +74,31 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
         attention_bias=False, bos_token_id=151643, eos_token_id=151645,
     ),
+    # Gemma: head_dim 256, GeGLU, sandwich norms; Gemma 2 softcaps its attention scores and logits and
+    # slides every other layer over 4096 tokens, Gemma 3 slides 5 of every 6 layers (1024 tokens at 4B)
+    "gemma-2-9b": dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=256000, hidden_size=3584,
+        intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 107],
+    ),
+    "gemma-3-1b": dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144, hidden_size=1152,
+        intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=512,
+        sliding_window_pattern=6, tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106],
+    ),
+    # the text decoder of the 4B image-text checkpoint
+    "gemma-3-4b": dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208, hidden_size=2560,
+        intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        rope_scaling=dict(rope_type="linear", factor=8.0), hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6, tie_word_embeddings=True,
+        bos_token_id=2, eos_token_id=[1, 106],
+    ),
     # mixtures of experts (dummy weights: the router picks experts at random, about uniformly)
     "qwen3-30b-a3b": dict(
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,

@@ -1,9 +1,10 @@
-"""Peer: HF transformers generate on an MoE named config (random bf16 weights), batch 1 decode tok/s.
+"""Peer: HF transformers generate on a named config (random bf16 weights), batch 1 decode tok/s.
 
 Greedy, EOS ignored, 128 random prompt tokens; decode tok/s = (new - 1) tokens over the time of a
-generate of `new` tokens minus that of a 1-token generate (the prefill), medians of 3. Experts through
-transformers' experts_implementation (default "grouped_mm", torch._grouped_mm).
-Usage: PYTHONPATH=. python scripts/hf_peer_moe.py [model] [new_tokens] [experts_implementation]
+generate of `new` tokens minus that of a 1-token generate (the prefill), medians of 3. Mixtures of
+experts run through transformers' experts_implementation (default "grouped_mm", torch._grouped_mm);
+attention through transformers' default for the model (sdpa, or eager where it softcaps: Gemma 2).
+Usage: PYTHONPATH=. python scripts/hf_peer_decode.py [model] [new_tokens] [experts_implementation]
 """
 
 import statistics
@@ -21,7 +22,9 @@ impl = sys.argv[3] if len(sys.argv) > 3 else "grouped_mm"
 d = dict(NAMED_CONFIGS[name])
 d.pop("eos_token_id", None)
 cfg = AutoConfig.for_model(**d)
-cfg._experts_implementation = impl
+moe = bool(getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0))
+if moe:
+    cfg._experts_implementation = impl
 torch.manual_seed(0)
 with torch.device("cuda"):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
@@ -41,5 +44,6 @@ def gen(n: int) -> float:
 gen(4)  # warm-up
 pre = statistics.median(gen(1) for _ in range(3))
 full = statistics.median(gen(new) for _ in range(3))
-print(f"HF transformers {name} ({impl} experts, eager, dynamic cache): batch 1 decode "
+print(f"HF transformers {name} ({impl + ' experts, ' if moe else ''}{model.config._attn_implementation} attention, "
+      f"eager, default cache): batch 1 decode "
       f"{(new - 1) / (full - pre):.1f} tok/s; prefill+1 {pre * 1e3:.1f} ms; {new} tokens {full:.2f} s")
