@@ -77,6 +77,13 @@ def test_gemv_silu_mul_equals_gemv_then_silu_and_mul(m, inter, k, cfg, dtype):
     assert torch.equal(y, silu_and_mul(gemv(x, w, *cfg)))
     with pytest.raises(ValueError, match="silu_mul"):
         gemv(x, w, 4, 4, 32, 1, 4, silu_mul=True)  # rows not a multiple of 2 * r
+    # GeGLU (Gemma): GELU's tanh form in the same epilogue, as the plain GEMV + gelu_tanh_and_mul
+    from pageflash.kernels.activation import gelu_tanh_and_mul
+
+    y = gemv(x, w, *cfg, silu_mul=True, act="gelu_pytorch_tanh")
+    assert torch.equal(y, gelu_tanh_and_mul(gemv(x, w, *cfg)))
+    with pytest.raises(ValueError, match="act must be"):
+        gemv(x, w, *cfg, silu_mul=True, act="relu")
 
 
 def test_gemv_float32_out_is_the_rounded_product_widened():

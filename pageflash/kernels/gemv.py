@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pageflash.kernels.activation import silu_f32
+from pageflash.kernels.activation import gelu_tanh_f32, silu_f32
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
 
@@ -35,14 +35,15 @@ MAX_M = 4
 def _gemv_kernel(
     X, W, S, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym,
     BM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    SILU: tl.constexpr, LIBDEVICE: tl.constexpr, SCALED: tl.constexpr,
+    SILU: tl.constexpr, LIBDEVICE: tl.constexpr, SCALED: tl.constexpr, GELU: tl.constexpr = False,
 ):
     # SCALED: W holds int8 codes and S one float32 scale per row (kernels/w8_linear.py): a row's sums
     # are multiplied by its scale before rounding, so the codes are read as they are (half the bytes)
     # SILU: W is a fused [gate; up] projection (2 * HALF rows) and Y = silu(x W_gate^T) * (x W_up^T),
     # [M, HALF]. The program owns ROWS / 2 output features; its row groups alternate between R gate
     # rows and the R up rows HALF further, and an up group's sums meet the gate group's, kept in
-    # registers, in the epilogue (no [M, 2 * HALF] intermediate, no SiLU launch).
+    # registers, in the epilogue (no [M, 2 * HALF] intermediate, no SiLU launch). GELU: the gate's
+    # activation is GELU's tanh form instead (GeGLU: Gemma).
     if SILU:
         r0 = tl.program_id(0) * (ROWS // 2)
     else:
@@ -77,7 +78,11 @@ def _gemv_kernel(
                 # rounded to the output dtype as the unfused projection would store it, then the
                 # SiLU kernel's arithmetic step for step
                 v = out.to(Y.dtype.element_ty).to(tl.float32)
-                act = silu_f32(gate, LIBDEVICE).to(Y.dtype.element_ty).to(tl.float32)
+                if GELU:
+                    act = gelu_tanh_f32(gate, LIBDEVICE)
+                else:
+                    act = silu_f32(gate, LIBDEVICE)
+                act = act.to(Y.dtype.element_ty).to(tl.float32)
                 is_up = (tl.zeros([BM, R], dtype=tl.int32) + (g % 2)) > 0
                 tl.store(Y + offs_m[:, None] * stride_ym + feats[None, :], (act * v).to(Y.dtype.element_ty),
                          mask=(offs_m[:, None] < M) & row_ok[None, :] & is_up)
@@ -95,7 +100,7 @@ _gemv_kernel = fast_launch(_gemv_kernel)  # host launches via the cached Compile
 
 def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int = 512, num_stages: int = 4,
          num_warps: int = 4, out: torch.Tensor | None = None, silu_mul: bool = False,
-         scale: torch.Tensor | None = None) -> torch.Tensor:
+         scale: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
     """x: [M, K] with M <= MAX_M, w: [N, K] (rows contiguous along K), same float dtype. Returns [M, N]
     in x's dtype, or in out ([M, N], x's dtype or float32: the product rounded to x's dtype, then
     widened). rows: rows of W per program (a multiple of r); r x bk: the tile.
@@ -104,7 +109,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
     x (w * scale[:, None])^T, the scale applied to each row's fp32 sum (weight-only INT8).
 
     silu_mul: w is a fused gate/up projection ([gate; up], N = 2 * I): returns silu(x gate^T) * (x up^T),
-    [M, I], exactly as ``silu_and_mul`` of the plain product would (rows must be a multiple of 2 * r)."""
+    [M, I], exactly as ``silu_and_mul`` of the plain product would (rows must be a multiple of 2 * r);
+    with act="gelu_pytorch_tanh", gelu_tanh(x gate^T) * (x up^T) as ``gelu_tanh_and_mul`` would."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"gemv: expected 2-D x and w, got {tuple(x.shape)} and {tuple(w.shape)}")
     m, k = x.shape
@@ -127,6 +133,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
         raise ValueError(f"gemv: rows ({rows}) must be a multiple of r ({r})")
     if silu_mul and (n % 2 or rows % (2 * r)):
         raise ValueError(f"gemv: silu_mul needs an even N (got {n}) and rows a multiple of 2 * r (got {rows}, r {r})")
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise ValueError(f"gemv: act must be 'silu' or 'gelu_pytorch_tanh', got {act!r}")
     n_out = n // 2 if silu_mul else n
     if out is not None and (out.shape != (m, n_out) or out.stride(1) != 1
                             or out.dtype not in ((x.dtype,) if silu_mul else (x.dtype, torch.float32))):
@@ -138,7 +146,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
     _gemv_kernel[(cdiv(n_out, per),)](
         x, w, w if scale is None else scale, y, m, n, k, rows, n_out, x.stride(0), w.stride(0), y.stride(0),
         BM=bm, R=r, BK=bk, STAGES=num_stages, SILU=silu_mul, LIBDEVICE=x.is_cuda, SCALED=scale is not None,
-        num_warps=num_warps,
+        GELU=silu_mul and act == "gelu_pytorch_tanh", num_warps=num_warps,
     )
     return y
 

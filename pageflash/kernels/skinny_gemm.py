@@ -159,19 +159,19 @@ class SkinnyDispatch:
             return gemv(x, w, *c[1], out=out)
         return skinny_gemm(x, w, *c[1])
 
-    def gate_up_silu(self, x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
-        """silu(x gate^T) * (x up^T) for a fused [gate; up] weight w, through the GEMV with the SiLU in
-        its epilogue, when one row's product of this shape goes to the GEMV; None otherwise (the
-        caller runs the product and the SiLU kernel). The choice is the plain product's: the
-        epilogue adds no memory traffic."""
+    def gate_up_silu(self, x: torch.Tensor, w: torch.Tensor, act: str = "silu") -> Optional[torch.Tensor]:
+        """silu(x gate^T) * (x up^T) for a fused [gate; up] weight w (act="gelu_pytorch_tanh": GELU's
+        tanh form instead), through the GEMV with the activation in its epilogue, when one row's product
+        of this shape goes to the GEMV; None otherwise (the caller runs the product and the activation
+        kernel). The choice is the plain product's: the epilogue adds no memory traffic."""
         if x.shape[0] != 1:
             return None
         c = self._choice(x, w, False)
         if c is None and precompiling():
-            self._queue_gemv(x, w, silu_mul=True)
+            self._queue_gemv(x, w, silu_mul=True, act=act)
         if c is None or c[0] != "gemv" or c[1][0] % (2 * c[1][1]):
             return None
-        return gemv(x, w, *c[1], silu_mul=True)
+        return gemv(x, w, *c[1], silu_mul=True, act=act)
 
     def _choice(self, x: torch.Tensor, w: torch.Tensor, large: bool) -> Optional[tuple]:
         key = (w.shape[0], w.shape[1], x.shape[0], x.dtype)
@@ -262,7 +262,7 @@ def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor, large: bool = False,
     return _dispatch()(x, w, large, out_dtype)
 
 
-def maybe_gate_up_silu(x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
-    """One row's silu(gate) * up of a fused gate/up weight in one GEMV launch, or None (see
+def maybe_gate_up_silu(x: torch.Tensor, w: torch.Tensor, act: str = "silu") -> Optional[torch.Tensor]:
+    """One row's act(gate) * up of a fused gate/up weight in one GEMV launch, or None (see
     SkinnyDispatch.gate_up_silu)."""
-    return _dispatch().gate_up_silu(x, w)
+    return _dispatch().gate_up_silu(x, w, act)

@@ -47,8 +47,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return y.float() if float_out else y
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """silu(x gate^T) * (x up^T) of a fused [gate; up] weight in one kernel where that is the decode
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                 act: str = "silu") -> Optional[torch.Tensor]:
+    """act(x gate^T) * (x up^T) of a fused [gate; up] weight (act: "silu", or Gemma's
+    "gelu_pytorch_tanh") in one kernel where that is the decode
     fast path (CUDA, one 16-bit row, the GEMV chosen for this shape: kernels/gemv.py); None elsewhere:
     the caller runs the product, then silu_and_mul. PAGEFLASH_GEMV_SILU=0 turns it off.
     scale (INT8 codes): always None. The GEMV can fuse the SiLU over int8 rows too, but its 16-row
@@ -61,7 +63,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Te
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _SKINNY_DTYPES and _skinny_enabled():
         from pageflash.kernels.skinny_gemm import maybe_gate_up_silu
 
-        return maybe_gate_up_silu(x, weight)
+        return maybe_gate_up_silu(x, weight, act)
     return None
 
 

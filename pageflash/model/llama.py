@@ -106,8 +106,8 @@ class LlamaMLP(_Prefetching, nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # decode at batch 1: SiLU in the GEMV's epilogue
-        act = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.weight_scale) if self.act == "silu" else None
+        # decode at batch 1: the activation in the GEMV's epilogue
+        act = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.weight_scale, self.act)
         if act is None:
             gu = self.gate_up_proj(x)
             self._prefetch("down", self.down_proj.weight)  # while the activation runs

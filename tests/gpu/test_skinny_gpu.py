@@ -80,3 +80,8 @@ def test_gemv_silu_mul_bf16_bitwise(inter, k, rows):
         assert torch.equal(fused, silu_and_mul(gemv(x, w, *c[1])))
     else:
         assert fused is None
+    # GeGLU (Gemma): bitwise the GEMV then the GELU kernel
+    from pageflash.kernels.activation import gelu_tanh_and_mul
+
+    y = gemv(x, w, rows, 4, 512, 4, 4, silu_mul=True, act="gelu_pytorch_tanh")
+    assert torch.equal(y, gelu_tanh_and_mul(gemv(x, w, rows, 4, 512, 4, 4)))
