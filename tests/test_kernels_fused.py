@@ -74,6 +74,15 @@ def test_rms_norm_unit_offset(t, h, dtype):
     out, new_r = rms_norm(x, w, 1e-6, r, unit_offset=True)
     ref, ref_r = rms_norm_fused_ref(x, w, 1e-6, r, unit_offset=True)
     assert torch.equal(new_r, ref_r) and rel_err(out, ref) < TOL[dtype]
+    # sandwich norms: x normed with pre_weight, added to the residual, normed again, in one launch
+    pw = rnd(h, dtype=dtype, g=g)
+    out, new_r = rms_norm(x, w, 1e-6, r, unit_offset=True, pre_weight=pw)
+    ref, ref_r = rms_norm_fused_ref(x, w, 1e-6, r, unit_offset=True, pre_weight=pw)
+    y = rms_norm_ref(x, pw, 1e-6, unit_offset=True)
+    assert torch.equal(ref_r, y + r)  # the reference is the two norms and the add, one after another
+    assert rel_err(new_r, ref_r) < TOL[dtype] and rel_err(out, ref) < TOL[dtype]
+    with pytest.raises(ValueError, match="pre_weight needs a residual"):
+        rms_norm(x, w, 1e-6, unit_offset=True, pre_weight=pw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -309,6 +318,15 @@ def test_layers_dispatch_to_kernels(fused_layers):
     h, new_r = gemma(x, r)
     ref, ref_r = rms_norm_fused_ref(x0, gemma.weight, 1e-6, r0, unit_offset=True)
     assert torch.equal(new_r, ref_r) and rel_err(h, ref) < TOL[dtype]
+    pre = norm_layer.RMSNorm(64, 1e-6, unit_offset=True).to(dtype)
+    pre.weight.data.copy_(rnd(64, dtype=dtype, g=g))
+    h, new_r = gemma(x, r, pre=pre)  # one launch
+    ref, ref_r = rms_norm_fused_ref(x0, gemma.weight, 1e-6, r0, unit_offset=True, pre_weight=pre.weight)
+    assert rel_err(new_r, ref_r) < TOL[dtype] and rel_err(h, ref) < TOL[dtype]
+    other = norm_layer.RMSNorm(64, 1e-5, unit_offset=True).to(dtype)  # another eps: two launches, same result
+    h, new_r = gemma(x, r, pre=other)
+    ref, ref_r = rms_norm_fused_ref(rms_norm_ref(x0, other.weight, 1e-5, True), gemma.weight, 1e-6, r0, True)
+    assert rel_err(new_r, ref_r) < TOL[dtype] and rel_err(h, ref) < TOL[dtype]
 
 
 def test_layers_stay_on_pytorch_without_cuda():

@@ -8,6 +8,8 @@ outputs stay close to HF's bit for bit:
     out  = weight * xn.to(x.dtype)          (product rounded once, in promote(x, weight) dtype)
 
 or, with ``unit_offset`` (GemmaRMSNorm), ``out = (xn * (1 + float32(weight))).to(x.dtype)``.
+With ``pre_weight`` (Gemma 2/3's sandwich norms), x is first normed with it (rounded to x's dtype),
+then added to the residual: the two norms and the add of a layer boundary in one launch.
 
 Everything but the sum of squares matches PyTorch's CUDA kernels operation for operation (rsqrt from
 libdevice like CUDA's ``rsqrtf``, the mean as ``sum * (1/H)`` like ATen's MeanOps, no FMA
@@ -57,10 +59,11 @@ def _normed(x, w, inv_h, eps, LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr
 
 @triton.jit
 def _rms_norm_kernel(
-    X, R, W, O, RO,
+    X, R, W, O, RO, PW,
     stride_x, stride_r, stride_o, stride_ro,
     H, inv_h, eps,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    PRE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -69,6 +72,9 @@ def _rms_norm_kernel(
     # issued with x, not after the reduction: a one-row norm (batch-1 decode) is a chain of memory
     # latencies, and this one need not wait
     w = tl.load(W + cols, mask=mask, other=0.0)
+    if PRE:  # x normed with PW first (rounded to x's dtype, as a separate norm would store it)
+        x = _normed(x, tl.load(PW + cols, mask=mask, other=0.0), inv_h, eps, LIBDEVICE,
+                    UNIT_OFFSET).to(X.dtype.element_ty)
     if HAS_RES:
         r = tl.load(R + t * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
@@ -81,9 +87,13 @@ _rms_norm_kernel = fast_launch(_rms_norm_kernel)  # host launches via the cached
 
 
 def rms_norm_fused_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, unit_offset: bool = False
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, unit_offset: bool = False,
+    pre_weight: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm_ref(x + residual), x + residual): what the fused form computes."""
+    """(rms_norm_ref(x + residual), x + residual): what the fused form computes (with pre_weight, x
+    is rms_norm_ref(x, pre_weight) first)."""
+    if pre_weight is not None:
+        x = rms_norm_ref(x, pre_weight, eps, unit_offset)
     s = x + residual
     return rms_norm_ref(s, weight, eps, unit_offset), s
 
@@ -102,9 +112,12 @@ def rms_norm(
     residual_out: Optional[torch.Tensor] = None,
     num_warps: Optional[int] = None,
     unit_offset: bool = False,
+    pre_weight: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm of each row of x, optionally after adding residual (unit_offset: Gemma's, scaled by
-    1 + weight, the output in x's dtype).
+    1 + weight, the output in x's dtype). pre_weight (with residual; x's dtype, as weight): x is
+    first normed with it, as rms_norm(x, pre_weight) would store it (Gemma 2/3's norm of a block's
+    output before the residual add).
 
     x: [T, H] float16/bfloat16/float32, rows may be strided (H contiguous). weight: [H], contiguous.
     residual: [T, H], x's dtype. Returns out [T, H] in promote(x.dtype, weight.dtype); with residual,
@@ -123,6 +136,10 @@ def rms_norm(
         raise ValueError(f"rms_norm: weight must be contiguous [{h}], got {tuple(weight.shape)} stride {weight.stride()}")
     if h > MAX_HIDDEN:
         raise ValueError(f"rms_norm: hidden size {h} exceeds the kernel's limit {MAX_HIDDEN}")
+    if pre_weight is not None and (residual is None or pre_weight.shape != (h,) or pre_weight.stride(0) != 1
+                                   or pre_weight.dtype != weight.dtype or pre_weight.device != x.device):
+        raise ValueError(f"rms_norm: pre_weight needs a residual and must be contiguous [{h}] {weight.dtype} "
+                         f"on {x.device}")
     out_dtype = x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
     tensors = [("x", x)]
     if residual is not None:
@@ -155,11 +172,12 @@ def rms_norm(
         # without a residual its pointers and strides are None (constexprs to Triton: nothing to bind)
         has_res = residual is not None
         _rms_norm_kernel[(t,)](
-            x, residual, weight, out, residual_out if has_res else None,
+            x, residual, weight, out, residual_out if has_res else None, pre_weight,
             x.stride(0), residual.stride(0) if has_res else None, out.stride(0),
             residual_out.stride(0) if has_res else None,
             h, 1.0 / h, eps,
             HAS_RES=residual is not None, BLOCK=block, LIBDEVICE=x.is_cuda, UNIT_OFFSET=unit_offset,
+            PRE=pre_weight is not None,
             num_warps=num_warps or _num_warps(block), enable_fp_fusion=False,
         )
     return out if residual is None else (out, residual_out)

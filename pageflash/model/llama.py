@@ -156,26 +156,28 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, residual, positions, rotary, kv_cache, backend, plan):
+    def forward(self, x, residual, positions, rotary, kv_cache, backend, plan, pre=None):
+        """pre: the previous layer's post_feedforward_layernorm (sandwich norms), applied to x in
+        the launch of this layer's input norm. Returns (h, residual): a sandwich layer's h is the
+        MLP's output before its post_feedforward_layernorm, which the next norm applies."""
         self._prefetch("qkv", self.self_attn.qkv_proj.weight)  # while the input norm runs
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, pre=pre)
         h = self.self_attn(h, positions, rotary, kv_cache, backend, plan)
         if self.tp_size > 1:
             h = _all_reduce(h)
         if isinstance(self.mlp, LlamaMLP):  # (an MoE block's weights depend on the routing)
             self._prefetch("gate_up", self.mlp.gate_up_proj.weight)  # while the post-attention norm runs
-        if self.sandwich:
-            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        if self.sandwich:  # (the attention output's norm, the add and the MLP's norm: one launch)
+            h, residual = self.pre_feedforward_layernorm(h, residual, pre=self.post_attention_layernorm)
         else:
             h, residual = self.post_attention_layernorm(h, residual)
         h = self.mlp(h)
-        if self.tp_size > 1:
-            h = _all_reduce(h)
-        # (the caller adds the residual: the next layer's input norm, or the final norm)
-        return (self.post_feedforward_layernorm(h) if self.sandwich else h), residual
+        # (the caller adds the residual: the next layer's input norm, or the final norm -- and, with
+        # sandwich norms, applies post_feedforward_layernorm first, in the same launch)
+        return (_all_reduce(h) if self.tp_size > 1 else h), residual
 
 
 class LlamaForCausalLM(_Prefetching, nn.Module):
@@ -221,12 +223,13 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * _rounded(self.embed_scale, x.dtype)
-        residual = None
+        residual = pre = None
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             rotary = self.rotary_local if layer.local_rope else self.rotary
-            x, residual = layer(x, residual, positions, rotary, kv_caches[i], backend, plan)
+            x, residual = layer(x, residual, positions, rotary, kv_caches[i], backend, plan, pre)
+            pre = layer.post_feedforward_layernorm if layer.sandwich else None
         self._prefetch("lm_head", self.head_weight)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual, pre=pre)
         if self.prefetcher is not None:
             self.prefetcher.join()
         return x

@@ -97,6 +97,14 @@ def test_gemma_norms_and_geglu_bf16(t):
     out, new_r = rms_norm(x, w, 1e-6, r, unit_offset=True)
     ref, ref_r = rms_norm_fused_ref(x, w, 1e-6, r, unit_offset=True)
     assert torch.equal(new_r, ref_r) and rel_err(out, ref) < TOL[torch.bfloat16]
+    # the sandwich norms' launch: norm(x, pw) + residual, normed; the sum as the two launches give it
+    pw = rnd(h) * 0.2
+    out, new_r = rms_norm(x, w, 1e-6, r, unit_offset=True, pre_weight=pw)
+    y = rms_norm(x, pw, 1e-6, unit_offset=True)
+    two, two_r = rms_norm(y, w, 1e-6, r, unit_offset=True)
+    assert torch.equal(new_r, two_r) and torch.equal(out, two)
+    ref, ref_r = rms_norm_fused_ref(x, w, 1e-6, r, unit_offset=True, pre_weight=pw)
+    assert rel_err(out, ref) < TOL[torch.bfloat16] and rel_err(new_r, ref_r) < TOL[torch.bfloat16]
     qkv, qw, kw = rnd(t, (8 + 2 * 4) * 256) * 2, rnd(256) * 0.2, rnd(256) * 0.2
     ref = qk_rms_norm_ref(qkv, qw, kw, 1e-6, 8, 4, 256, unit_offset=True)
     qk_rms_norm_(qkv, qw, kw, 1e-6, 8, 4, 256, unit_offset=True)
