@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="vLLM's spelling of the above (default: on)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "gguf", "safetensors", "pt"])
     g.add_argument("--attention-backend", default="auto")
@@ -48,6 +50,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
                         "(methods: ngram, draft_model, medusa, early_exit; docs/SPEC.md)")
+    g.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: the model folder's generation_config.json gives EOS ids and the default "
+                        "temperature / top_p / top_k / min_p / repetition_penalty (as vLLM); vllm: ignore it")
+    # vLLM's flags that change nothing here, taken so that vLLM command lines run (pageflash.llm's
+    # VLLM_COMPAT_OPTIONS says why each has no effect); values that would need a missing feature error
+    c = p.add_argument_group("vLLM compatibility (no effect here)")
+    for flag in ("--trust-remote-code", "--disable-log-stats", "--disable-custom-all-reduce"):
+        c.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill is always chunked (as vLLM V1)")
+    for flag, kind in (("--swap-space", float), ("--max-logprobs", int), ("--max-seq-len-to-capture", int),
+                       ("--revision", str), ("--tokenizer-revision", str), ("--download-dir", str),
+                       ("--tokenizer-mode", str), ("--cpu-offload-gb", float)):
+        c.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
 
 
 def _json_object(s: str) -> dict:
@@ -72,7 +88,22 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         async_scheduling=getattr(a, "async_scheduling", None),
         speculative_config=getattr(a, "speculative_config", None),
         tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
+        generation_config=getattr(a, "generation_config", "auto"),
     )
+
+
+def check_vllm_flags(a: argparse.Namespace, error) -> None:
+    """error(message) for a vLLM compatibility flag whose value would need a missing feature."""
+    from pageflash.llm import VLLM_COMPAT_OPTIONS, check_vllm_options
+
+    if getattr(a, "enable_chunked_prefill", None) is False:
+        error("--no-enable-chunked-prefill is not supported: prefill is always chunked")
+    given = {k: getattr(a, k) for k in VLLM_COMPAT_OPTIONS if getattr(a, k, None) is not None}
+    given = {k: v for k, v in given.items() if v is not False}  # (store_true flags left off)
+    try:
+        check_vllm_options(given)
+    except (TypeError, ValueError) as e:
+        error(f"--{str(e).split('=')[0].replace('_', '-')}: {e}")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -315,6 +346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub.add_parser("bench", help="benchmarks: latency, throughput, kernels, spec")
     sub.add_parser("train-medusa", help="train Medusa heads on the model's own generations")
     a = p.parse_args(argv)
+    check_vllm_flags(a, p.error)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat}[a.cmd](a)
     except (ValueError, TypeError, OSError) as e:

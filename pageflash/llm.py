@@ -12,6 +12,33 @@ from pageflash.sampling_params import PoolingParams, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
+# vLLM options with no effect here, and the values that are accepted (None: any)
+VLLM_COMPAT_OPTIONS: dict[str, Optional[tuple]] = {
+    "trust_remote_code": None,  # only the built-in architectures run; no remote code is ever loaded
+    "tokenizer_mode": ("auto", "hf"),  # the model folder's HF tokenizer
+    # models are local paths (no hub): where to download and which revision do not apply, as in vLLM
+    # for a local path
+    "revision": None, "tokenizer_revision": None, "download_dir": None,
+    "disable_log_stats": None,  # statistics are kept, not logged
+    "enable_chunked_prefill": (True, None),  # prefill is always chunked (as vLLM V1)
+    "swap_space": None, "cpu_offload_gb": (0, 0.0, None),  # preemption recomputes; nothing is offloaded
+    "max_logprobs": None,  # logprobs are capped at 20, as vLLM's default
+    "served_model_name": None,  # offline: nothing is served
+    "max_seq_len_to_capture": None, "disable_custom_all_reduce": None,
+}
+
+
+def check_vllm_options(options: dict[str, Any]) -> None:
+    """Raise for an option LLM() does not know, or a value of a known vLLM option that would need a
+    feature pageflash lacks (a hub revision, a non-HF tokenizer mode...)."""
+    for name, value in options.items():
+        if name not in VLLM_COMPAT_OPTIONS:
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        allowed = VLLM_COMPAT_OPTIONS[name]
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{name}={value!r} is not supported here (accepted: "
+                             f"{', '.join(repr(a) for a in allowed)})")
+
 
 class LLM:
     """Holds an LLMEngine; generate() and chat() run it until every submitted request finishes."""
@@ -39,9 +66,16 @@ class LLM:
         async_scheduling: Optional[bool] = None,
         speculative_config: Optional[Union[dict, str, Any]] = None,
         tensor_parallel_size: int = 1,
+        generation_config: str = "auto",
+        **vllm_options: Any,
     ) -> None:
         """Engine settings as EngineConfig's. speculative_config: e.g. {"method": "ngram",
-        "num_speculative_tokens": 5}; see pageflash.spec.config.SpeculativeConfig."""
+        "num_speculative_tokens": 5}; see pageflash.spec.config.SpeculativeConfig.
+
+        vllm_options: vLLM's LLM(...) options that have nothing to change here are taken, so that
+        scripts written for vLLM run (VLLM_COMPAT_OPTIONS says what each means here); any other
+        keyword is a TypeError naming it."""
+        check_vllm_options(vllm_options)
         self.llm_engine = LLMEngine(
             EngineConfig(
                 model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
@@ -51,6 +85,7 @@ class LLM:
                 load_format=load_format, attention_backend=attention_backend, quantization=quantization,
                 kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                 speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
+                generation_config=generation_config,
             )
         )
 
@@ -62,6 +97,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() / chat() use without sampling_params: SamplingParams' defaults, with the
+        model's generation_config.json's temperature / top_p / top_k / min_p / repetition_penalty
+        (EngineConfig.generation_config="auto", as vLLM)."""
+        return SamplingParams(**self.llm_engine.default_sampling)
+
     def reset_prefix_cache(self) -> int:
         """Forget cached prompt blocks no request holds (as vLLM's); returns how many."""
         return self.llm_engine.reset_prefix_cache()
@@ -71,6 +112,7 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a str, a {"prompt_token_ids": [...]} dict, token ids, or a list of
         these; token ids may be a list of ints or a numpy array / torch tensor, 2-D for a batch).
@@ -78,9 +120,11 @@ class LLM:
         Every prompt is validated before any is queued, so a bad one raises (naming its index)
         without leaving half a batch behind.
         """
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported (lora_request must be None)")
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
+            params = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, (SamplingParams, PoolingParams)):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, dict):
@@ -98,7 +142,7 @@ class LLM:
                     raise TypeError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
                 text, ids = eng.tokenize_prompt(p)
                 ids = sp.truncate_prompt(ids)
-                eng.validate_request(ids, sp)
+                eng.validate_request(ids, sp, strict_length=False)  # (as vLLM: stops at the context)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e
             encoded.append(({"prompt": text, "prompt_token_ids": ids} if text is not None else ids, sp))
@@ -128,6 +172,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: Optional[list[dict]] = None,
         chat_template_kwargs: Optional[dict] = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
@@ -151,9 +196,10 @@ class LLM:
             if not conv:
                 raise ValueError("messages is empty: a conversation needs at least one message")
             for m in conv:
-                if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                # (an assistant turn that only calls tools may leave its content out, as OpenAI's API allows)
+                if not isinstance(m, dict) or "role" not in m or ("content" not in m and m["role"] != "assistant"):
                     raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
-            conv = [{**m, "content": _message_text(m["content"])} for m in conv]
+            conv = [_template_message(m) for m in conv]
             if continue_final_message and conv[-1].get("role") != "assistant":
                 raise ValueError("continue_final_message continues an assistant message, but the last message "
                                  f"is a {conv[-1].get('role')!r} one")  # fmt: skip
@@ -163,7 +209,7 @@ class LLM:
             )
             # The template already holds any BOS: tokenize without adding special tokens again.
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def embed(
         self,
@@ -230,6 +276,22 @@ class LLM:
 
 def _is_token_id(x: Any) -> bool:
     return not isinstance(x, bool) and (isinstance(x, int) or (hasattr(x, "__index__") and not is_array(x)))
+
+
+def _template_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates take it: plain-text content; tool calls' JSON arguments as objects
+    (as the server and vLLM pass them)."""
+    out = {**m, "content": _message_text(m.get("content"))}
+    if isinstance(m.get("tool_calls"), list):
+        from pageflash.server.protocol import _json_or_text
+
+        out["tool_calls"] = [
+            {**c, "function": {**c["function"], "arguments": _json_or_text(c["function"].get("arguments", "{}"))}}
+            if isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("arguments", "{}"), str) else c
+            for c in m["tool_calls"]
+        ]
+    return out
 
 
 def _message_text(content: Any) -> str:

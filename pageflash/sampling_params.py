@@ -9,6 +9,7 @@ the object as read-only afterwards.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -186,6 +187,18 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: detokenize=False leaves the output text empty (token ids only; no stop strings then);
+    # spaces_between_special_tokens is taken for compatibility (fast tokenizers, the only ones loaded,
+    # ignore it, as in vLLM); extra_args is kept for the caller; logits_processors: none (as vLLM V1,
+    # which has no per-request ones)
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    extra_args: Optional[dict[str, Any]] = None
+    logits_processors: Optional[list[Any]] = None
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's SamplingParams.clone)."""
+        return copy.deepcopy(self)
 
     def __post_init__(self) -> None:
         # ---- ints -------------------------------------------------------------------------
@@ -242,11 +255,19 @@ class SamplingParams:
             )
 
         # ---- bools ------------------------------------------------------------------------
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+                     "spaces_between_special_tokens"):
             _check_bool(name, getattr(self, name))
+        if self.logits_processors:
+            raise ValueError("logits_processors are not supported (as in vLLM V1): use logit_bias, "
+                             "allowed_token_ids, bad_words or structured_outputs")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise TypeError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
 
         # ---- stops ------------------------------------------------------------------------
         self.stop = self._normalize_stop(self.stop)
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (without text there is nothing to match)")
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = sorted(set(self._normalize_stop_token_ids(self.allowed_token_ids,

@@ -205,8 +205,11 @@ def test_bad_prompts_raise_and_others_keep_going(llm):
         eng.add_request(None, {"prompt_token_ids": []}, SamplingParams())
     with pytest.raises(ValueError, match="max_model_len"):
         eng.add_request(None, {"prompt_token_ids": [5] * 300}, SamplingParams())
+    # prompt + max_tokens past the context: as vLLM's engine, the output stops at the context ("length");
+    # the server refuses such a request (a 400, tests/test_server.py), as vLLM's does
+    long = eng.add_request(None, {"prompt_token_ids": [5] * 250}, SamplingParams(max_tokens=16, ignore_eos=True))
     with pytest.raises(ValueError, match=r"250.*max_tokens \(16\)"):
-        eng.add_request(None, {"prompt_token_ids": [5] * 250}, SamplingParams(max_tokens=16))
+        eng.validate_request([5] * 250, SamplingParams(max_tokens=16))
     with pytest.raises(ValueError, match="vocabulary"):
         eng.add_request(None, {"prompt_token_ids": [10**7]}, SamplingParams())
     with pytest.raises(TypeError):
@@ -218,6 +221,8 @@ def test_bad_prompts_raise_and_others_keep_going(llm):
         for o in eng.step():
             if o.finished:
                 done[o.request_id] = o
+    o = done.pop(long)
+    assert len(o.outputs[0].token_ids) == 6 and o.outputs[0].finish_reason == "length"
     assert sorted(done) == sorted(good)
     assert all(len(o.outputs[0].token_ids) == 6 or o.outputs[0].finish_reason == "stop" for o in done.values())
     assert free_all(llm)

@@ -13,7 +13,8 @@ sequence; decoding with at least one already-emitted id in front gets both right
 The window starts with a few ids of the prompt (as vLLM does) so that the first generated token's
 leading space or byte continuation decodes as it would inside the full text. For byte-level BPE
 tokenizers (GPT-2, Llama 3, Qwen, SmolLM) the concatenation of all deltas, after :meth:`flush`,
-equals ``tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``.
+equals ``tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``
+without the U+FFFD of a trailing incomplete character (vLLM's text).
 For SentencePiece tokenizers it differs only in keeping the first token's leading space, which a
 standalone decode strips (vLLM streams the same text).
 """
@@ -38,7 +39,8 @@ class IncrementalDetokenizer:
 
     ``output_text`` is the cumulative text emitted so far. Text is never emitted twice or
     revised; ids that decode to an incomplete character wait in the window until they complete
-    (or until :meth:`flush`, at the end of the sequence, emits them as U+FFFD like a plain decode).
+    (or until :meth:`flush`, at the end of the sequence, which drops a trailing incomplete character
+    as vLLM's detokenizer does, rather than show it as U+FFFD).
     """
 
     def __init__(
@@ -99,8 +101,9 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """At the end of the sequence: emit held-back text (a trailing incomplete character
-        becomes U+FFFD, exactly as ``tokenizer.decode`` of all ids renders it). Idempotent."""
+        """At the end of the sequence: emit held-back text, except a trailing incomplete character
+        (an output cut by max_tokens inside an emoji, say), which vLLM's detokenizer leaves out too;
+        ``tokenizer.decode`` of the ids would end in U+FFFD there. Idempotent."""
         delta = self._advance(final=True)
         self.output_text += delta
         return delta
@@ -111,6 +114,8 @@ class IncrementalDetokenizer:
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
+        if final:
+            new_text = new_text.rstrip(_REPLACEMENT)
         # Hold back while the window adds nothing (e.g. a skipped special token) or ends inside a
         # multi-byte character: the next id may complete it and the text must not split it.
         if len(new_text) <= len(self._prefix_text):

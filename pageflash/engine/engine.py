@@ -27,7 +27,7 @@ from pageflash.engine.scheduler import Scheduler, SchedulerOutput
 from pageflash.engine.sequence import Request
 from pageflash.engine.structured import StructuredOutputs
 from pageflash.layers.attention import KV_CACHE_DTYPES
-from pageflash.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
+from pageflash.model.loader import ModelSource, load_config, load_generation_config, load_tokenizer, resolve_model
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import CompletionOutput, Logprob, RequestOutput
 from pageflash.sampling_params import PoolingParams, SamplingParams
@@ -79,6 +79,10 @@ class EngineConfig:
     # ranks (GPUs cuda:0..N-1; on CPU, N processes over gloo) the decoder layers are split over
     # (engine/parallel.py); > 1 runs without speculative decoding
     tensor_parallel_size: int = 1
+    # as vLLM's: "auto" reads the model folder's generation_config.json -- its EOS ids stop generation
+    # too, and its temperature / top_p / top_k / min_p / repetition_penalty become the defaults of
+    # requests that do not set them; "vllm": neither
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -105,6 +109,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(self.device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -199,7 +205,18 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
+        gen = load_generation_config(self.source) if config.generation_config == "auto" else {}
+        eos.update(gen.get("eos_token_ids", ()))  # e.g. Gemma 2's <end_of_turn>, Llama 3's <|eot_id|>
         self.eos_token_ids = frozenset(eos)
+        # the model's default sampling parameters (requests' unset fields; SamplingParams validates them)
+        self.default_sampling: dict[str, Any] = dict(gen.get("defaults", {}))
+        try:
+            SamplingParams(**self.default_sampling)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"the model's generation_config.json: {e} (generation_config='vllm' ignores it)") from None
+        if self.default_sampling:
+            logger.info("default sampling parameters from the model's generation_config.json: %s",
+                        self.default_sampling)
 
         runner_kwargs = dict(
             model_cfg=self.model_config, source=self.source, device=self.device, dtype=self.dtype,
@@ -292,6 +309,12 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(text or None, token ids). Raises ValueError/TypeError for malformed prompts."""
         if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown & {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}:
+                raise ValueError("multi_modal_data is not supported: pageflash runs text-only models")
+            if unknown:
+                raise ValueError(f"unknown prompt key(s) {sorted(unknown)}: a prompt dict takes 'prompt' or "
+                                 f"'prompt_token_ids'")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -328,12 +351,15 @@ class LLMEngine:
         return list(ids)
 
     def validate_request(self, prompt_ids: list[int], params: Union[SamplingParams, PoolingParams],
-                         compile_constraints: bool = True) -> None:  # fmt: skip
+                         compile_constraints: bool = True, strict_length: bool = True) -> None:  # fmt: skip
         """Raise ValueError for a request this engine cannot run: lengths and ids against its limits;
         with compile_constraints, also an invalid output constraint (compiled and cached, so that
         add_request copies it) or bad_words without a tokenizer. The server passes False: it compiles
         on its worker thread, and the engine thread tokenizes bad_words. An embedding request
-        (PoolingParams) generates nothing: its prompt may fill max_model_len."""
+        (PoolingParams) generates nothing: its prompt may fill max_model_len.
+        strict_length: prompt + max_tokens beyond max_model_len is an error (the server's 400, as
+        vLLM's); False (offline generate, as vLLM's LLM): the output stops at the context instead,
+        finish_reason "length"."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("prompt is empty: give at least one token")
@@ -369,7 +395,7 @@ class LLMEngine:
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size ({self.vocab_size})")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+        if strict_length and params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
                 f"max_model_len={self.max_model_len}; lower max_tokens to at most {self.max_model_len - n}"
@@ -397,7 +423,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         ids = params.truncate_prompt(ids)
-        self.validate_request(ids, pooling or params, compile_constraints=False)  # (compiled just below)
+        # (compiled just below; the server checked max_tokens against the context before)
+        self.validate_request(ids, pooling or params, compile_constraints=False, strict_length=False)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured_outputs().matcher(params.structured_outputs)
@@ -439,7 +466,7 @@ class LLMEngine:
             return self._structured
 
     def _attach_detokenizer(self, req: Request) -> None:
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and req.params.detokenize:
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, skip_special_tokens=req.params.skip_special_tokens
             )

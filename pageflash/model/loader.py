@@ -116,6 +116,33 @@ def load_config(src: ModelSource) -> ModelConfig:
     return _gguf_config(_gguf_reader(src.path))
 
 
+# generation_config.json keys vLLM's generation_config="auto" takes as default sampling parameters
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_generation_config(src: Optional[ModelSource]) -> dict[str, Any]:
+    """The model folder's generation_config.json (HF folders, and dummy weights in a folder's shape),
+    as (eos_token_ids tuple, {default sampling field: value}) under the keys "eos_token_ids" and
+    "defaults"; empty when there is none. A damaged file raises naming it."""
+    while src is not None and src.kind == "config":
+        src = src.tokenizer_source
+    if src is None or src.kind != "hf":
+        return {}
+    path = os.path.join(src.path, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"model folder {src.path!r}: generation_config.json is invalid ({e})") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"model folder {src.path!r}: generation_config.json must hold a JSON object")
+    eos = d.get("eos_token_id")
+    eos = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int))
+    return {"eos_token_ids": eos, "defaults": {k: d[k] for k in _GENERATION_DEFAULTS if d.get(k) is not None}}
+
+
 def _gguf_reader(path: str):
     try:
         import gguf

@@ -496,7 +496,8 @@ class OpenAIServing:
         from pageflash.sampling_params import SamplingParams
 
         try:
-            return SamplingParams(**kw)
+            # the fields a request leaves unset take the model's defaults (generation_config.json)
+            return SamplingParams(**{**self.engine.engine.default_sampling, **kw})
         except (ValueError, TypeError) as e:
             err = _value_error(e, list(kw))
             if err.param == "structured_outputs" and constraint_field:
@@ -1673,6 +1674,14 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help='logprobs name each token "token_id:ID" (for tokens that are not valid text alone)')
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a thinking model's <think>...</think> off the chat content into `reasoning`")
+    p.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default: --log-level)")
+    p.add_argument("--root-path", default="", help="the path prefix a proxy serves this app under (uvicorn's)")
+    # vLLM serve flags that change nothing here (requests are not logged; replies are the assistant's)
+    p.add_argument("--disable-log-requests", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--enable-log-requests", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--response-role", default="assistant", choices=["assistant"],
+                   help="the role of replies after a generation prompt (only 'assistant')")
     add_engine_args(p)
     return p
 
@@ -1698,6 +1707,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     parser = make_arg_parser()
     args = parser.parse_args(argv)
+    from pageflash.cli import check_vllm_flags
+
+    check_vllm_flags(args, parser.error)
     if args.model_tag is not None:
         given = any(x == "--model" or x.startswith("--model=") for x in (argv if argv is not None else sys.argv[1:]))
         if given and args.model != args.model_tag:
@@ -1742,7 +1754,8 @@ def main(argv: list[str] | None = None) -> int:
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     logger.info("serving %s as %s on http://%s:%d/v1", args.model, ", ".join(names), args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
+                    root_path=args.root_path, timeout_keep_alive=5,
                     timeout_graceful_shutdown=5)  # open streams must not hold a shutdown forever
     finally:
         engine.shutdown()

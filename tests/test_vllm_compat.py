@@ -1,0 +1,149 @@
+"""What scripts written for vLLM expect of the offline API and the command lines: the model folder's
+generation_config.json (EOS ids, default sampling parameters), vLLM's LLM() / SamplingParams / serve
+options that change nothing here, an offline request longer than the context stopping there, tool-call
+turns without content in LLM.chat, and clear errors for what is not supported (multimodal data, LoRA,
+per-request logits processors)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_ref import make_random_hf_folder
+from pageflash import LLM, SamplingParams
+from pageflash.llm import VLLM_COMPAT_OPTIONS
+from test_engine_hf import CONFIGS
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=128, num_kv_blocks=64, max_num_seqs=8, trust_remote_code=True, tokenizer_mode="auto",
+               disable_log_stats=True, enable_chunked_prefill=True, swap_space=4, max_logprobs=20)
+
+
+def free(llm) -> bool:
+    kv = llm.llm_engine.kv
+    return kv.num_free_blocks == kv.pool.num_blocks and not llm.llm_engine.has_unfinished_requests()
+
+
+def test_generation_config_gives_eos_and_default_sampling(tmp_path):
+    """generation_config.json's eos_token_id stops generation (Gemma 2's <end_of_turn>, Llama 3's
+    <|eot_id|> live only there); its temperature / top_k... are the defaults of requests that set
+    none, offline and in the server; generation_config="vllm" ignores the file."""
+    folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
+    plain = LLM(folder, max_model_len=64, num_kv_blocks=32, dtype="float32")
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    ids = [3, 1, 4, 1, 5]
+    out = plain.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = out[4]
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [7777, stop_id], "temperature": 0.6, "top_k": 20, "do_sample": True}))
+    llm = LLM(folder, max_model_len=64, num_kv_blocks=32, dtype="float32")
+    eng = llm.llm_engine
+    assert stop_id in eng.eos_token_ids and eng.default_sampling == {"temperature": 0.6, "top_k": 20}
+    o = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].outputs[0]
+    assert o.token_ids == out[:out.index(stop_id) + 1] and o.finish_reason == "stop"
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.top_p) == (0.6, 20, 1.0)
+    ignored = LLM(folder, max_model_len=64, num_kv_blocks=32, dtype="float32", generation_config="vllm")
+    assert stop_id not in ignored.llm_engine.eos_token_ids and ignored.get_default_sampling_params().temperature == 1.0
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json: temperature"):
+        LLM(folder, max_model_len=64, num_kv_blocks=32)
+
+
+def test_server_requests_take_the_model_defaults(tmp_path):
+    from pageflash.server.app import OpenAIServing
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_p": 0.8}))
+    llm = LLM(folder, max_model_len=64, num_kv_blocks=32, dtype="float32")
+
+    class Eng:  # what OpenAIServing.sampling_params reads: engine.engine.default_sampling
+        engine = llm.llm_engine
+
+    serving = OpenAIServing.__new__(OpenAIServing)
+    serving.engine = Eng
+    p = serving.sampling_params({"max_tokens": 5, "top_p": 0.5})
+    assert (p.temperature, p.top_p, p.max_tokens) == (0.3, 0.5, 5)
+
+
+def test_offline_request_past_the_context_stops_there(llm):
+    """As vLLM's LLM: prompt + max_tokens beyond max_model_len generates up to the context, finish
+    "length" (the server refuses such a request with a 400, tests/test_server.py)."""
+    o = llm.generate({"prompt_token_ids": [504] * 120}, SamplingParams(ignore_eos=True, temperature=0),
+                     use_tqdm=False)[0].outputs[0]
+    assert len(o.token_ids) == 8 and o.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [504] * 128}, SamplingParams(), use_tqdm=False)
+    assert free(llm)
+
+
+def test_chat_tool_call_turn_without_content(llm):
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                  "function": {"name": "f", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    o = llm.chat(msgs, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False, lora_request=None)
+    assert len(o[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="'role' and 'content'"):
+        llm.chat([{"role": "user"}], use_tqdm=False)
+
+
+def test_sampling_params_options():
+    sp = SamplingParams(temperature=0.5, extra_args={"k": [1]}, spaces_between_special_tokens=False)
+    c = sp.clone()
+    assert c == sp and c is not sp and c.extra_args is not sp.extra_args
+    assert SamplingParams(logits_processors=[]).logits_processors == []
+    with pytest.raises(ValueError, match="logits_processors are not supported"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(TypeError, match="detokenize"):
+        SamplingParams(detokenize="no")
+
+
+def test_detokenize_false_gives_ids_only(llm):
+    sp = SamplingParams(temperature=0, max_tokens=5)
+    ref = llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0]
+    o = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, detokenize=False), use_tqdm=False)[0]
+    assert o.outputs[0].token_ids == ref.token_ids and ref.text and o.outputs[0].text == ""
+
+
+def test_unsupported_inputs_are_named(llm):
+    with pytest.raises(ValueError, match="multi_modal_data is not supported"):
+        llm.generate({"prompt": "What is in this image?", "multi_modal_data": {"image": object()}}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"unknown prompt key\(s\) \['promt'\]"):
+        llm.generate({"promt": "typo"}, use_tqdm=False)
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate("hi", lora_request=object(), use_tqdm=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'enable_lora_x'"):
+        LLM(enable_lora_x=True)
+    with pytest.raises(ValueError, match="tokenizer_mode='mistral'"):
+        LLM(tokenizer_mode="mistral")
+    assert free(llm)
+
+
+def test_vllm_command_lines_parse():
+    from pageflash.cli import check_vllm_flags, engine_kwargs
+    from pageflash.server.app import make_arg_parser
+
+    p = make_arg_parser()
+    a = p.parse_args(["smollm2-135m", "--port", "8001", "--disable-log-requests", "--trust-remote-code",
+                      "--disable-log-stats", "--no-enable-prefix-caching", "--uvicorn-log-level", "warning",
+                      "--generation-config", "vllm", "--max-logprobs", "20", "--enable-chunked-prefill",
+                      "--response-role", "assistant", "--root-path", "/api", "--download-dir", "/tmp",
+                      "--swap-space", "4", "--revision", "main"])
+    errors = []
+    check_vllm_flags(a, errors.append)
+    assert not errors
+    kw = engine_kwargs(a)
+    assert kw["enable_prefix_caching"] is False and kw["generation_config"] == "vllm"
+    assert (a.root_path, a.uvicorn_log_level) == ("/api", "warning")
+    check_vllm_flags(p.parse_args(["--no-enable-chunked-prefill"]), errors.append)
+    check_vllm_flags(p.parse_args(["--tokenizer-mode", "slow"]), errors.append)
+    assert "always chunked" in errors[0] and errors[1].startswith("--tokenizer-mode")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--response-role", "bot"])
+    assert set(VLLM_COMPAT_OPTIONS) >= {"trust_remote_code", "swap_space", "enable_chunked_prefill"}
