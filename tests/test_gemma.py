@@ -11,7 +11,7 @@ import torch
 
 from kernel_checks import poison_outputs  # noqa: F401  (autouse: outputs start poisoned)
 from test_kernels_paged import TOL, make_case, rel_err
-from test_sliding_window import PAGED_CASES, STEPS, brute, tree_positions
+from test_sliding_window import PAGED_CASES, STEPS, brute, rotated_and_stored, tree_positions
 
 from pageflash.config import ModelConfig
 from pageflash.kernels.backend import TritonBackend
@@ -78,17 +78,10 @@ def test_flash_decode_softcap(splits, strided, fused, window, dtype):
 def test_flash_decode_softcap_with_rope_and_store():
     """The decode launch that rotates q / k and stores the new K/V, with a cap: its new key's score
     (taken from registers) is capped too."""
-    from pageflash.kernels.rotary import apply_rotary_ref
-
     specs = [(0, 1), (30, 1), (64, 1)]
     q, k, v, kc, vc, meta = make_case(specs, 4, 2, 32, 16, torch.float32, seed=4)
     q, k = q * 3, k * 3
-    pos = meta.seq_lens.long() - 1
-    ang = torch.outer(torch.arange(80, dtype=torch.float32), torch.rand(16, generator=torch.Generator().manual_seed(2)))
-    cos, sin = ang.cos(), ang.sin()
-    qr, kr = apply_rotary_ref(q, k, pos, cos, sin)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    store_kv_ref(kr, v, kc_ref, vc_ref, meta.slot_mapping)
+    (pos, cos, sin), qr, kc_ref, vc_ref = rotated_and_stored(q, k, v, kc, vc, meta)
     ref = flash_decode_ref(qr, kc_ref, vc_ref, meta.block_tables, meta.seq_lens, 0.2, softcap=CAP)
     for splits in (1, 3):
         kc2, vc2 = kc.clone(), vc.clone()

@@ -96,20 +96,27 @@ def test_flash_decode_window(window, splits, strided, fused, dtype):
     assert counters is None or not counters.any()
 
 
-@pytest.mark.parametrize("window,splits", [(3, 1), (20, 3), (33, 5)])
-def test_flash_decode_window_with_rope_and_store(window, splits):
-    """The decode launch that also rotates q / k and stores the new K/V: equal to rotary + store, then
-    the windowed reference."""
+def rotated_and_stored(q, k, v, kc, vc, meta):
+    """A decode step's rotary tables (pos, cos, sin) and what rotary then the K/V store leave:
+    (rope, rotated q, k_cache, v_cache), for the decode launch that does both itself."""
     from pageflash.kernels.rotary import apply_rotary_ref
 
-    specs = [(0, 1), (30, 1), (47, 1), (64, 1)]
-    q, k, v, kc, vc, meta = make_case(specs, 4, 2, 32, 16, torch.float32, seed=window)
     pos = meta.seq_lens.long() - 1
     ang = torch.outer(torch.arange(80, dtype=torch.float32), torch.rand(16, generator=torch.Generator().manual_seed(2)))
     cos, sin = ang.cos(), ang.sin()
     qr, kr = apply_rotary_ref(q, k, pos, cos, sin)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     store_kv_ref(kr, v, kc_ref, vc_ref, meta.slot_mapping)
+    return (pos, cos, sin), qr, kc_ref, vc_ref
+
+
+@pytest.mark.parametrize("window,splits", [(3, 1), (20, 3), (33, 5)])
+def test_flash_decode_window_with_rope_and_store(window, splits):
+    """The decode launch that also rotates q / k and stores the new K/V: equal to rotary + store, then
+    the windowed reference."""
+    specs = [(0, 1), (30, 1), (47, 1), (64, 1)]
+    q, k, v, kc, vc, meta = make_case(specs, 4, 2, 32, 16, torch.float32, seed=window)
+    (pos, cos, sin), qr, kc_ref, vc_ref = rotated_and_stored(q, k, v, kc, vc, meta)
     ref = flash_decode_ref(qr, kc_ref, vc_ref, meta.block_tables, meta.seq_lens, 0.2, window=window)
     out = flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, 0.2, num_splits=splits, rope=(pos, cos, sin),
                        k_new=k, v_new=v, slot_mapping=meta.slot_mapping, window=window)

@@ -11,7 +11,6 @@ import random
 import pytest
 import torch
 
-from pageflash import LLM, SamplingParams
 from pageflash.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref
 from pageflash.kernels.backend import TritonBackend
 from pageflash.kernels.flash_attention import flash_attn_varlen_fwd, flash_attn_varlen_ref
@@ -21,7 +20,7 @@ from pageflash.layers.attention import TorchBackend
 from pageflash.model.registry import NAMED_CONFIGS
 from test_fused_gpu import ulp_report
 from test_kernels_gpu import DEV, TOL, make_case, rel_err, rnd
-from test_window_gpu import positions
+from test_window_gpu import _run, positions
 
 poisoned = pytest.mark.usefixtures("poison_outputs")
 SCALE = 256 ** -0.5  # query_pre_attn_scalar 256
@@ -118,23 +117,10 @@ def test_gemma_norms_and_geglu_bf16(t):
 
 # --------------------------------------------------------------------------------------------- engine
 
-PROMPTS = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 17, 100, 250, 1, 180))]
-GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-
-
 def _folder(tmp_path_factory, name, **over):
     d = tmp_path_factory.mktemp(name)
     (d / "config.json").write_text(json.dumps(dict(NAMED_CONFIGS[name], **over)))
     return str(d)
-
-
-def _run(folder, **kw):
-    kw = dict(dict(load_format="dummy", max_model_len=512, num_kv_blocks=512, dtype="float32"), **kw)
-    llm = LLM(folder, **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    eng = llm.llm_engine
-    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
-    return [o.outputs[0].token_ids for o in outs], llm
 
 
 @pytest.mark.parametrize("name,over", [
