@@ -11,7 +11,7 @@ from typing import Any, Optional
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
-                "Gemma3ForCausalLM": "gemma3_text"}
+                "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3"}
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -38,8 +38,9 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shapes and constants of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2),
-    and of its mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE: num_experts > 0)."""
+    """The shapes and constants of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2,
+    Phi-3, Gemma 1/2/3), and of its mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE:
+    num_experts > 0)."""
 
     vocab_size: int
     hidden_size: int
@@ -216,7 +217,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """From a HF config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config keys)."""
+        """From a HF config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config / the MoE,
+        Gemma and Phi-3 configs' keys, read as transformers 5 reads them)."""
         qc = d.get("quantization_config")
         if qc:  # weights stored as AWQ / GPTQ / FP8 / bitsandbytes ...: loading them as dense ones would fail late
             method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
@@ -257,6 +259,10 @@ class ModelConfig:
             rope_theta = rp.get("rope_theta")
             if rp.get("rope_type", "default") != "default":
                 rope_scaling = rp
+        prf = (rp or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) if isinstance(rp, dict) \
+            else d.get("partial_rotary_factor", 1.0)
+        if prf not in (None, 1, 1.0):
+            raise ValueError(f"model config: partial rotary embeddings (partial_rotary_factor={prf}) are not supported")
         gemma = model_type in GEMMA_MODEL_TYPES
         if model_type == "gemma3_text":  # its defaults: 1e6 for the full layers, 1e4 for the sliding ones
             rope_theta = 1_000_000.0 if rope_theta is None else rope_theta
@@ -344,7 +350,7 @@ class ModelConfig:
             d["sliding_window"] = self.sliding_window
             if model_type == "gemma":
                 raise ValueError("gemma has no sliding window")
-            if model_type in ("mistral", "mixtral"):
+            if model_type in ("mistral", "mixtral", "phi3"):
                 if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
                     raise ValueError(f"{model_type} slides every layer or none (transformers' config has no "
                                      f"per-layer types for it)")
@@ -380,6 +386,9 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[Optional[int], 
         if not w or not layers:
             return None, None
         return int(w), (None if len(layers) == n else layers)
+    if model_type == "phi3":  # every layer slides when sliding_window is set (transformers' default: none)
+        w = d.get("sliding_window")
+        return (int(w), None) if w else (None, None)
     if model_type not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         return None, None  # (transformers' Llama and Gemma 1 ignore sliding_window)
     w = d.get("sliding_window", None if model_type == "mixtral" else 4096)

@@ -128,6 +128,9 @@ CONFIGS = {
     # Gemma: GeGLU ("gelu" read as its tanh form), (1 + w) norms, scaled embeddings, MQA, head_dim 32
     "gemma": dict(BASE, model_type="gemma", architectures=["GemmaForCausalLM"], num_attention_heads=4,
                   num_key_value_heads=1, head_dim=32, hidden_act="gelu", tie_word_embeddings=True),
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; its sliding window on every layer
+    "phi3": dict(BASE, model_type="phi3", architectures=["Phi3ForCausalLM"], num_attention_heads=4,
+                 num_key_value_heads=2, rope_theta=10000.0, sliding_window=9, pad_token_id=0),
     # Gemma 2: softcapped attention scores and logits (caps small enough to bite on these weights), the
     # even layers sliding (window 8), sandwich norms
     "gemma2": dict(BASE, model_type="gemma2", architectures=["Gemma2ForCausalLM"], num_attention_heads=4,

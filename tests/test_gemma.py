@@ -195,6 +195,21 @@ def test_config_matches_transformers(d):
         (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling and cfg.rope_scaling.get("factor"))
 
 
+def test_phi3_configs():
+    """Phi-3: a mini-4k config (every layer over 2047 tokens, 3.82B parameters); partial rotary
+    (Phi-4-mini) and LongRoPE (the 128k variants) are refused by name."""
+    from pageflash.model.registry import NAMED_CONFIGS
+
+    cfg = ModelConfig.from_hf_dict(NAMED_CONFIGS["phi-3-mini-4k"])
+    assert cfg.kv_window == 2047 and abs(cfg.num_params() / 1e9 - 3.82) < 0.01
+    d = dict(NAMED_CONFIGS["phi-3-mini-4k"], sliding_window=None)
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
+        ModelConfig.from_hf_dict(dict(d, partial_rotary_factor=0.75))
+    with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported"):
+        ModelConfig.from_hf_dict(dict(d, rope_scaling=dict(type="longrope", short_factor=[1.0] * 48,
+                                                           long_factor=[2.0] * 48)))
+
+
 def test_config_rejections():
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         ModelConfig.from_hf_dict(dict(GEMMA3_1B, use_bidirectional_attention=True))

@@ -283,7 +283,7 @@ def test_config_sliding_layers():
 
 ARCHS = {"mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-         "llama": "LlamaForCausalLM"}
+         "llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM"}
 TYPES = ["full_attention", "sliding_attention"] * 2
 
 
@@ -301,6 +301,7 @@ TYPES = ["full_attention", "sliding_attention"] * 2
     dict(model_type="qwen3_moe", use_sliding_window=True, sliding_window=16, max_window_layers=1, **MOE),
     dict(model_type="qwen3_moe", use_sliding_window=True, **MOE),
     dict(model_type="llama", sliding_window=16, use_sliding_window=True),
+    dict(model_type="phi3", sliding_window=16), dict(model_type="phi3"),
 ], ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items() if k in ("model_type", "sliding_window",
                                                                    "use_sliding_window", "max_window_layers")))
 def test_config_windows_match_transformers(d):
@@ -314,7 +315,7 @@ def test_config_windows_match_transformers(d):
     n = c.num_hidden_layers
     if d["model_type"] == "llama":
         want = [None] * n
-    elif d["model_type"] in ("mistral", "mixtral", "qwen3_moe"):
+    elif d["model_type"] in ("mistral", "mixtral", "qwen3_moe", "phi3"):
         want = [c.sliding_window or None] * n
     else:
         want = [(c.sliding_window or None) if c.layer_types[i] == "sliding_attention" else None for i in range(n)]

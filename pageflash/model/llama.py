@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2; with mixture-of-experts layers:
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3; with mixture-of-experts layers:
 Mixtral, Qwen2-MoE, Qwen3-MoE; Gemma 1/2/3, whose differences are ModelConfig flags: GeGLU, (1 + w)
 norms, scaled embeddings, sandwich norms, softcapping, a local rope for sliding layers) over a flat
 varlen token batch.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -307,8 +307,30 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         k = n // self.tp_size
         return t.narrow(dim, self.tp_rank * k, k)
 
+    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Phi-3's fused projections as the separate ones the loader maps: ``self_attn.qkv_proj`` rows
+        [q; k; v] and ``mlp.gate_up_proj`` rows [gate; up] (a dense MLP's: MoE experts' fused tensors
+        are read as they are)."""
+        for name, t in weights:
+            if name.endswith(".self_attn.qkv_proj.weight") and t.dim() == 2:
+                q = self.cfg.num_attention_heads * self.tp_size * self.cfg.head_dim  # (cfg: this rank's shard)
+                kv = (t.shape[0] - q) // 2
+                if kv <= 0 or q + 2 * kv != t.shape[0]:
+                    raise ValueError(f"checkpoint tensor {name!r}: {t.shape[0]} rows do not split into q ({q}) "
+                                     f"and two equal k / v parts")
+                base = name[: -len("qkv_proj.weight")]
+                yield from ((base + f"{p}_proj.weight", x) for p, x in zip("qkv", t.split([q, kv, kv])))
+            elif name.endswith(".mlp.gate_up_proj.weight") and ".experts." not in name and t.dim() == 2:
+                base = name[: -len("gate_up_proj.weight")]
+                gate, up = t.chunk(2, dim=0)
+                yield base + "gate_proj.weight", gate
+                yield base + "up_proj.weight", up
+            else:
+                yield name, t
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load (HF name, tensor) pairs; returns the parameter names that were filled."""
+        weights = self._split_fused(weights)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         expert_shards: dict[str, set[str]] = {}  # fused expert parameter -> the per-expert shards loaded

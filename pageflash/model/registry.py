@@ -74,6 +74,13 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
         attention_bias=False, bos_token_id=151643, eos_token_id=151645,
     ),
+    # Phi-3-mini-4k: fused qkv / gate_up projections in its checkpoints, every layer sliding over 2047 tokens
+    "phi-3-mini-4k": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=32064, hidden_size=3072,
+        intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=2047,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000,
+    ),
     # Gemma: head_dim 256, GeGLU, sandwich norms; Gemma 2 softcaps its attention scores and logits and
     # slides every other layer over 4096 tokens, Gemma 3 slides 5 of every 6 layers (1024 tokens at 4B)
     "gemma-2-9b": dict(
