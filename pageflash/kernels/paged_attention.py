@@ -262,6 +262,10 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.d
     d = next_pow2(head_dim)
     if device.type != "cuda":
         return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1)
+    if d > 128 and dtype != torch.float32 and kv_dtype is None and rows >= 128:
+        # head_dim 256 (Gemma) prefill chunks: 128x64 tiles, 8 warps, 2 stages (H100,
+        # scripts/d256_probe.py: 399 / 376 TFLOP/s against 326 / 315 for 64x32 w4 s2)
+        return dict(BLOCK_M=max(128, group_pad), BLOCK_N=64, num_warps=8, num_stages=2, BT_AHEAD=1)
     big = dtype == torch.float32 or d > 128
     cap = 64 if big else 128
     block_m = max(16, min(rows, cap), group_pad)
