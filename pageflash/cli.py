@@ -109,11 +109,12 @@ def check_vllm_flags(a: argparse.Namespace, error) -> None:
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    # unset: the model's generation_config.json default (EngineConfig.generation_config), else these
+    g.add_argument("--temperature", type=float, default=None, help="(default: the model's, else 0.7)")
+    g.add_argument("--top-p", type=float, default=None, help="(default: the model's, else 1.0)")
+    g.add_argument("--top-k", type=int, default=None, help="(default: the model's, else -1: off)")
+    g.add_argument("--min-p", type=float, default=None, help="(default: the model's, else 0.0)")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="(default: the model's, else 1.0)")
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
@@ -156,14 +157,20 @@ def structured_outputs(a: argparse.Namespace) -> Optional[dict]:
     return None
 
 
-def sampling_params(a: argparse.Namespace):
+_CLI_SAMPLING_DEFAULTS = dict(temperature=0.7, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+
+
+def sampling_params(a: argparse.Namespace, model_defaults: Optional[dict] = None):
+    """The flags' SamplingParams; the flags left unset take the model's defaults (its
+    generation_config.json, LLMEngine.default_sampling), else _CLI_SAMPLING_DEFAULTS."""
     from pageflash.sampling_params import SamplingParams
 
+    knobs = {**_CLI_SAMPLING_DEFAULTS, **(model_defaults or {})}
+    knobs.update({k: getattr(a, k) for k in _CLI_SAMPLING_DEFAULTS if getattr(a, k, None) is not None})
     return SamplingParams(
-        n=a.n, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-        min_p=a.min_p, repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        n=a.n, max_tokens=a.max_tokens, presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty, seed=a.sample_seed, stop=a.stop, ignore_eos=a.ignore_eos,
-        bad_words=getattr(a, "bad_words", None), structured_outputs=structured_outputs(a),
+        bad_words=getattr(a, "bad_words", None), structured_outputs=structured_outputs(a), **knobs,
     )
 
 
@@ -242,7 +249,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             print(f"error: --output: folder {out_dir!r} does not exist", file=sys.stderr)
             return 2
     llm = LLM(**engine_kwargs(a))
-    params = sampling_params(a)
+    params = sampling_params(a, llm.llm_engine.default_sampling)
     if a.input is None:
         eng = llm.llm_engine
         prompt = _chat_prompt(eng, [{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
@@ -280,7 +287,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
     llm = LLM(**engine_kwargs(a))
     eng = llm.llm_engine
-    params = sampling_params(a)
+    params = sampling_params(a, eng.default_sampling)
     history: list[dict] = []
     if a.system:
         history.append({"role": "system", "content": a.system})

@@ -232,8 +232,11 @@ class ModelConfig:
             text = d.get("text_config") or {}
             if not isinstance(text, dict):
                 raise ValueError("model config: Gemma 3's text_config must be a JSON object")
-            top = {k: d[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in d}
-            d = {**top, **text, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+            # the top level's tie / EOS / BOS are what transformers uses (its saved text_config carries
+            # its own defaults for them); Gemma3Config ties by default
+            top = {k: d[k] for k in ("eos_token_id", "bos_token_id") if k in d}
+            top["tie_word_embeddings"] = d.get("tie_word_embeddings", True)
+            d = {**text, **top, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
             arch, model_type = "Gemma3ForCausalLM", "gemma3_text"
         if model_type in GEMMA_MODEL_TYPES:
             if d.get("use_bidirectional_attention"):
@@ -308,8 +311,10 @@ class ModelConfig:
             sandwich_norm=model_type in ("gemma2", "gemma3_text"),
             query_pre_attn_scalar=_opt_float(d.get("query_pre_attn_scalar")) if gemma and model_type != "gemma" else None,
             rope_local_theta=_opt_float(local_theta),
-            attn_logit_softcapping=_opt_float(d.get("attn_logit_softcapping")) if gemma else None,
-            final_logit_softcapping=_opt_float(d.get("final_logit_softcapping")) if gemma else None,
+            # (transformers' Gemma 3 reads no attn_logit_softcapping, only Gemma 2 caps its scores)
+            attn_logit_softcapping=_opt_float(d.get("attn_logit_softcapping")) if model_type == "gemma2" else None,
+            final_logit_softcapping=_opt_float(d.get("final_logit_softcapping"))
+            if model_type in ("gemma2", "gemma3_text") else None,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any, Optional, Sequence, Union
 
@@ -283,8 +284,6 @@ def _template_message(m: dict[str, Any]) -> dict[str, Any]:
     (as the server and vLLM pass them)."""
     out = {**m, "content": _message_text(m.get("content"))}
     if isinstance(m.get("tool_calls"), list):
-        from pageflash.server.protocol import _json_or_text
-
         out["tool_calls"] = [
             {**c, "function": {**c["function"], "arguments": _json_or_text(c["function"].get("arguments", "{}"))}}
             if isinstance(c, dict) and isinstance(c.get("function"), dict)
@@ -292,6 +291,13 @@ def _template_message(m: dict[str, Any]) -> dict[str, Any]:
             for c in m["tool_calls"]
         ]
     return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _message_text(content: Any) -> str:

@@ -339,3 +339,26 @@ def test_parameter_counts():
         cfg = ModelConfig.from_hf_dict(d)
         model = LlamaForCausalLM(cfg, max_positions=16)
         assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("top_tie,text_tie", [(False, True), (True, False), (None, False)])
+def test_gemma3_image_text_top_level_tie_and_eos(top_tie, text_tie):
+    """transformers ties a Gemma 3 image-text model's head by the top-level tie_word_embeddings
+    (default true) and reads its EOS there; the saved text_config carries its own defaults."""
+    from transformers import AutoConfig
+
+    d = dict(GEMMA3_4B, text_config=dict(GEMMA3_4B["text_config"], tie_word_embeddings=text_tie, eos_token_id=1))
+    if top_tie is not None:
+        d["tie_word_embeddings"] = top_tie
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.tie_word_embeddings == AutoConfig.for_model(**d).tie_word_embeddings == (top_tie is not False)
+    assert cfg.eos_token_ids == (1, 106)
+
+
+def test_gemma3_reads_no_attention_softcap():
+    """transformers' Gemma 3 ignores attn_logit_softcapping (Gemma 2's); its final_logit_softcapping applies."""
+    cfg = ModelConfig.from_hf_dict(dict(GEMMA3_1B, attn_logit_softcapping=1.5, final_logit_softcapping=30.0))
+    assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping == 30.0
+    g2 = ModelConfig.from_hf_dict(GEMMA2_27B)
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping) == (50.0, 30.0)
+    assert ModelConfig.from_hf_dict(dict(GEMMA_7B, final_logit_softcapping=5.0)).final_logit_softcapping is None

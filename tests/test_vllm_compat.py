@@ -89,6 +89,14 @@ def test_chat_tool_call_turn_without_content(llm):
     assert len(o[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="'role' and 'content'"):
         llm.chat([{"role": "user"}], use_tqdm=False)
+    # the arguments reach the template as an object, also where pydantic (the server's extra) is missing
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['pydantic'] = None; from pageflash.llm import _template_message; "
+            f"print(_template_message({msgs[1]!r})['tool_calls'][0]['function']['arguments'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "{'city': 'Paris'}", out.stderr
 
 
 def test_sampling_params_options():
@@ -114,6 +122,8 @@ def test_detokenize_false_gives_ids_only(llm):
 def test_unsupported_inputs_are_named(llm):
     with pytest.raises(ValueError, match="multi_modal_data is not supported"):
         llm.generate({"prompt": "What is in this image?", "multi_modal_data": {"image": object()}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="cache_salt is not supported"):
+        llm.generate({"prompt": "hi", "cache_salt": "user-1"}, use_tqdm=False)
     with pytest.raises(ValueError, match=r"unknown prompt key\(s\) \['promt'\]"):
         llm.generate({"promt": "typo"}, use_tqdm=False)
     with pytest.raises(ValueError, match="LoRA"):
@@ -123,6 +133,22 @@ def test_unsupported_inputs_are_named(llm):
     with pytest.raises(ValueError, match="tokenizer_mode='mistral'"):
         LLM(tokenizer_mode="mistral")
     assert free(llm)
+
+
+def test_cli_sampling_flags_fall_back_to_the_model_defaults():
+    """`pageflash generate` / `chat`: a flag left unset takes the model's generation_config.json value,
+    else the CLI's default; a flag given wins."""
+    import argparse
+
+    from pageflash.cli import add_sampling_args, sampling_params
+
+    p = argparse.ArgumentParser()
+    add_sampling_args(p)
+    sp = sampling_params(p.parse_args([]), {"temperature": 0.6, "top_k": 20})
+    assert (sp.temperature, sp.top_k, sp.top_p) == (0.6, 20, 1.0)
+    sp = sampling_params(p.parse_args(["--temperature", "0", "--top-p", "0.5"]), {"temperature": 0.6})
+    assert (sp.temperature, sp.top_p) == (0.0, 0.5)
+    assert sampling_params(p.parse_args([])).temperature == 0.7
 
 
 def test_vllm_command_lines_parse():

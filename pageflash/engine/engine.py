@@ -309,9 +309,12 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(text or None, token ids). Raises ValueError/TypeError for malformed prompts."""
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown & {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}:
                 raise ValueError("multi_modal_data is not supported: pageflash runs text-only models")
+            if "cache_salt" in unknown:
+                raise ValueError("cache_salt is not supported: cached prompt blocks are shared by every request "
+                                 "(enable_prefix_caching=False keeps requests from sharing them)")
             if unknown:
                 raise ValueError(f"unknown prompt key(s) {sorted(unknown)}: a prompt dict takes 'prompt' or "
                                  f"'prompt_token_ids'")
