@@ -11,7 +11,7 @@ from typing import Any, Optional
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
-                "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3"}
+                "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite"}
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -39,7 +39,7 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
 @dataclass(frozen=True)
 class ModelConfig:
     """The shapes and constants of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2,
-    Phi-3, Gemma 1/2/3), and of its mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE:
+    Phi-3, Gemma 1/2/3, Granite), and of its mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE:
     num_experts > 0)."""
 
     vocab_size: int
@@ -80,6 +80,13 @@ class ModelConfig:
     rope_local_theta: Optional[float] = None  # Gemma 3: the sliding layers' rope base (without rope_scaling)
     attn_logit_softcapping: Optional[float] = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_logit_softcapping: Optional[float] = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    # Granite (None for the others): embeddings times embedding_multiplier; each block's output times
+    # residual_multiplier before the residual add; attention_multiplier is the softmax scale; logits
+    # divided by logits_scaling
+    embedding_multiplier: Optional[float] = None
+    residual_multiplier: Optional[float] = None
+    attention_multiplier: Optional[float] = None
+    logits_scaling: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -114,7 +121,8 @@ class ModelConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"model config: hidden activation {self.hidden_act!r} is not supported "
                              f"({', '.join(ACTIVATIONS)})")
-        for name in ("query_pre_attn_scalar", "rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping"):
+        for name in ("query_pre_attn_scalar", "rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping",
+                     "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"model config: {name} must be a positive number or None, got {v!r}")
@@ -136,6 +144,8 @@ class ModelConfig:
     @property
     def attn_scale(self) -> float:
         """The softmax scale of q . k."""
+        if self.attention_multiplier is not None:
+            return float(self.attention_multiplier)
         return float(self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     @property
@@ -315,6 +325,7 @@ class ModelConfig:
             attn_logit_softcapping=_opt_float(d.get("attn_logit_softcapping")) if model_type == "gemma2" else None,
             final_logit_softcapping=_opt_float(d.get("final_logit_softcapping"))
             if model_type in ("gemma2", "gemma3_text") else None,
+            **(_granite_fields(d) if model_type == "granite" else {}),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -330,6 +341,10 @@ class ModelConfig:
             tie_word_embeddings=self.tie_word_embeddings, hidden_act=self.hidden_act,
             bos_token_id=self.bos_token_id, eos_token_id=list(self.eos_token_ids) or None,
         )
+        if model_type == "granite":
+            d.update(attention_bias=self.attention_bias, embedding_multiplier=self.embedding_multiplier,
+                     residual_multiplier=self.residual_multiplier, attention_multiplier=self.attention_multiplier,
+                     logits_scaling=self.logits_scaling)
         if model_type in GEMMA_MODEL_TYPES:
             d["attention_bias"] = self.attention_bias
             if model_type != "gemma":
@@ -414,6 +429,14 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[Optional[int], 
     if not layers:
         return None, None
     return int(w), (None if len(layers) == n else layers)
+
+
+def _granite_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers (transformers' GraniteConfig defaults: 1.0 each)."""
+    if d.get("mlp_bias"):
+        raise ValueError("model config: mlp_bias (biases on the MLP's projections) is not supported")
+    return {name: float(d.get(name, 1.0)) for name in ("embedding_multiplier", "residual_multiplier",
+                                                        "attention_multiplier", "logits_scaling")}
 
 
 def _opt_float(v: Any) -> Optional[float]:

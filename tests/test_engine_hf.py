@@ -131,6 +131,10 @@ CONFIGS = {
     # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; its sliding window on every layer
     "phi3": dict(BASE, model_type="phi3", architectures=["Phi3ForCausalLM"], num_attention_heads=4,
                  num_key_value_heads=2, rope_theta=10000.0, sliding_window=9, pad_token_id=0),
+    # Granite: embedding / residual / attention multipliers and the logits' scaling
+    "granite": dict(BASE, model_type="granite", architectures=["GraniteForCausalLM"], num_attention_heads=4,
+                    num_key_value_heads=2, rope_theta=10000.0, embedding_multiplier=6.0, residual_multiplier=0.3,
+                    attention_multiplier=0.05, logits_scaling=4.0),
     # Gemma 2: softcapped attention scores and logits (caps small enough to bite on these weights), the
     # even layers sliding (window 8), sandwich norms
     "gemma2": dict(BASE, model_type="gemma2", architectures=["Gemma2ForCausalLM"], num_attention_heads=4,

@@ -260,14 +260,20 @@ def test_gemma3_image_text_checkpoint_runs_its_text_decoder(tmp_path):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
 
 
-def test_gemma2_logprobs_match_hf_under_the_final_softcap(tmp_path):
-    """Sampled-token and prompt logprobs are those of the capped logits (HF's log-softmax)."""
+GRANITE_TINY = dict(TINY, model_type="granite", architectures=["GraniteForCausalLM"], embedding_multiplier=6.0,
+                    residual_multiplier=0.3, attention_multiplier=0.05, logits_scaling=0.5)
+
+
+@pytest.mark.parametrize("cfg", [dict(GEMMA2_TINY, tie_word_embeddings=True), GRANITE_TINY], ids=["gemma2", "granite"])
+def test_logprobs_match_hf_under_the_final_logit_transform(tmp_path, cfg):
+    """Sampled-token and prompt logprobs are those of the transformed logits (HF's log-softmax):
+    Gemma 2's final softcap, Granite's logits_scaling."""
     from transformers import AutoModelForCausalLM
 
     from hf_ref import make_random_hf_folder
     from pageflash import LLM, SamplingParams
 
-    folder = make_random_hf_folder(tmp_path, dict(GEMMA2_TINY, tie_word_embeddings=True))
+    folder = make_random_hf_folder(tmp_path, cfg)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompt = torch.randint(0, 211, (14,), generator=torch.Generator().manual_seed(3)).tolist()
     llm = LLM(folder, block_size=4, max_model_len=64, num_kv_blocks=64, dtype="float32")
@@ -277,7 +283,8 @@ def test_gemma2_logprobs_match_hf_under_the_final_softcap(tmp_path):
     ids = prompt + o.outputs[0].token_ids
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
-    assert hf.config.final_logit_softcapping == 4.0 and ref.max() - ref.min() < 8.5  # the cap shapes them
+    if cfg is not GRANITE_TINY:
+        assert hf.config.final_logit_softcapping == 4.0 and ref.max() - ref.min() < 8.5  # the cap shapes them
     for t in range(1, len(prompt)):
         assert abs(o.prompt_logprobs[t][prompt[t]].logprob - ref[t - 1, prompt[t]].item()) < 1e-4
     for j, tok in enumerate(o.outputs[0].token_ids):

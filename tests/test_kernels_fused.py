@@ -83,6 +83,12 @@ def test_rms_norm_unit_offset(t, h, dtype):
     assert rel_err(new_r, ref_r) < TOL[dtype] and rel_err(out, ref) < TOL[dtype]
     with pytest.raises(ValueError, match="pre_weight needs a residual"):
         rms_norm(x, w, 1e-6, unit_offset=True, pre_weight=pw)
+    # Granite's residual_multiplier: x * 0.22 (rounded to x's dtype) is what is added
+    out, new_r = rms_norm(x, w, 1e-6, r, x_scale=0.22)
+    ref, ref_r = rms_norm_fused_ref(x, w, 1e-6, r, x_scale=0.22)
+    assert torch.equal(ref_r, x * 0.22 + r) and torch.equal(new_r, ref_r) and rel_err(out, ref) < TOL[dtype]
+    with pytest.raises(ValueError, match="x_scale needs a residual"):
+        rms_norm(x, w, 1e-6, x_scale=0.5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -106,7 +106,8 @@ def _close(llm) -> None:
                                                    ("llama-mqa-tied", False), ("qwen2-bias", True),
                                                    ("qwen3-qk-norm", False), ("qwen3-moe", True),
                                                    ("qwen2-moe", False), ("mistral-window", True),
-                                                   ("gemma2", True), ("gemma3", False), ("phi3", False)])
+                                                   ("gemma2", True), ("gemma3", False), ("phi3", False),
+                                                   ("granite", True)])
 def test_two_ranks_match_hf(tmp_path, name, async_scheduling):
     """Two ranks give HF's greedy tokens, with chunked prefill (a budget of 24 tokens, blocks of 4) in a
     pool small enough to preempt (a sliding window over every layer: blocks behind it given back); no KV block leaks; the workers stop at shutdown. With async

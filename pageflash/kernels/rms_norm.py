@@ -9,7 +9,9 @@ outputs stay close to HF's bit for bit:
 
 or, with ``unit_offset`` (GemmaRMSNorm), ``out = (xn * (1 + float32(weight))).to(x.dtype)``.
 With ``pre_weight`` (Gemma 2/3's sandwich norms), x is first normed with it (rounded to x's dtype),
-then added to the residual: the two norms and the add of a layer boundary in one launch.
+then added to the residual: the two norms and the add of a layer boundary in one launch. With
+``x_scale`` (Granite's residual_multiplier), x is multiplied by it (float32, rounded to x's dtype)
+before the add.
 
 Everything but the sum of squares matches PyTorch's CUDA kernels operation for operation (rsqrt from
 libdevice like CUDA's ``rsqrtf``, the mean as ``sum * (1/H)`` like ATen's MeanOps, no FMA
@@ -63,7 +65,7 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     H, inv_h, eps,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-    PRE: tl.constexpr,
+    PRE: tl.constexpr, x_scale, SCALE_X: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -75,6 +77,8 @@ def _rms_norm_kernel(
     if PRE:  # x normed with PW first (rounded to x's dtype, as a separate norm would store it)
         x = _normed(x, tl.load(PW + cols, mask=mask, other=0.0), inv_h, eps, LIBDEVICE,
                     UNIT_OFFSET).to(X.dtype.element_ty)
+    if SCALE_X:  # x * a Python float, as PyTorch computes it: in float32, rounded to x's dtype
+        x = (x.to(tl.float32) * x_scale).to(X.dtype.element_ty)
     if HAS_RES:
         r = tl.load(R + t * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
@@ -88,12 +92,14 @@ _rms_norm_kernel = fast_launch(_rms_norm_kernel)  # host launches via the cached
 
 def rms_norm_fused_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, unit_offset: bool = False,
-    pre_weight: Optional[torch.Tensor] = None,
+    pre_weight: Optional[torch.Tensor] = None, x_scale: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm_ref(x + residual), x + residual): what the fused form computes (with pre_weight, x
-    is rms_norm_ref(x, pre_weight) first)."""
+    is rms_norm_ref(x, pre_weight) first; with x_scale, x * x_scale)."""
     if pre_weight is not None:
         x = rms_norm_ref(x, pre_weight, eps, unit_offset)
+    if x_scale is not None:
+        x = x * x_scale
     s = x + residual
     return rms_norm_ref(s, weight, eps, unit_offset), s
 
@@ -113,11 +119,13 @@ def rms_norm(
     num_warps: Optional[int] = None,
     unit_offset: bool = False,
     pre_weight: Optional[torch.Tensor] = None,
+    x_scale: Optional[float] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm of each row of x, optionally after adding residual (unit_offset: Gemma's, scaled by
     1 + weight, the output in x's dtype). pre_weight (with residual; x's dtype, as weight): x is
     first normed with it, as rms_norm(x, pre_weight) would store it (Gemma 2/3's norm of a block's
-    output before the residual add).
+    output before the residual add). x_scale (with residual): x * x_scale is what is added (Granite's
+    residual_multiplier; after pre_weight's norm when both are given).
 
     x: [T, H] float16/bfloat16/float32, rows may be strided (H contiguous). weight: [H], contiguous.
     residual: [T, H], x's dtype. Returns out [T, H] in promote(x.dtype, weight.dtype); with residual,
@@ -140,6 +148,8 @@ def rms_norm(
                                    or pre_weight.dtype != weight.dtype or pre_weight.device != x.device):
         raise ValueError(f"rms_norm: pre_weight needs a residual and must be contiguous [{h}] {weight.dtype} "
                          f"on {x.device}")
+    if x_scale is not None and residual is None:
+        raise ValueError("rms_norm: x_scale needs a residual (it scales what is added to it)")
     out_dtype = x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
     tensors = [("x", x)]
     if residual is not None:
@@ -177,7 +187,8 @@ def rms_norm(
             residual_out.stride(0) if has_res else None,
             h, 1.0 / h, eps,
             HAS_RES=residual is not None, BLOCK=block, LIBDEVICE=x.is_cuda, UNIT_OFFSET=unit_offset,
-            PRE=pre_weight is not None,
+            PRE=pre_weight is not None, x_scale=1.0 if x_scale is None else float(x_scale),
+            SCALE_X=x_scale is not None,
             num_warps=num_warps or _num_warps(block), enable_fp_fusion=False,
         )
     return out if residual is None else (out, residual_out)

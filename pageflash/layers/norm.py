@@ -49,23 +49,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size),
                                    requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, pre: Optional["RMSNorm"] = None):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, pre: Optional["RMSNorm"] = None,
+                x_scale: Optional[float] = None):
         """pre (with residual): another norm applied to x first -- pre(x) + residual, normed: Gemma
-        2/3's norm of a block's output, the residual add and the next norm, in one launch on CUDA."""
+        2/3's norm of a block's output, the residual add and the next norm, in one launch on CUDA.
+        x_scale (with residual): x * x_scale + residual, normed (Granite's residual_multiplier)."""
         if pre is not None and (residual is None or pre.eps != self.eps or pre.unit_offset != self.unit_offset
                                 or pre.weight.dtype != self.weight.dtype):
             x, pre = pre(x), None
+        if residual is None and x_scale is not None:
+            raise ValueError("RMSNorm: x_scale needs a residual")
         if _use_fused(x, self.weight) and (
             residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)
         ):
             # new tensors for both outputs: the caller may still hold x or residual
             return _fused_kernel()(x, self.weight, self.eps, residual, unit_offset=self.unit_offset,
-                                   pre_weight=None if pre is None else pre.weight)
+                                   pre_weight=None if pre is None else pre.weight, x_scale=x_scale)
         if pre is not None:
             x = pre(x)
         if residual is None:
             return rms_norm_ref(x, self.weight, self.eps, self.unit_offset)
-        x = x + residual
+        x = (x if x_scale is None else x * x_scale) + residual
         return rms_norm_ref(x, self.weight, self.eps, self.unit_offset), x
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -151,6 +151,7 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
         # Llama: the norm before the MLP; Gemma 2/3 (sandwich): the norm of the attention's output, with
         # pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it
         self.post_attention_layernorm = norm()
+        self.residual_scale = cfg.residual_multiplier  # Granite: blocks' outputs scaled before each add
         self.sandwich = cfg.sandwich_norm
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
@@ -164,7 +165,7 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual, pre=pre)
+            h, residual = self.input_layernorm(x, residual, pre=pre, x_scale=self.residual_scale)
         h = self.self_attn(h, positions, rotary, kv_cache, backend, plan)
         if self.tp_size > 1:
             h = _all_reduce(h)
@@ -173,7 +174,7 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
         if self.sandwich:  # (the attention output's norm, the add and the MLP's norm: one launch)
             h, residual = self.pre_feedforward_layernorm(h, residual, pre=self.post_attention_layernorm)
         else:
-            h, residual = self.post_attention_layernorm(h, residual)
+            h, residual = self.post_attention_layernorm(h, residual, x_scale=self.residual_scale)
         h = self.mlp(h)
         # (the caller adds the residual: the next layer's input norm, or the final norm -- and, with
         # sandwich norms, applies post_feedforward_layernorm first, in the same launch)
@@ -198,6 +199,7 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         # Gemma: the embeddings times sqrt(hidden_size), that factor rounded to the model's dtype first
         self.embed_scale = float(cfg.hidden_size) ** 0.5 if cfg.embed_scale else None
+        self.embedding_multiplier = cfg.embedding_multiplier  # Granite (not rounded first: transformers' way)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp_size) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
@@ -223,13 +225,15 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * _rounded(self.embed_scale, x.dtype)
+        if self.embedding_multiplier is not None:
+            x = x * self.embedding_multiplier
         residual = pre = None
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             rotary = self.rotary_local if layer.local_rope else self.rotary
             x, residual = layer(x, residual, positions, rotary, kv_caches[i], backend, plan, pre)
             pre = layer.post_feedforward_layernorm if layer.sandwich else None
         self._prefetch("lm_head", self.head_weight)
-        x, _ = self.norm(x, residual, pre=pre)
+        x, _ = self.norm(x, residual, pre=pre, x_scale=self.cfg.residual_multiplier)
         if self.prefetcher is not None:
             self.prefetcher.join()
         return x
@@ -267,6 +271,8 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         cap = self.cfg.final_logit_softcapping
         if cap is not None:  # Gemma 2: in float32 (transformers: in the model's dtype)
             logits = torch.tanh(logits / cap) * cap
+        if self.cfg.logits_scaling is not None:  # Granite (likewise in float32)
+            logits = logits / self.cfg.logits_scaling
         return logits
 
     # ---- weights -------------------------------------------------------------------------------

@@ -81,6 +81,15 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=2047,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000,
     ),
+    # Granite 3.1 8B's shapes and multipliers (embeddings x 12, block outputs x 0.22 before each residual
+    # add, attention scale 1/128, logits / 16)
+    "granite-3.1-8b": dict(
+        architectures=["GraniteForCausalLM"], model_type="granite", vocab_size=49155, hidden_size=4096,
+        intermediate_size=12800, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=10000000.0, tie_word_embeddings=True,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=16.0,
+        bos_token_id=0, eos_token_id=0,
+    ),
     # Gemma: head_dim 256, GeGLU, sandwich norms; Gemma 2 softcaps its attention scores and logits and
     # slides every other layer over 4096 tokens, Gemma 3 slides 5 of every 6 layers (1024 tokens at 4B)
     "gemma-2-9b": dict(

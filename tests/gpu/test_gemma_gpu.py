@@ -1,4 +1,4 @@
-"""Gemma on the GPU: the softcapped attention kernels (Gemma 2) at Gemma shapes (head_dim 256) in bf16
+"""Gemma (and Granite's multipliers) on the GPU: the softcapped attention kernels (Gemma 2) at Gemma shapes (head_dim 256) in bf16
 against the PyTorch reference, the (1 + w) RMSNorm and the GeGLU kernel in bf16 against theirs, and the
 engine (Triton backend, CUDA graphs, n-gram verify graphs) against the reference backend in float32 for
 Gemma 2 and Gemma 3 shapes (dummy weights)."""
@@ -104,6 +104,9 @@ def test_gemma_norms_and_geglu_bf16(t):
     assert torch.equal(new_r, two_r) and torch.equal(out, two)
     ref, ref_r = rms_norm_fused_ref(x, w, 1e-6, r, unit_offset=True, pre_weight=pw)
     assert rel_err(out, ref) < TOL[torch.bfloat16] and rel_err(new_r, ref_r) < TOL[torch.bfloat16]
+    # Granite's residual_multiplier in the add: bitwise x * 0.22 + residual (PyTorch's rounding)
+    out, new_r = rms_norm(x, w + 1, 1e-5, r, x_scale=0.22)
+    assert torch.equal(new_r, x * 0.22 + r) and rel_err(out, rms_norm_ref(x * 0.22 + r, w + 1, 1e-5)) < TOL[torch.bfloat16]
     qkv, qw, kw = rnd(t, (8 + 2 * 4) * 256) * 2, rnd(256) * 0.2, rnd(256) * 0.2
     ref = qk_rms_norm_ref(qkv, qw, kw, 1e-6, 8, 4, 256, unit_offset=True)
     qk_rms_norm_(qkv, qw, kw, 1e-6, 8, 4, 256, unit_offset=True)
@@ -128,6 +131,8 @@ def _folder(tmp_path_factory, name, **over):
     ("gemma-2-9b", dict(num_hidden_layers=4, sliding_window=64, attn_logit_softcapping=5.0)),
     # 6 of gemma-3-1b's layers: 5 slide over 64 tokens with the local rope, 1 attends to everything
     ("gemma-3-1b", dict(num_hidden_layers=6, sliding_window=64)),
+    # 4 of granite-3.1-8b's layers (its multipliers)
+    ("granite-3.1-8b", dict(num_hidden_layers=4)),
 ])
 def test_engine_triton_graphs_equal_torch_fp32(tmp_path_factory, name, over):
     folder = _folder(tmp_path_factory, name, **over)
