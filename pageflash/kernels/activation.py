@@ -45,12 +45,14 @@ def silu_f32(g, LIBDEVICE: tl.constexpr):
 @triton.jit
 def gelu_tanh_f32(g, LIBDEVICE: tl.constexpr):
     """GELU's tanh approximation of float32 g as ATen computes it (libdevice's tanhf; LIBDEVICE False:
-    tanh through exp, the interpreter has no libdevice)."""
+    tanh through exp, as the interpreter has no libdevice)."""
     inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
     if LIBDEVICE:
         th = libdevice.tanh(inner)
-    else:
-        th = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+    else:  # tanh(|y|) from exp(-2|y|) <= 1: no overflow
+        t = tl.exp(-2.0 * tl.abs(inner))
+        th = (1.0 - t) / (1.0 + t)
+        th = tl.where(inner < 0, -th, th)
     return 0.5 * g * (1.0 + th)
 
 
