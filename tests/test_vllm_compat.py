@@ -28,8 +28,8 @@ def free(llm) -> bool:
 
 
 def test_generation_config_gives_eos_and_default_sampling(tmp_path):
-    """generation_config.json's eos_token_id stops generation (Gemma 2's <end_of_turn>, Llama 3's
-    <|eot_id|> live only there); its temperature / top_k... are the defaults of requests that set
+    """generation_config.json's eos_token_id stops generation (Gemma 2's <end_of_turn> lives only
+    there); its temperature / top_k... are the defaults of requests that set
     none, offline and in the server; generation_config="vllm" ignores the file."""
     folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
     plain = LLM(folder, max_model_len=64, num_kv_blocks=32, dtype="float32")

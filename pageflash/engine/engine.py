@@ -206,7 +206,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         gen = load_generation_config(self.source) if config.generation_config == "auto" else {}
-        eos.update(gen.get("eos_token_ids", ()))  # e.g. Gemma 2's <end_of_turn>, Llama 3's <|eot_id|>
+        eos.update(gen.get("eos_token_ids", ()))  # e.g. Gemma 2's <end_of_turn> (only there)
         self.eos_token_ids = frozenset(eos)
         # the model's default sampling parameters (requests' unset fields; SamplingParams validates them)
         self.default_sampling: dict[str, Any] = dict(gen.get("defaults", {}))
