@@ -34,6 +34,14 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
                         query_pre_attn_scalar=256,
                         sliding_window=4096, final_logit_softcapping=None, attn_logit_softcapping=None),
 }
+# the same for Granite and Phi-3 (GraniteConfig, Phi3Config): where they differ from this reader's
+# Llama-style fallbacks
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    **_GEMMA_DEFAULTS,
+    "granite": dict(rms_norm_eps=1e-6, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+    "phi3": dict(vocab_size=32064, rms_norm_eps=1e-5, max_position_embeddings=4096, bos_token_id=1,
+                 eos_token_id=32000),
+}
 
 
 @dataclass(frozen=True)
@@ -248,10 +256,10 @@ class ModelConfig:
             top["tie_word_embeddings"] = d.get("tie_word_embeddings", True)
             d = {**text, **top, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
             arch, model_type = "Gemma3ForCausalLM", "gemma3_text"
-        if model_type in GEMMA_MODEL_TYPES:
-            if d.get("use_bidirectional_attention"):
-                raise ValueError("model config: use_bidirectional_attention (an embedding model) is not supported")
-            d = {**_GEMMA_DEFAULTS[model_type], **d}
+        if model_type in GEMMA_MODEL_TYPES and d.get("use_bidirectional_attention"):
+            raise ValueError("model config: use_bidirectional_attention (an embedding model) is not supported")
+        if model_type in _DEFAULTS:
+            d = {**_DEFAULTS[model_type], **d}
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())

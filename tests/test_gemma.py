@@ -210,6 +210,19 @@ def test_phi3_configs():
                                                            long_factor=[2.0] * 48)))
 
 
+@pytest.mark.parametrize("d", [dict(model_type="granite", architectures=["GraniteForCausalLM"]),
+                               dict(model_type="phi3", architectures=["Phi3ForCausalLM"])], ids=["granite", "phi3"])
+def test_minimal_configs_take_transformers_defaults(d):
+    """Keys a config.json leaves out read as transformers' GraniteConfig / Phi3Config default them."""
+    from transformers import AutoConfig
+
+    d = dict(d, vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    c, cfg = AutoConfig.for_model(**d), ModelConfig.from_hf_dict(d)
+    assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.bos_token_id) == (
+        c.rms_norm_eps, c.max_position_embeddings, c.bos_token_id)
+    assert cfg.eos_token_ids == (c.eos_token_id,) and cfg.tie_word_embeddings == c.tie_word_embeddings
+
+
 def test_config_rejections():
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         ModelConfig.from_hf_dict(dict(GEMMA3_1B, use_bidirectional_attention=True))

@@ -157,3 +157,43 @@ def test_precompile_compiles_on_a_pool_without_launching():
     assert kinds.count("warmup") == 2 and kinds.count("init") == 2 and "slow" not in kinds and "fast" not in kinds
     k[(4,)](x, y, 7, 0.5, N_PER=8)  # afterwards: launches again (Triton's path first, as before)
     assert jit.log[-1][0] == "slow"
+
+
+def test_wrappers_pass_runtime_arguments_positionally(monkeypatch):
+    """Each host wrapper below passes its kernel's runtime arguments positionally (keywords only for
+    constexprs and launch options), so that on CUDA the fast path stays on: a runtime argument by
+    keyword turns it off for good (FastKernel._tail: it would freeze the value). Recorded under the
+    interpreter; a kernel parameter is a constexpr when annotated so."""
+    import inspect
+    from pageflash.kernels import activation, gemv, rms_norm
+
+    calls = []
+
+    def record(module, name):
+        real = getattr(module, name)
+
+        class Recorder:
+            def __getitem__(self, grid):
+                def go(*args, **kwargs):
+                    calls.append((real, args, kwargs))
+                    return real[grid](*args, **kwargs)
+                return go
+
+        monkeypatch.setattr(module, name, Recorder())
+
+    record(rms_norm, "_rms_norm_kernel")
+    record(rms_norm, "_qk_norm_kernel")
+    record(activation, "_act_and_mul_kernel")
+    record(gemv, "_gemv_kernel")
+    x, r, w = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
+    rms_norm.rms_norm(x, w, 1e-6)
+    rms_norm.rms_norm(x, w, 1e-6, r, unit_offset=True, pre_weight=w.clone(), x_scale=0.5)
+    rms_norm.qk_rms_norm_(torch.randn(2, 4 * 16), w[:16].clone(), w[:16].clone(), 1e-6, 2, 1, 16, unit_offset=True)
+    activation.gelu_tanh_and_mul(torch.randn(2, 32))
+    gemv.gemv(torch.randn(1, 32), torch.randn(16, 32), 8, 4, 32, 1, 4, silu_mul=True, act="gelu_pytorch_tanh")
+    assert len(calls) == 5
+    for real, args, kwargs in calls:
+        fn = real.fn.fn  # (FastKernel -> Triton's function -> the Python function)
+        params = inspect.signature(fn).parameters
+        runtime = {n for n, p in params.items() if "constexpr" not in str(p.annotation)}
+        assert not runtime & set(kwargs), (fn.__name__, sorted(runtime & set(kwargs)))

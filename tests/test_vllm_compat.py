@@ -124,6 +124,9 @@ def test_unsupported_inputs_are_named(llm):
         llm.generate({"prompt": "What is in this image?", "multi_modal_data": {"image": object()}}, use_tqdm=False)
     with pytest.raises(ValueError, match="cache_salt is not supported"):
         llm.generate({"prompt": "hi", "cache_salt": "user-1"}, use_tqdm=False)
+    unshared = LLM(max_model_len=64, num_kv_blocks=16, enable_prefix_caching=False)
+    o = unshared.generate({"prompt": "hi", "cache_salt": "user-1"}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(o[0].outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match=r"unknown prompt key\(s\) \['promt'\]"):
         llm.generate({"promt": "typo"}, use_tqdm=False)
     with pytest.raises(ValueError, match="LoRA"):

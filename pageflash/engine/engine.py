@@ -313,8 +313,10 @@ class LLMEngine:
             if unknown & {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}:
                 raise ValueError("multi_modal_data is not supported: pageflash runs text-only models")
             if "cache_salt" in unknown:
-                raise ValueError("cache_salt is not supported: cached prompt blocks are shared by every request "
-                                 "(enable_prefix_caching=False keeps requests from sharing them)")
+                if self.config.enable_prefix_caching:
+                    raise ValueError("cache_salt is not supported: cached prompt blocks are shared by every "
+                                     "request (enable_prefix_caching=False keeps requests from sharing them)")
+                unknown.discard("cache_salt")  # nothing is shared without prefix caching: it holds already
             if unknown:
                 raise ValueError(f"unknown prompt key(s) {sorted(unknown)}: a prompt dict takes 'prompt' or "
                                  f"'prompt_token_ids'")

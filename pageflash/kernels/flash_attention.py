@@ -23,6 +23,7 @@ accumulates dQ over the key blocks.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -452,8 +453,30 @@ def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
     if d <= 128:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     # head_dim 256 (Gemma): 128x64 tiles on 8 warps, 2 stages (H100, scripts/d256_probe.py: 489 / 448
-    # TFLOP/s on gemma-2-9b / gemma-3-4b heads against 388 / 362 for 64x32 w4 s2; SDPA's FA2 295 / 281)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    # TFLOP/s on gemma-2-9b / gemma-3-4b heads against 388 / 362 for 64x32 w4 s2; SDPA's FA2 295 / 281).
+    # They need 192 KiB of shared memory on Hopper: GPUs with less (A100, sm86/89, consumer Blackwell)
+    # keep 64x32 w4 s2 (68 KiB)
+    if has_large_smem(device):
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+LARGE_SMEM = 200 * 1024  # bytes of shared memory per block the head_dim-256 tiles want (H100: 227 KiB)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_mem(index: int) -> int:
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 (another driver layout): compute capability 9.x / 10.0 have 227 KiB
+        major, minor = torch.cuda.get_device_capability(index)
+        return 227 * 1024 if major == 9 or (major, minor) == (10, 0) else 96 * 1024
+
+
+def has_large_smem(device: torch.device) -> bool:
+    """Whether device's blocks may take LARGE_SMEM bytes of shared memory (the head_dim-256 tiles)."""
+    return device.type == "cuda" and _max_shared_mem(device.index if device.index is not None
+                                                     else torch.cuda.current_device()) >= LARGE_SMEM
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:

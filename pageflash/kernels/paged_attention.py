@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pageflash.kernels.flash_attention import scale_scores, softcap_arg
+from pageflash.kernels.flash_attention import has_large_smem, scale_scores, softcap_arg
 from pageflash.kernels.flash_decoding import split_range
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.kv_store import kv_scale_args
@@ -262,7 +262,7 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.d
     d = next_pow2(head_dim)
     if device.type != "cuda":
         return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1)
-    if d > 128 and dtype != torch.float32 and kv_dtype is None and rows >= 128:
+    if d > 128 and dtype != torch.float32 and kv_dtype is None and rows >= 128 and has_large_smem(device):
         # head_dim 256 (Gemma) prefill chunks: 128x64 tiles, 8 warps, 2 stages (H100,
         # scripts/d256_probe.py: 399 / 376 TFLOP/s against 326 / 315 for 64x32 w4 s2)
         return dict(BLOCK_M=max(128, group_pad), BLOCK_N=64, num_warps=8, num_stages=2, BT_AHEAD=1)
