@@ -17,9 +17,10 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation (SwiGLU / GeGLU with tanh GELU)
 
-# transformers 5's defaults for the Gemma configs' keys a config.json may leave out (GemmaConfig,
-# Gemma2Config, Gemma3TextConfig): Gemma 3's multimodal checkpoints keep only a few text_config keys
-_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+# transformers 5's defaults for keys a config.json may leave out, where they differ from this reader's
+# Llama-style fallbacks (GemmaConfig, Gemma2Config, Gemma3TextConfig -- Gemma 3's image-text checkpoints
+# keep only a few text_config keys --, GraniteConfig, Phi3Config)
+_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma": dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=16, head_dim=256, max_position_embeddings=8192,
                   rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True),
@@ -33,11 +34,6 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
                         rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
                         query_pre_attn_scalar=256,
                         sliding_window=4096, final_logit_softcapping=None, attn_logit_softcapping=None),
-}
-# the same for Granite and Phi-3 (GraniteConfig, Phi3Config): where they differ from this reader's
-# Llama-style fallbacks
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    **_GEMMA_DEFAULTS,
     "granite": dict(rms_norm_eps=1e-6, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
     "phi3": dict(vocab_size=32064, rms_norm_eps=1e-5, max_position_embeddings=4096, bos_token_id=1,
                  eos_token_id=32000),
@@ -280,15 +276,17 @@ class ModelConfig:
             rope_theta = rp.get("rope_theta")
             if rp.get("rope_type", "default") != "default":
                 rope_scaling = rp
-        prf = (rp or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) if isinstance(rp, dict) \
-            else d.get("partial_rotary_factor", 1.0)
+        prf = d.get("partial_rotary_factor", 1.0)
+        if isinstance(rp, dict):
+            prf = rp.get("partial_rotary_factor", prf)
         if prf not in (None, 1, 1.0):
             raise ValueError(f"model config: partial rotary embeddings (partial_rotary_factor={prf}) are not supported")
         gemma = model_type in GEMMA_MODEL_TYPES
+        gemma23 = model_type in ("gemma2", "gemma3_text")  # (sandwich norms, hidden_activation, scalars)
         if model_type == "gemma3_text":  # its defaults: 1e6 for the full layers, 1e4 for the sliding ones
             rope_theta = 1_000_000.0 if rope_theta is None else rope_theta
             local_theta = 10_000.0 if local_theta is None else local_theta
-        act = d.get("hidden_activation") if model_type in ("gemma2", "gemma3_text") else d.get("hidden_act")
+        act = d.get("hidden_activation") if gemma23 else d.get("hidden_act")
         act = {"swish": "silu", "gelu_tanh": "gelu_pytorch_tanh"}.get(act, act) or (
             "gelu_pytorch_tanh" if gemma else "silu")
         if model_type == "gemma" and act == "gelu":  # as transformers: Gemma's "gelu" means the tanh form
@@ -326,13 +324,12 @@ class ModelConfig:
             hidden_act=act,
             norm_unit_offset=gemma,
             embed_scale=gemma,
-            sandwich_norm=model_type in ("gemma2", "gemma3_text"),
-            query_pre_attn_scalar=_opt_float(d.get("query_pre_attn_scalar")) if gemma and model_type != "gemma" else None,
+            sandwich_norm=gemma23,
+            query_pre_attn_scalar=_opt_float(d.get("query_pre_attn_scalar")) if gemma23 else None,
             rope_local_theta=_opt_float(local_theta),
             # (transformers' Gemma 3 reads no attn_logit_softcapping, only Gemma 2 caps its scores)
             attn_logit_softcapping=_opt_float(d.get("attn_logit_softcapping")) if model_type == "gemma2" else None,
-            final_logit_softcapping=_opt_float(d.get("final_logit_softcapping"))
-            if model_type in ("gemma2", "gemma3_text") else None,
+            final_logit_softcapping=_opt_float(d.get("final_logit_softcapping")) if gemma23 else None,
             **(_granite_fields(d) if model_type == "granite" else {}),
         )
 

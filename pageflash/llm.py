@@ -285,7 +285,7 @@ def _template_message(m: dict[str, Any]) -> dict[str, Any]:
     out = {**m, "content": _message_text(m.get("content"))}
     if isinstance(m.get("tool_calls"), list):
         out["tool_calls"] = [
-            {**c, "function": {**c["function"], "arguments": _json_or_text(c["function"].get("arguments", "{}"))}}
+            {**c, "function": {**c["function"], "arguments": json_or_text(c["function"].get("arguments", "{}"))}}
             if isinstance(c, dict) and isinstance(c.get("function"), dict)
             and isinstance(c["function"].get("arguments", "{}"), str) else c
             for c in m["tool_calls"]
@@ -293,7 +293,9 @@ def _template_message(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _json_or_text(text: str) -> Any:
+def json_or_text(text: str) -> Any:
+    """A tool call's JSON arguments as an object (as chat templates expect them), or the text itself
+    when it is not JSON."""
     try:
         return json.loads(text)
     except ValueError:

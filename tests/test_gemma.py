@@ -11,7 +11,7 @@ import torch
 
 from kernel_checks import poison_outputs  # noqa: F401  (autouse: outputs start poisoned)
 from test_kernels_paged import TOL, make_case, rel_err
-from test_sliding_window import PAGED_CASES, STEPS, brute, rotated_and_stored, tree_positions
+from test_sliding_window import PAGED_CASES, STEPS, brute, rotated_and_stored, static_verify_steps, tree_positions
 
 from pageflash.config import ModelConfig
 from pageflash.kernels.backend import TritonBackend
@@ -334,9 +334,7 @@ def test_gemma2_triton_and_speculation_equal_plain(gemma2_env, backend, spec):
     llm = LLM(gemma2_env["folder"], attention_backend=backend, speculative_config=spec, **gemma2_env["eng"])
     eng = llm.llm_engine
     if spec is not None and backend == "triton":
-        eng.runner.enable_step_graphs(8, cuda_graphs=False)
-        eng.runner.step_graphs.add_query_size(1 + eng.spec.max_draft_nodes)
-        eng.runner.step_graphs.capture_all(1 + eng.spec.max_draft_nodes)
+        static_verify_steps(eng)
     outs = llm.generate([{"prompt_token_ids": p} for p in gemma2_env["prompts"]], gemma2_env["greedy"],
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == gemma2_env["ref"]

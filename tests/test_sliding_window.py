@@ -434,6 +434,14 @@ SPEC_CFG = dict(ENGINE_CONFIGS["mistral-w8"], vocab_size=97, sliding_window=6)
 SPEC_PROMPTS = [[5, 6, 7, 8, 9] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2 + [3, 1], [11, 12, 13], [40] * 9]
 
 
+def static_verify_steps(eng) -> None:
+    """Run the engine's verify steps along the static-buffer path their CUDA graphs replay (on the
+    CPU: without graphs), every draft size captured up front."""
+    eng.runner.enable_step_graphs(8, cuda_graphs=False)
+    eng.runner.step_graphs.add_query_size(1 + eng.spec.max_draft_nodes)
+    eng.runner.step_graphs.capture_all(1 + eng.spec.max_draft_nodes)
+
+
 @pytest.fixture(scope="module")
 def spec_env(tmp_path_factory):
     from hf_ref import make_random_hf_folder
@@ -466,9 +474,7 @@ def test_speculation_with_a_window_equals_plain(spec_env, spec, backend):
     llm = LLM(spec_env["folder"], attention_backend=backend, speculative_config=spec, **spec_env["eng"])
     eng = llm.llm_engine
     if spec is not None and backend == "triton":
-        eng.runner.enable_step_graphs(8, cuda_graphs=False)
-        eng.runner.step_graphs.add_query_size(1 + eng.spec.max_draft_nodes)
-        eng.runner.step_graphs.capture_all(1 + eng.spec.max_draft_nodes)
+        static_verify_steps(eng)
     outs = llm.generate([{"prompt_token_ids": p} for p in SPEC_PROMPTS], spec_env["greedy"], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == spec_env["ref"]
     if spec is not None:

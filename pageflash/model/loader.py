@@ -121,9 +121,9 @@ _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 
 
 def load_generation_config(src: Optional[ModelSource]) -> dict[str, Any]:
-    """The model folder's generation_config.json (HF folders, and dummy weights in a folder's shape),
-    as (eos_token_ids tuple, {default sampling field: value}) under the keys "eos_token_ids" and
-    "defaults"; empty when there is none. A damaged file raises naming it."""
+    """The model folder's generation_config.json (HF folders, and dummy weights in a folder's shape):
+    {"eos_token_ids": tuple of ints, "defaults": {sampling field: value}}, or {} without the file.
+    A damaged file raises naming it."""
     while src is not None and src.kind == "config":
         src = src.tokenizer_source
     if src is None or src.kind != "hf":
@@ -301,12 +301,9 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     g = torch.Generator(device=next(model.parameters()).device)
     for name, p in model.named_parameters():
         g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
-        if p.dim() == 1 and name.endswith("norm.weight"):  # unit norms (Gemma's store 1 + weight: zeros)
-            p.data.fill_(0.0 if getattr(model.get_submodule(name.rsplit(".", 1)[0]), "unit_offset", False) else 1.0)
-        elif p.dim() == 1:
-            p.data.normal_(0.0, 0.02, generator=g)
-        else:
-            p.data.normal_(0.0, 0.02, generator=g)
+        if p.dim() == 1 and name.endswith("norm.weight"):
+            continue  # unit norms, as RMSNorm makes them (ones; Gemma's, which scale by 1 + w: zeros)
+        p.data.normal_(0.0, 0.02, generator=g)
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------

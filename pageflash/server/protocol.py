@@ -11,7 +11,6 @@ the error names the field. Everything else is checked by SamplingParams and the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from typing import Any, ClassVar, Literal, Union
 
@@ -419,13 +418,6 @@ class NamedToolChoice(_Strict):
     function: _ChoiceName
 
 
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -568,13 +560,15 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages for the chat template: plain-text content; 'developer' is OpenAI's new 'system'."""
+        from pageflash.llm import json_or_text  # (one definition, shared with LLM.chat)
+
         out = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
             msg: dict[str, Any] = {"role": role, "content": m.text()}
             if m.tool_calls:  # arguments as objects, as chat templates expect them (vLLM does the same)
                 msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                                      "function": {"name": c.function.name, "arguments": json_or_text(c.function.arguments)}}
                                      for c in m.tool_calls]  # fmt: skip
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
