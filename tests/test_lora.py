@@ -153,6 +153,48 @@ def test_phi3_fused_targets_chat_and_embed(tmp_path):
     assert torch.allclose(torch.tensor(emb[0].outputs.embedding), F.normalize(h, dim=0), atol=1e-4)
 
 
+def test_decode_graph_path_with_lora_kernels(model, monkeypatch):
+    """The GPU path on the CPU: the LoRA Triton kernels (interpreter) inside the decode graphs' static
+    buffers -- DecodeGraphs captured with a stand-in for CUDA graphs whose replay reruns the captured
+    step over the same buffers --, the rows' slots padded to the bucket; greedy equals HF + peft for
+    two adapters and the base in the same decode batches. (Real graphs: tests/gpu/test_lora_gpu.py.)"""
+    import pageflash.engine.model_runner as mr
+
+    class Replay:
+        def __init__(self, fwd, out):
+            self.fwd, self.out = fwd, out
+
+        def replay(self):
+            for o, n in zip(self.out, self.fwd()):
+                if o is not None:
+                    o.copy_(n)
+
+    def capture(runner, fwd):
+        out = fwd()
+        return Replay(fwd, out), out
+
+    monkeypatch.setattr(mr, "_capture_graph", capture)
+    monkeypatch.setattr(mr, "_prefetcher_from_env", lambda device: None)
+    monkeypatch.setattr(mr, "_precompile_from_env", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    folder, reqs, refs = model
+    prompts = _prompts(8, (3, 9, 13))
+    names = ["a", None, "b"]
+    llm = LLM(folder, enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4, max_model_len=64,
+              num_kv_blocks=64, attention_backend="triton", enforce_eager=True)
+    r = llm.llm_engine.runner
+    r.lora.kernels = True
+    r.graphs = mr.DecodeGraphs(r, 4)  # buckets 1, 2, 4: three sequences padded to 4
+    r.graphs.capture()
+    steps = []
+    run = r.graphs.run
+    monkeypatch.setattr(r.graphs, "run", lambda *a, **k: (steps.append(len(a[0].seqs)), run(*a, **k))[1])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=[reqs[n] for n in names])
+    assert _tokens(outs) == [hf_greedy(refs[n], p, NEW) for p, n in zip(prompts, names)]
+    assert steps.count(3) >= NEW - 2  # mixed decode steps went through the graph path
+
+
 # ---- errors ------------------------------------------------------------------------------------
 
 

@@ -47,7 +47,9 @@ class LoRAContext:
 
     token_slots: int32 [max_tokens] on the device; a step writes its first T entries (0: no adapter),
     then ``begin_step(T)``. ``groups`` is None for a step the host knows has no adapter token (the
-    projections then skip LoRA; graphs always take the grouped path)."""
+    projections then skip LoRA; graphs always take the grouped path). ``kernels``: whether the
+    projections run the Triton kernels (None: on CUDA; True also runs them on the CPU, under Triton's
+    interpreter: the tests' way to run the GPU path through the engine)."""
 
     def __init__(self, max_loras: int, max_rank: int, max_tokens: int, device: torch.device) -> None:
         self.num_slots = max_loras + 1
@@ -55,6 +57,7 @@ class LoRAContext:
         self.token_slots = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.groups: Optional[SlotGroups] = None
         self.num_tokens = 0
+        self.kernels: Optional[bool] = None
 
     def begin_step(self, num_tokens: int, active: bool = True) -> None:
         """Group the first num_tokens token_slots by slot (active=False: the step has no adapter token)."""
@@ -111,7 +114,7 @@ class LoRASlots(nn.Module):
         if x.shape[0] != self.ctx.num_tokens:
             raise RuntimeError(f"LoRA: a projection ran on {x.shape[0]} tokens in a step begun for "
                                f"{self.ctx.num_tokens} (LoRAContext.begin_step was not called for it)")
-        if x.is_cuda:
+        if self.ctx.kernels or (self.ctx.kernels is None and x.is_cuda):
             shrink = triton_kernel("pageflash.kernels.lora_shrink", "lora_shrink")
             expand = triton_kernel("pageflash.kernels.lora_expand", "lora_expand")
             if shrink is not None and expand is not None:
