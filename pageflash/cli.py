@@ -50,19 +50,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
                         "(methods: ngram, draft_model, medusa, early_exit; docs/SPEC.md)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (serve: --lora-modules; requests name an adapter as their model)")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters on the device at once (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (default: %(default)s)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory once read (default: --max-loras)")
     g.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                    help="auto: the model folder's generation_config.json gives EOS ids and the default "
                         "temperature / top_p / top_k / min_p / repetition_penalty (as vLLM); vllm: ignore it")
     # vLLM's flags that change nothing here, taken so that vLLM command lines run (pageflash.llm's
     # VLLM_COMPAT_OPTIONS says why each has no effect); values that would need a missing feature error
     c = p.add_argument_group("vLLM compatibility (no effect here)")
-    for flag in ("--trust-remote-code", "--disable-log-stats", "--disable-custom-all-reduce"):
+    for flag in ("--trust-remote-code", "--disable-log-stats", "--disable-custom-all-reduce", "--fully-sharded-loras"):
         c.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill is always chunked (as vLLM V1)")
     for flag, kind in (("--swap-space", float), ("--max-logprobs", int), ("--max-seq-len-to-capture", int),
                        ("--revision", str), ("--tokenizer-revision", str), ("--download-dir", str),
-                       ("--tokenizer-mode", str), ("--cpu-offload-gb", float)):
+                       ("--tokenizer-mode", str), ("--cpu-offload-gb", float), ("--lora-dtype", str)):
         c.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
 
 
@@ -89,6 +95,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         speculative_config=getattr(a, "speculative_config", None),
         tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         generation_config=getattr(a, "generation_config", "auto"),
+        enable_lora=getattr(a, "enable_lora", False), max_loras=getattr(a, "max_loras", 1),
+        max_lora_rank=getattr(a, "max_lora_rank", 16), max_cpu_loras=getattr(a, "max_cpu_loras", None),
     )
 
 
