@@ -2,8 +2,9 @@
 
 Blocks hold `block_size` tokens. A sequence's block table grows on demand. Full blocks get a hash
 chained over their whole prefix (hash(parent_hash, tokens)), so equal prefixes map to the same block
-and can be shared. The chain's root is a salt (None for the base model; a LoRA adapter's identity),
-so blocks computed under one adapter never serve a request under another or the base model, and between requests with reference counts. A block whose count drops to zero goes to
+and can be shared between requests with reference counts. The chain's root is a salt (None for the
+base model; a LoRA adapter's identity, Request.prefix_salt), so KV computed under one adapter never
+serves a request under another or the base model. A block whose count drops to zero goes to
 the tail of the free queue but keeps its hash until it is handed out again (LRU eviction), so a later
 request can still hit it. A sequence forked for parallel sampling shares the blocks of its computed
 tokens; the shared partial last block is copied on write (the copy is recorded here and performed by the model runner).

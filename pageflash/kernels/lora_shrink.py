@@ -89,7 +89,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, scale: torch.Tensor, order: to
                 starts: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
     """p float32 [split_k, T, R] (module docstring); rows of tokens without an adapter unwritten.
     x [T, K] and a [S, R, K] of one dtype (float16 / bfloat16 / float32), rows contiguous; scale
-    float32 [S, n slices] (R = n x rank); order int64 [T] (a permutation of 0..T-1, grouped by slot); counts / starts int32 [S]."""
+    float32 [S, n slices] (R = n x rank); order int64 [T] (a permutation of 0..T-1, grouped by slot);
+    counts / starts int32 [S] (lora.layers.SlotGroups)."""
     t, k = x.shape
     s, r, ka = a.shape
     assert ka == k, f"lora_shrink: x has K={k}, a has K={ka}"
