@@ -24,6 +24,7 @@ import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.launch import fast_launch
+from pageflash.kernels.lora_shrink import slot_rows
 from pageflash.lora.layers import lora_expand_ref  # the reference: plain PyTorch (runs without Triton)
 
 __all__ = ["lora_expand", "lora_expand_ref", "expand_config"]
@@ -56,10 +57,7 @@ def _lora_expand_kernel(
     first_col = ge1 * N0 + ge2 * N1
     width = N0 + ge1 * (N1 - N0) + ge2 * (N2 - N1)
 
-    start = tl.load(Starts + slot)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(Order + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rows, m_mask = slot_rows(Order, Starts, slot, pid_m, count, BLOCK_M)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < width
     cols = first_col + offs_n

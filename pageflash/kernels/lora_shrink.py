@@ -33,6 +33,16 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def slot_rows(Order, Starts, slot, pid_m, count, BLOCK_M: tl.constexpr):
+    """(rows int64 [BLOCK_M], mask): the token indices of row block pid_m of slot's run in Order (also
+    lora_expand's)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    rows = tl.load(Order + tl.load(Starts + slot) + offs_m, mask=m_mask, other=0).to(tl.int64)
+    return rows, m_mask
+
+
+@triton.jit
 def _lora_shrink_kernel(
     X, A, Scale, Order, Counts, Starts, P,
     K, R, RANK, K_PER_SPLIT,
@@ -49,10 +59,7 @@ def _lora_shrink_kernel(
     if pid_m * BLOCK_M >= count:
         return
     pid_k = tl.program_id(1)
-    start = tl.load(Starts + slot)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(Order + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rows, m_mask = slot_rows(Order, Starts, slot, pid_m, count, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < R
     k_lo = pid_k * K_PER_SPLIT
