@@ -274,8 +274,47 @@ def test_lora_options_refused_by_name(small, tmp_path):
         LLM(folder, enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):
         LLM(folder, enable_lora=True, max_lora_rank=0)
+    with pytest.raises(ValueError, match="max_cpu_loras=1 must be at least max_loras=2"):
+        LLM(folder, enable_lora=True, max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="got 1 lora_requests for 2 prompts"):
         llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False, lora_request=[None])
+
+
+def test_bin_weights_and_fan_in_fan_out(small):
+    """adapter_model.bin (torch.save) reads as the safetensors file does; fan_in_fan_out=True changes
+    nothing for Linear targets (PEFT turns it off for them)."""
+    from safetensors.torch import load_file
+
+    tmp, folder, good, llm = small
+    b = tmp / "bin"
+    b.mkdir()
+    with open(os.path.join(good, "adapter_config.json")) as f:
+        cfg = dict(json.load(f), fan_in_fan_out=True)
+    (b / "adapter_config.json").write_text(json.dumps(cfg))
+    torch.save(load_file(os.path.join(good, "adapter_model.safetensors")), b / "adapter_model.bin")
+    (p,) = _prompts(9, (7,))
+    outs = llm.generate([{"prompt_token_ids": p}] * 2, GREEDY, use_tqdm=False,
+                        lora_request=[LoRARequest("good", 1, good), LoRARequest("bin", 20, str(b))])
+    base = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids != base.outputs[0].token_ids
+
+
+def test_cli_generate_with_lora(small, tmp_path):
+    """`pageflash generate --input ... --lora PATH`: the offline engine's tokens under that adapter."""
+    from pageflash.cli import main
+
+    _, folder, good, llm = small
+    prompts = _prompts(10, (4, 11))
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    rc = main(["generate", "--model", folder, "--input", str(tmp_path / "in.jsonl"), "--output",
+               str(tmp_path / "out.jsonl"), "--lora", good, "--max-lora-rank", "4", "--temperature", "0",
+               "--ignore-eos", "--max-tokens", str(NEW), "--block-size", "4", "--num-kv-blocks", "32",
+               "--max-model-len", "64"])
+    assert rc == 0
+    got = [json.loads(line)["outputs"][0]["token_ids"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    ref = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                       lora_request=LoRARequest("good", 1, good))
+    assert got == _tokens(ref)
 
 
 def test_add_remove_list_loras(small):

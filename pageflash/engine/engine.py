@@ -139,6 +139,8 @@ class EngineConfig:
             raise TypeError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError(f"enable_lora with tensor_parallel_size={self.tensor_parallel_size} is not supported: "
                              f"LoRA runs on one GPU (tensor_parallel_size=1)")
