@@ -35,6 +35,7 @@ _TARGETS = {
     "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None),
 }
 _ATTN = ("qkv_proj", "o_proj")
+_PEFT_ALPHA = 8  # LoraConfig's lora_alpha when a config leaves it out
 
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight")
 _LAYER = re.compile(r"(?:.+\.)?layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<name>[a-z_]+)")
@@ -87,7 +88,7 @@ def _check_config(cfg: dict[str, Any], path: str) -> None:
     r = cfg.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"{where}: adapter_config.json needs r, a positive integer; got {r!r}")
-    alpha = cfg.get("lora_alpha", r)
+    alpha = cfg.get("lora_alpha", _PEFT_ALPHA)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
     if cfg.get("bias", "none") != "none":
@@ -115,7 +116,7 @@ def _check_config(cfg: dict[str, Any], path: str) -> None:
 def _scale(cfg: dict[str, Any], module: str, rank: int) -> float:
     """PEFT's scaling for one module: lora_alpha (or its alpha_pattern entry) / r, or / sqrt(r) with
     use_rslora (r: the module's rank, as rank_pattern gives it; read off the tensors)."""
-    alpha = cfg.get("lora_alpha", cfg["r"])
+    alpha = cfg.get("lora_alpha", _PEFT_ALPHA)
     for key, value in (cfg.get("alpha_pattern") or {}).items():
         if re.match(rf"(.*\.)?({key})$", module):  # (peft.utils.other.get_pattern_key's rule)
             alpha = value
