@@ -169,10 +169,13 @@ class BeamSearch:
 
 
 def beam_search(llm: "LLM", prompts: Sequence[Any], params: BeamSearchParams,
-                use_tqdm: bool = False) -> list[BeamSearchOutput]:  # fmt: skip
-    """Beam search for each prompt (as LLM.generate takes them); one BeamSearchOutput per prompt."""
+                use_tqdm: bool = False, lora_request: Any = None) -> list[BeamSearchOutput]:  # fmt: skip
+    """Beam search for each prompt (as LLM.generate takes them); one BeamSearchOutput per prompt.
+    lora_request: one LoRA adapter for every beam (None: the base model)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if isinstance(lora_request, (list, tuple)):
+        raise TypeError("beam_search takes one lora_request for all prompts (or None), not a list")
     eng = llm.llm_engine
     step = SamplingParams(temperature=0.0, max_tokens=1)
     ids_list = []
@@ -194,7 +197,8 @@ def beam_search(llm: "LLM", prompts: Sequence[Any], params: BeamSearchParams,
             todo = search.pending()
             if not todo:
                 break
-            outs = llm.generate([{"prompt_token_ids": t} for t in todo], search.step_params, use_tqdm=False)
+            outs = llm.generate([{"prompt_token_ids": t} for t in todo], search.step_params, use_tqdm=False,
+                                lora_request=lora_request)
             search.advance([o.outputs[0].logprobs[0] for o in outs])
             if bar is not None:
                 bar.update(1)

@@ -50,19 +50,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
                         "(methods: ngram, draft_model, medusa, early_exit; docs/SPEC.md)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="requests may run under LoRA adapters (serve: --lora-modules; generate / chat: --lora)")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters on the device at once (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (default: %(default)s)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory once read (default: --max-loras)")
     g.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                    help="auto: the model folder's generation_config.json gives EOS ids and the default "
                         "temperature / top_p / top_k / min_p / repetition_penalty (as vLLM); vllm: ignore it")
     # vLLM's flags that change nothing here, taken so that vLLM command lines run (pageflash.llm's
     # VLLM_COMPAT_OPTIONS says why each has no effect); values that would need a missing feature error
     c = p.add_argument_group("vLLM compatibility (no effect here)")
-    for flag in ("--trust-remote-code", "--disable-log-stats", "--disable-custom-all-reduce"):
+    for flag in ("--trust-remote-code", "--disable-log-stats", "--disable-custom-all-reduce",
+                 "--fully-sharded-loras"):
         c.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill is always chunked (as vLLM V1)")
     for flag, kind in (("--swap-space", float), ("--max-logprobs", int), ("--max-seq-len-to-capture", int),
                        ("--revision", str), ("--tokenizer-revision", str), ("--download-dir", str),
-                       ("--tokenizer-mode", str), ("--cpu-offload-gb", float)):
+                       ("--tokenizer-mode", str), ("--cpu-offload-gb", float), ("--lora-dtype", str)):
         c.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
 
 
@@ -89,6 +96,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         speculative_config=getattr(a, "speculative_config", None),
         tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         generation_config=getattr(a, "generation_config", "auto"),
+        enable_lora=getattr(a, "enable_lora", False), max_loras=getattr(a, "max_loras", 1),
+        max_lora_rank=getattr(a, "max_lora_rank", 16), max_cpu_loras=getattr(a, "max_cpu_loras", None),
     )
 
 
@@ -174,7 +183,16 @@ def sampling_params(a: argparse.Namespace, model_defaults: Optional[dict] = None
     )
 
 
-def _stream(engine, prompt, params, out=None) -> str:
+def _lora(a: argparse.Namespace):
+    """--lora PATH as the LoRARequest every prompt runs under (None without it)."""
+    if getattr(a, "lora", None) is None:
+        return None
+    from pageflash.lora.request import LoRARequest
+
+    return LoRARequest(os.path.basename(os.path.normpath(a.lora)) or "lora", 1, a.lora)
+
+
+def _stream(engine, prompt, params, out=None, lora=None) -> str:
     """Add one request and print its text as it grows (first sample only); returns the final text.
     While it runs, the last len(longest stop string) - 1 characters wait: a stop string completed by
     a later token cuts them off, and nothing printed is taken back. out: sys.stdout (as it is at the
@@ -182,7 +200,7 @@ def _stream(engine, prompt, params, out=None) -> str:
     out = sys.stdout if out is None else out
     from pageflash.engine.detokenizer import stop_holdback
 
-    rid = engine.add_request(None, prompt, params)
+    rid = engine.add_request(None, prompt, params, lora_request=lora)
     holdback = stop_holdback(params.stop, params.include_stop_str_in_output)
     printed = 0
     text = ""
@@ -253,7 +271,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.input is None:
         eng = llm.llm_engine
         prompt = _chat_prompt(eng, [{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
-        _stream(eng, prompt, params)
+        _stream(eng, prompt, params, lora=_lora(a))
         return 0
     prompts, plist = [], []
     for i, r in enumerate(rows):
@@ -267,7 +285,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             print(f"error: {a.input}: row {i + 1} needs 'prompt', 'prompt_token_ids' or 'messages'", file=sys.stderr)
             return 2
         plist.append(params)
-    outs = llm.generate(prompts, plist, use_tqdm=True)
+    outs = llm.generate(prompts, plist, use_tqdm=True, lora_request=_lora(a))
     dst = open(a.output, "w") if a.output else sys.stdout
     try:
         for r, o in zip(rows, outs):
@@ -304,7 +322,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         try:
-            reply = _stream(eng, _chat_prompt(eng, history), params)
+            reply = _stream(eng, _chat_prompt(eng, history), params, lora=_lora(a))
         except ValueError as e:  # e.g. the conversation outgrew the context
             print(f"error: {e}", file=sys.stderr)
             history.pop()
@@ -349,11 +367,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("--system", default=None, help="system message")
     add_engine_args(c)
     add_sampling_args(c)
+    for q in (g, c):
+        q.add_argument("--lora", default=None, metavar="PATH",
+                       help="run under this PEFT LoRA adapter folder (implies --enable-lora; see --max-lora-rank)")
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `pageflash serve --help`)")
     sub.add_parser("bench", help="benchmarks: latency, throughput, kernels, spec")
     sub.add_parser("train-medusa", help="train Medusa heads on the model's own generations")
     a = p.parse_args(argv)
     check_vllm_flags(a, p.error)
+    if a.lora is not None:
+        a.enable_lora = True
     try:
         return {"generate": cmd_generate, "chat": cmd_chat}[a.cmd](a)
     except (ValueError, TypeError, OSError) as e:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any, Optional, Sequence, Union
 
 from pageflash.engine.engine import EngineConfig, LLMEngine, PromptType, is_array
+from pageflash.lora.request import LoRARequest
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import RequestOutput
 from pageflash.sampling_params import PoolingParams, SamplingParams
@@ -26,6 +27,9 @@ VLLM_COMPAT_OPTIONS: dict[str, Optional[tuple]] = {
     "max_logprobs": None,  # logprobs are capped at 20, as vLLM's default
     "served_model_name": None,  # offline: nothing is served
     "max_seq_len_to_capture": None, "disable_custom_all_reduce": None,
+    # LoRA: adapters in the model's dtype (vLLM's "auto"); sharding adapters needs tensor parallelism,
+    # which LoRA does not run with here
+    "lora_dtype": ("auto", None), "fully_sharded_loras": (False, None),
 }
 
 
@@ -68,10 +72,16 @@ class LLM:
         speculative_config: Optional[Union[dict, str, Any]] = None,
         tensor_parallel_size: int = 1,
         generation_config: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: Optional[int] = None,
         **vllm_options: Any,
     ) -> None:
         """Engine settings as EngineConfig's. speculative_config: e.g. {"method": "ngram",
-        "num_speculative_tokens": 5}; see pageflash.spec.config.SpeculativeConfig.
+        "num_speculative_tokens": 5}; see pageflash.spec.config.SpeculativeConfig. enable_lora:
+        generate / chat / embed take lora_request (pageflash.lora.LoRARequest), up to max_loras
+        adapters of rank <= max_lora_rank on the device at once.
 
         vllm_options: vLLM's LLM(...) options that have nothing to change here are taken, so that
         scripts written for vLLM run (VLLM_COMPAT_OPTIONS says what each means here); any other
@@ -86,7 +96,8 @@ class LLM:
                 load_format=load_format, attention_backend=attention_backend, quantization=quantization,
                 kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                 speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
-                generation_config=generation_config,
+                generation_config=generation_config, enable_lora=enable_lora, max_loras=max_loras,
+                max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             )
         )
 
@@ -113,16 +124,16 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a str, a {"prompt_token_ids": [...]} dict, token ids, or a list of
         these; token ids may be a list of ints or a numpy array / torch tensor, 2-D for a batch).
+        lora_request: the LoRA adapter for every prompt, or a list of one per prompt (None: the base
+        model); needs LLM(enable_lora=True).
 
         Every prompt is validated before any is queued, so a bad one raises (naming its index)
         without leaving half a batch behind.
         """
-        if lora_request is not None:
-            raise ValueError("LoRA adapters are not supported (lora_request must be None)")
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             params = [self.get_default_sampling_params()] * len(prompts)
@@ -135,18 +146,29 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; they must match")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        elif isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; they must match")
+        else:
+            raise TypeError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or None, got "
+                            f"{type(lora_request).__name__}")
         eng = self.llm_engine
         encoded = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for i, (p, sp, lora) in enumerate(zip(prompts, params, loras)):
             try:
                 if not isinstance(sp, (SamplingParams, PoolingParams)):
                     raise TypeError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
+                if lora is not None:
+                    eng.get_lora(lora)  # the adapter read and checked (then cached) before anything is queued
                 text, ids = eng.tokenize_prompt(p)
                 ids = sp.truncate_prompt(ids)
                 eng.validate_request(ids, sp, strict_length=False)  # (as vLLM: stops at the context)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e
-            encoded.append(({"prompt": text, "prompt_token_ids": ids} if text is not None else ids, sp))
+            encoded.append(({"prompt": text, "prompt_token_ids": ids} if text is not None else ids, sp, lora))
         return self._run(encoded, use_tqdm)
 
     @staticmethod
@@ -173,14 +195,14 @@ class LLM:
         continue_final_message: bool = False,
         tools: Optional[list[dict]] = None,
         chat_template_kwargs: Optional[dict] = None,
-        lora_request: Any = None,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
         As vLLM's LLM.chat: chat_template replaces the tokenizer's; continue_final_message leaves the
         last (assistant) message open for the output to continue (add_generation_prompt must then be
         False); tools (OpenAI's {"type": "function", "function": {...}} dicts) and chat_template_kwargs
-        go to the template."""
+        go to the template. lora_request: as generate's (one per conversation for a list)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
         tok = self.get_tokenizer()
@@ -217,11 +239,12 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         pooling_params: Optional[Any] = None,
         use_tqdm: bool = True,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
     ) -> list:
         """vLLM's LLM.embed: one EmbeddingRequestOutput per prompt (``.outputs.embedding``), the final
         hidden state at the prompt's last token, normalized (PoolingParams: normalize, dimensions,
         truncate_prompt_tokens; one for all prompts or one per prompt). Runs in the same engine as
-        generation (prefix cache included); a prompt may fill max_model_len."""
+        generation (prefix cache included); a prompt may fill max_model_len. lora_request: as generate's."""
         from pageflash.outputs import EmbeddingOutput, EmbeddingRequestOutput
 
         n = len(self._as_prompt_list(prompts))
@@ -231,23 +254,23 @@ class LLM:
         for pp in pooling_params:
             if not isinstance(pp, PoolingParams):
                 raise TypeError(f"pooling_params must be a PoolingParams or a list of them, got {type(pp).__name__}")
-        outs = self.generate(prompts, pooling_params, use_tqdm)
+        outs = self.generate(prompts, pooling_params, use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids) for o in outs]
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: Any,
-                    use_tqdm: bool = False) -> list:  # fmt: skip
+                    use_tqdm: bool = False, lora_request: Optional[LoRARequest] = None) -> list:  # fmt: skip
         """vLLM's beam search (pageflash.beam_search): params a BeamSearchParams; one BeamSearchOutput
-        (its .sequences, best first) per prompt."""
+        (its .sequences, best first) per prompt; lora_request: one adapter for every prompt."""
         from pageflash.beam_search import beam_search
 
-        return beam_search(self, self._as_prompt_list(prompts), params, use_tqdm)
+        return beam_search(self, self._as_prompt_list(prompts), params, use_tqdm, lora_request)
 
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         eng = self.llm_engine
         ids = []
         try:
-            for prompt, sp in items:
-                ids.append(eng.add_request(None, prompt, sp))
+            for prompt, sp, lora in items:
+                ids.append(eng.add_request(None, prompt, sp, lora_request=lora))
         except BaseException:  # (generate validated every prompt: this is not expected) nothing left queued
             eng.abort_request(ids)
             raise

@@ -43,6 +43,52 @@ def make_random_hf_folder(tmp_path, cfg_dict: dict, seed: int = 0, std: float = 
     return str(tmp_path)
 
 
+def make_peft_adapter(model_folder: str, out_dir, target_modules, r: int = 8, lora_alpha: float = 16,
+                      seed: int = 0, std: float = 0.1, **lora_kwargs) -> str:
+    """Save a random PEFT LoRA adapter for the model in model_folder to out_dir (written by peft itself);
+    returns the folder. A and B are drawn from N(0, std) (PEFT starts B at zero, which changes nothing),
+    so the adapter moves the outputs without swamping the base model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules),
+                                            lora_dropout=0.0, **lora_kwargs))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    model.save_pretrained(str(out_dir))
+    return str(out_dir)
+
+
+def hf_with_adapter(model_folder: str, adapter_dir: str, base=None):
+    """HF transformers' model (or `base`, e.g. one with changed weights) with the PEFT adapter applied."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if base is None:
+        base = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def hf_fake_quantized(folder: str):
+    """HF's model with every decoder projection replaced by dequantize(quantize(w)): what the engine's
+    int8 layers compute, run by HF's own code."""
+    from transformers import AutoModelForCausalLM
+
+    from pageflash.kernels.w8_linear import dequantize_int8, quantize_int8
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, mod in hf.model.layers.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                q, s = quantize_int8(mod.weight)
+                mod.weight.copy_(dequantize_int8(q, s, torch.float32))
+    return hf
+
+
 @torch.no_grad()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF greedy continuation of one prompt (no padding), EOS ignored."""

@@ -5,7 +5,7 @@ quantize-dequantized weights."""
 import pytest
 import torch
 
-from hf_ref import hf_greedy, make_random_hf_folder
+from hf_ref import hf_fake_quantized, hf_greedy, make_random_hf_folder
 from pageflash import LLM, SamplingParams
 from pageflash.kernels.gemv import gemv, gemv_ref
 from pageflash.kernels.w8_linear import dequantize_int8, quantize_int8, w8_gemm, w8_linear_ref
@@ -138,20 +138,6 @@ CFG = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_laye
            num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0)
 
 
-def _fake_quantized_hf(folder):
-    """HF's model with every decoder projection replaced by dequantize(quantize(w)): what the engine's
-    int8 layers compute, run by HF's own code."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, mod in hf.model.layers.named_modules():
-            if isinstance(mod, torch.nn.Linear):
-                q, s = quantize_int8(mod.weight)
-                mod.weight.copy_(dequantize_int8(q, s, torch.float32))
-    return hf
-
-
 def test_engine_int8_greedy_matches_hf_on_fake_quantized_weights(tmp_path):
     """A Qwen2 (q/k/v biases) with the projections in int8: greedy equals HF over the dequantized
     codes through chunked prefill and preemption; the codes differ from the float weights enough
@@ -159,7 +145,7 @@ def test_engine_int8_greedy_matches_hf_on_fake_quantized_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
     folder = make_random_hf_folder(tmp_path, CFG, std=0.3)
-    hf_q = _fake_quantized_hf(folder)
+    hf_q = hf_fake_quantized(folder)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 7, 16, 33)]
     llm = LLM(folder, quantization="int8", block_size=4, max_num_batched_tokens=24, max_model_len=96,

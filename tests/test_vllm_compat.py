@@ -1,8 +1,8 @@
 """What scripts written for vLLM expect of the offline API and the command lines: the model folder's
 generation_config.json (EOS ids, default sampling parameters), vLLM's LLM() / SamplingParams / serve
 options that change nothing here, an offline request longer than the context stopping there, tool-call
-turns without content in LLM.chat, and clear errors for what is not supported (multimodal data, LoRA,
-per-request logits processors)."""
+turns without content in LLM.chat, and clear errors for what is not supported (multimodal data, a LoRA
+request to an engine without enable_lora, per-request logits processors)."""
 
 from __future__ import annotations
 
@@ -129,7 +129,11 @@ def test_unsupported_inputs_are_named(llm):
     assert len(o[0].outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match=r"unknown prompt key\(s\) \['promt'\]"):
         llm.generate({"promt": "typo"}, use_tqdm=False)
-    with pytest.raises(ValueError, match="LoRA"):
+    from pageflash.lora import LoRARequest
+
+    with pytest.raises(ValueError, match="lora_request needs an engine started with enable_lora=True"):
+        llm.generate("hi", lora_request=LoRARequest("a", 1, "/no/such/adapter"), use_tqdm=False)
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
         llm.generate("hi", lora_request=object(), use_tqdm=False)
     with pytest.raises(TypeError, match="unexpected keyword argument 'enable_lora_x'"):
         LLM(enable_lora_x=True)

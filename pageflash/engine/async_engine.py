@@ -55,6 +55,7 @@ class _Add:
     prompt: Any
     params: "SamplingParams"
     stream: "RequestStream"
+    lora_request: Any = None
 
 
 @dataclass
@@ -233,9 +234,10 @@ class AsyncLLMEngine:
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns():x}"
 
     async def add_request(
-        self, request_id: str, prompt: Any, params: "SamplingParams"
+        self, request_id: str, prompt: Any, params: "SamplingParams", lora_request: Any = None
     ) -> RequestStream:
-        """Queue a request; return its stream once the engine accepted it.
+        """Queue a request (under a LoRA adapter: lora_request); return its stream once the engine
+        accepted it.
 
         Raises what `LLMEngine.add_request` raises (ValueError for a bad prompt), ValueError for a
         request id already in flight, and EngineError if the engine is not running.
@@ -244,7 +246,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         stream._added = loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, stream))
+        self._commands.put(_Add(request_id, prompt, params, stream, lora_request))
         try:
             await self._wait(asyncio.shield(stream._added))
         except BaseException:
@@ -382,7 +384,7 @@ class AsyncLLMEngine:
                 )
             else:
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, lora_request=cmd.lora_request)
                     err = None
                 except Exception as e:  # ValueError/TypeError: the caller's mistake, passed back
                     err = e

@@ -27,6 +27,8 @@ from pageflash.engine.scheduler import Scheduler, SchedulerOutput
 from pageflash.engine.sequence import Request
 from pageflash.engine.structured import StructuredOutputs
 from pageflash.layers.attention import KV_CACHE_DTYPES
+from pageflash.lora.manager import AdapterCache, AdapterSlots
+from pageflash.lora.request import LoRARequest
 from pageflash.model.loader import ModelSource, load_config, load_generation_config, load_tokenizer, resolve_model
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import CompletionOutput, Logprob, RequestOutput
@@ -83,6 +85,13 @@ class EngineConfig:
     # too, and its temperature / top_p / top_k / min_p / repetition_penalty become the defaults of
     # requests that do not set them; "vllm": neither
     generation_config: str = "auto"
+    # LoRA adapters (vLLM's options): requests may run under PEFT adapters (lora_request), up to
+    # max_loras of them on the device at once, each of rank <= max_lora_rank; max_cpu_loras adapters
+    # kept in host memory once read (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -98,6 +107,9 @@ class EngineConfig:
         positive("max_num_batched_tokens", allow_none=True)
         positive("max_model_len", allow_none=True)
         positive("tensor_parallel_size")
+        positive("max_loras")
+        positive("max_lora_rank")
+        positive("max_cpu_loras", allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         gmu = self.gpu_memory_utilization
@@ -111,7 +123,7 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.quantization is not None:
@@ -127,6 +139,14 @@ class EngineConfig:
             raise TypeError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(f"enable_lora with tensor_parallel_size={self.tensor_parallel_size} is not supported: "
+                             f"LoRA runs on one GPU (tensor_parallel_size=1)")
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("enable_lora with speculative_config is not supported: speculative decoding runs "
+                             "without LoRA adapters")
         if self.tensor_parallel_size > 1:
             if re.fullmatch(r"cuda:[1-9]\d*", str(self.device)):
                 raise ValueError(f"tensor_parallel_size > 1 runs on cuda:0..N-1; device={self.device!r} is not "
@@ -233,6 +253,16 @@ class LLMEngine:
             self.runner = TensorParallelRunner(config.tensor_parallel_size, **runner_kwargs)
         else:
             self.runner = ModelRunner(**runner_kwargs)
+        # LoRA: slot weights on the device before the KV pool is sized (and the decode graphs captured);
+        # the adapters read from disk, and which of them sit in the slots
+        self.lora_cache: Optional[AdapterCache] = None
+        lora_slots = None
+        if config.enable_lora:
+            # a step runs at most the token budget, a decode graph's bucket (<= 256) or the first prefill
+            self.runner.enable_lora(config.max_loras, config.max_lora_rank, max(self.max_num_batched_tokens, 256))
+            self.lora_cache = AdapterCache(self.model_config, config.max_lora_rank,
+                                           config.max_cpu_loras or config.max_loras)
+            lora_slots = AdapterSlots(config.max_loras)
         # Speculative decoding loads its draft model / heads before the KV pool is sized.
         self.spec: Optional[SpecDecoder] = None
         if config.speculative_config is not None:
@@ -268,7 +298,8 @@ class LLMEngine:
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, 256))
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, window=kv_window)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                                   lora_slots)
         if self.spec is not None:
             self.spec.bind(num_blocks)
         self.sampler = Sampler()
@@ -412,10 +443,13 @@ class LLMEngine:
         prompt: PromptType,
         params: Optional[SamplingParams] = None,
         arrival_time: Optional[float] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> str:
         """Validate and queue one request; returns its id. Raises ValueError/TypeError on bad input,
         leaving the engine and every other request untouched. params: a SamplingParams, or a
-        PoolingParams for an embedding request (RequestOutput.embedding, no tokens generated)."""
+        PoolingParams for an embedding request (RequestOutput.embedding, no tokens generated).
+        lora_request: the LoRA adapter to run it under (None: the base model); its folder is read
+        here the first time (ValueError for a bad one)."""
         params = SamplingParams() if params is None else params
         pooling = None
         if isinstance(params, PoolingParams):  # the request runs as a one-token one that never samples
@@ -426,6 +460,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        adapter = self.get_lora(lora_request) if lora_request is not None else None
         text, ids = self.tokenize_prompt(prompt)
         ids = params.truncate_prompt(ids)
         # (compiled just below; the server checked max_tokens against the context before)
@@ -438,6 +473,7 @@ class LLMEngine:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         req = Request(request_id, text, ids, params, arrival_time or time.monotonic(), generator=gen)
         req.pooling = pooling
+        req.lora = adapter
         req.grammar = grammar
         req.bad_words = self._bad_word_ids(params.bad_words)
         self._attach_detokenizer(req)
@@ -445,6 +481,34 @@ class LLMEngine:
         self.scheduler.add(req)
         self.prompt_tokens_total += len(ids)
         return request_id
+
+    # -- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -------------------------------
+    def get_lora(self, lora_request: LoRARequest) -> Any:
+        """The adapter of lora_request, read from its folder unless cached (lora/manager.py);
+        ValueError when LoRA is off or the adapter cannot serve this model."""
+        if self.lora_cache is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True (CLI: --enable-lora)")
+        return self.lora_cache.get(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (rather than at its first request); True once it is known."""
+        self.get_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: requests already running under it finish under it; a later request
+        with that id reads its folder again, as a new adapter (new slot, no prefix-cache hits on the
+        old one's blocks). False if no adapter has that id."""
+        if self.lora_cache is None:
+            return False
+        uid = self.lora_cache.known.get(lora_int_id, (None, None, None))[2]
+        if uid is not None:
+            self.scheduler.lora_slots.forget(uid)
+        return self.lora_cache.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The int ids of the adapters this engine knows."""
+        return self.lora_cache.ids() if self.lora_cache is not None else set()
 
     def _bad_word_ids(self, words: Optional[list[str]]) -> tuple[tuple[int, ...], ...]:
         """A request's bad_words as token sequences, as vLLM tokenizes them: each word (left-stripped)
@@ -580,10 +644,10 @@ class LLMEngine:
                 continue  # verified by SpecDecoder.finish_step
             req.num_computed_tokens += s.num_new_tokens
             if count == 0:  # a prefill chunk that does not reach the end yet
-                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.prefix_salt)
                 continue
             if req.pooling is not None:  # an embedding: read off the hidden states, nothing sampled
-                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.prefix_salt)
                 self._pooled.append((req, start))
                 continue
             for r in self._fork_if_needed(req):
@@ -702,6 +766,7 @@ class LLMEngine:
             child.forked = True
             child.prompt_logprobs = None  # the group's are the parent's
             child.bad_words = req.bad_words
+            child.lora = req.lora
             if req.grammar is not None:  # nothing consumed yet: this is the first sample
                 child.grammar = req.grammar.deep_copy()
             child.metrics.first_scheduled_time = req.metrics.first_scheduled_time
@@ -734,7 +799,7 @@ class LLMEngine:
             req.logprobs.append(entry)
             req.cumulative_logprob += lps[0]
             req.text_offsets.append(len(req.output_text))
-        self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+        self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.prefix_salt)
         self._check_stop(req, tok)
         if req.finish_reason is None and req.grammar is not None and req.grammar.is_stopped():
             req.finish_reason = "stop"  # the constrained text is complete: nothing may follow

@@ -2,7 +2,9 @@
 
 Blocks hold `block_size` tokens. A sequence's block table grows on demand. Full blocks get a hash
 chained over their whole prefix (hash(parent_hash, tokens)), so equal prefixes map to the same block
-and can be shared between requests with reference counts. A block whose count drops to zero goes to
+and can be shared between requests with reference counts. The chain's root is a salt (None for the
+base model; a LoRA adapter's identity, Request.prefix_salt), so KV computed under one adapter never
+serves a request under another or the base model. A block whose count drops to zero goes to
 the tail of the free queue but keeps its hash until it is handed out again (LRU eviction), so a later
 request can still hit it. A sequence forked for parallel sampling shares the blocks of its computed
 tokens; the shared partial last block is copied on write (the copy is recorded here and performed by the model runner).
@@ -19,10 +21,11 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 
-def hash_block(parent_hash: Optional[int], tokens: Sequence[int]) -> int:
+def hash_block(parent_hash: Any, tokens: Sequence[int]) -> int:
+    """parent_hash: the previous block's hash, or the chain's salt for the first block."""
     return hash((parent_hash, tuple(tokens)))
 
 
@@ -236,8 +239,9 @@ class KVCacheManager:
             self.pool.free(drop)
 
     # -- prefix cache -----------------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached chain of full blocks within token_ids[:-1].
+    def find_cached_prefix(self, token_ids: Sequence[int], salt: Any = None) -> list[int]:
+        """Block ids of the longest cached chain of full blocks within token_ids[:-1], its hash chain
+        rooted at salt (Request.prefix_salt).
 
         The last token is never served from cache: its logits are needed, so at least one token is
         computed.
@@ -246,7 +250,7 @@ class KVCacheManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = None
+        parent = salt
         for i in range((len(token_ids) - 1) // bs):
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             bid = self.pool.lookup(h)
@@ -256,13 +260,14 @@ class KVCacheManager:
             parent = h
         return hits
 
-    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Publish the blocks that became full and computed (token_ids: the sequence's tokens)."""
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int, salt: Any = None) -> None:
+        """Publish the blocks that became full and computed (token_ids: the sequence's tokens; salt:
+        the root of its hash chain, as given to find_cached_prefix)."""
         sb = self.seqs.get(seq_id)
         if not self.pool.enable_caching or sb is None:  # None: preempted while its last token was in flight
             return
         bs = self.block_size
-        parent = sb.hashes[-1] if sb.hashes else None
+        parent = sb.hashes[-1] if sb.hashes else salt
         for i in range(len(sb.hashes), min(num_computed, len(token_ids)) // bs):
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             if i >= sb.released:  # (a block released before it was published is gone; the chain goes on)

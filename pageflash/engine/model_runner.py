@@ -90,6 +90,7 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
         self.step_graphs: Optional[StepGraphs] = None
         self.graph_pool = None  # CUDA graph memory pool shared by every graph of this runner
+        self.lora: Any = None  # a lora.layers.LoRAContext once enable_lora has run
 
     # -- setup ------------------------------------------------------------------------------------
     def _build_model(self, source: ModelSource, seed: int) -> LlamaForCausalLM:
@@ -179,6 +180,29 @@ class ModelRunner:
             self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1], self.kv_scale[i, 0], self.kv_scale[i, 1])
                               for i in range(c.num_hidden_layers)]
 
+    def enable_lora(self, max_loras: int, max_rank: int, max_tokens: int) -> None:
+        """Slot weights for max_loras LoRA adapters of rank <= max_rank in every targeted projection
+        (before the KV cache is sized and the decode graphs are captured, which then include the
+        LoRA kernels); max_tokens: the most tokens a step runs."""
+        self.lora = self.model.enable_lora(max_loras, max_rank, max_tokens)
+
+    def load_loras(self, loads: Sequence[tuple[int, Any]]) -> None:
+        """Copy adapters into their slots ((slot, LoRAAdapter) pairs from the scheduler), in stream
+        order before the step that first uses them."""
+        for slot, adapter in loads:
+            self.model.load_lora(slot, adapter)
+
+    def _set_lora_slots(self, slots: Sequence[int], num_tokens: int) -> None:
+        """Each of the step's first num_tokens tokens' adapter slot (slots: per token, padded with 0
+        up to num_tokens), then the step's grouping; a step without adapter tokens skips LoRA."""
+        ctx = self.lora
+        active = any(slots)
+        if active:
+            h = np.zeros(num_tokens, dtype=np.int32)
+            h[: len(slots)] = slots
+            copy_to(ctx.token_slots[:num_tokens], torch.from_numpy(h))
+        ctx.begin_step(num_tokens, active)
+
     def capture_decode_graphs(self, max_batch: int) -> None:
         """Capture decode-step CUDA graphs for batch sizes up to max_batch (CUDA + graph-safe backend)."""
         if self.device.type != "cuda" or self.backend.name != "triton":
@@ -200,6 +224,8 @@ class ModelRunner:
         plan = self.backend.plan(meta)
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.arange(n, dtype=torch.int64, device=self.device)
+        if self.lora is not None:
+            self.lora.begin_step(n, active=False)
         hidden = self.model(ids, pos, self.kv_caches, self.backend, plan)
         self.model.compute_logits(hidden[-1:])
 
@@ -320,6 +346,9 @@ class ModelRunner:
         carry them). prev_tokens: the sampled token ids of the step still in flight, on the device,
         which the requests with a pending token read at their pending_row (async scheduling)."""
         self.copy_blocks(sched.block_copies)
+        loads = getattr(sched, "lora_loads", None)  # (a tensor-parallel worker's compact step has none)
+        if loads:
+            self.load_loras(loads)
         if (
             self.graphs is not None and tree_mask is None and positions_override is None and num_layers is None
             and kv_caches is None and not need_hidden and sched.is_decode
@@ -344,6 +373,9 @@ class ModelRunner:
         if fixes:
             _fill_pending(input_ids, fixes, prev_tokens)
         positions = to_device(torch.tensor(pos, dtype=torch.int64), dev)
+        if self.lora is not None:  # (drafters' Feeds have no adapter)
+            slots = [getattr(s.request, "lora_slot", 0) for s in sched.seqs]
+            self._set_lora_slots(np.repeat(slots, [s.num_new_tokens for s in sched.seqs]), len(ids))
         hidden = self.model(input_ids, positions, kv_caches or self.kv_caches, self.backend, plan, num_layers)
         idx = to_device(torch.tensor(logit_idx, dtype=torch.int64), dev)
         h = hidden[idx]
@@ -492,6 +524,10 @@ class DecodeGraphs:
             bt[i, : len(table)] = table
         copy_to(self._i64[: h64.shape[0]], torch.from_numpy(h64))
         copy_to(self._i32[: h32.shape[0]], torch.from_numpy(h32))
+        if self.runner.lora is not None:  # each row's adapter slot (padding rows: 0), read in the graph
+            h = np.zeros(bucket, dtype=np.int32)
+            h[:b] = [s.request.lora_slot for s in sched.seqs]
+            copy_to(self.runner.lora.token_slots[:bucket], torch.from_numpy(h))
         if fixes:
             _fill_pending(self.input_ids, fixes, prev_tokens)
         c = self.select(bucket, int(lens.max()))
@@ -516,6 +552,8 @@ class DecodeGraphs:
         argmax = self.argmax and b <= _GRAPH_ARGMAX_MAX_BATCH
 
         def fwd():
+            if r.lora is not None:  # grouped by slot inside the graph, from the rows' slots of the step
+                r.lora.begin_step(b)
             logits = r.model.compute_logits(
                 r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan))
             if not argmax:

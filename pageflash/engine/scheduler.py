@@ -13,6 +13,8 @@ Policy per step, under a token budget (max_num_batched_tokens) and at most max_n
    token were known, unless it is sure to finish by length with it.
 2. Then waiting requests, first come first served, each starting from its longest prefix-cache hit;
    a prompt larger than the remaining budget is chunked. Nothing is admitted in a step that preempted.
+   A request under a LoRA adapter needs the adapter in a device slot (lora/manager.py): while every
+   slot is held by running requests of other adapters it waits, and the requests behind it may go first.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable, Optional
 
 from pageflash.engine.kv_cache import KVCacheManager
 from pageflash.engine.sequence import Request, Status
@@ -48,6 +50,8 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
     preempted: list[Request] = field(default_factory=list)
+    # LoRA adapters to copy into device slots before this step runs: (slot, LoRAAdapter)
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +75,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        lora_slots: Optional[Any] = None,
     ) -> None:
+        """lora_slots: a lora.manager.AdapterSlots when LoRA is on (the running requests' adapters hold
+        slots; a waiting one is admitted when its adapter has or can get one)."""
         self.kv = kv
+        self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -89,11 +97,14 @@ class Scheduler:
         """Insert a forked sibling right after its parent (it already owns blocks)."""
         req.status = Status.RUNNING
         self.running.insert(self.running.index(after) + 1, req)
+        if req.lora is not None:  # the parent's adapter, loaded: one more reference to its slot
+            req.lora_slot, _ = self.lora_slots.acquire(req.lora)
 
     def finish(self, req: Request) -> None:
         """Remove a request wherever it is and free its blocks at once."""
         if req in self.running:
             self.running.remove(req)
+            self._release_lora(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
@@ -106,8 +117,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot:
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = 0
+
     # -- the step ---------------------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:
+        self._release_lora(victim)
         self.kv.free(victim.request_id)
         victim.status = Status.PREEMPTED
         victim.num_computed_tokens = 0
@@ -162,12 +179,16 @@ class Scheduler:
             budget -= n
             i += 1
 
+        skipped: list[Request] = []  # waiting for a LoRA slot: they keep their place in the queue
         while self.waiting and budget > 0 and not out.preempted:
             req = self.waiting[0]
             slots = 1 if req.forked else req.params.n
             if self.running and len(self.running) + slots > self.max_num_seqs:
                 break
-            hits = [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.token_ids)
+            if req.lora is not None and not self.lora_slots.can_acquire(req.lora):
+                skipped.append(self.waiting.popleft())
+                continue
+            hits = [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.token_ids, req.prefix_salt)
             computed = len(hits) * self.kv.block_size
             n = min(req.num_tokens - computed, budget)
             if not self.kv.allocate(req.request_id, computed, n, hits):
@@ -175,6 +196,10 @@ class Scheduler:
             self.kv.prefix_queries += req.num_tokens
             self.kv.prefix_hits += computed
             self.waiting.popleft()
+            if req.lora is not None:
+                req.lora_slot, load = self.lora_slots.acquire(req.lora)
+                if load:
+                    out.lora_loads.append((req.lora_slot, req.lora))
             req.num_computed_tokens = computed
             if req.num_cached_tokens is None:  # (a recompute after preemption does not count again)
                 req.num_cached_tokens = computed
@@ -182,6 +207,7 @@ class Scheduler:
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, n, 0))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
         out.block_copies = self.kv.take_pending_copies()
         return out

@@ -59,6 +59,8 @@ class Request:
         self.grammar: Any = None  # structured outputs: the llguidance matcher of this sequence
         self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words tokenized (LLMEngine)
         self.pooling: Any = None  # a PoolingParams: an embedding request, finished at its prompt's end
+        self.lora: Any = None  # a lora.adapter.LoRAAdapter: the adapter this request runs under (None: the base)
+        self.lora_slot = 0  # its device slot while running (0: none)
         self.num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at first admission
         self.embedding: Optional[list[float]] = None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
@@ -77,6 +79,12 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Whether prompt logprobs are still to be computed (then no prefix-cache hits for it)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def prefix_salt(self) -> Any:
+        """The root of this request's prefix-cache hash chain: KV computed under one adapter (or the
+        base model) never serves another."""
+        return None if self.lora is None else ("lora", self.lora.uid)
 
     @property
     def num_prompt_tokens(self) -> int:

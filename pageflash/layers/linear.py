@@ -77,7 +77,9 @@ def check_quantization_method(method: str) -> None:
 
 class Linear(nn.Module):
     """y = x W^T (+ b). weight: [out_features, in_features]. quantizable=False: the model's quantize_
-    leaves it in its dtype (MoE routers and gates)."""
+    leaves it in its dtype (MoE routers and gates). ``lora``: the LoRA slot weights (lora/layers.py)
+    when the model serves adapters: each token's adapter delta is added to y (after the quantized
+    base's product too)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, quantizable: bool = True) -> None:
         super().__init__()
@@ -87,9 +89,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.weight_scale: Optional[torch.Tensor]  # float32 [out] once quantized: weight then holds int8 codes
         self.register_buffer("weight_scale", None)
+        self.lora: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, scale=self.weight_scale)
+        y = linear(x, self.weight, self.bias, scale=self.weight_scale)
+        if self.lora is not None:
+            self.lora.add_(x, y)
+        return y
 
     def quantize_(self, method: str) -> None:
         """Replace the loaded weight by its quantized form, in place (method: QUANTIZATION_METHODS).

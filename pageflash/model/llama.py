@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from pageflash.layers.linear import GateUpLinear, Linear, QKVLinear, VocabEmbedd
 from pageflash.layers.moe import SparseMoE
 from pageflash.layers.norm import RMSNorm
 from pageflash.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from pageflash.lora.layers import LoRAContext
 
 
 class _Prefetching:
@@ -106,8 +109,10 @@ class LlamaMLP(_Prefetching, nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # decode at batch 1: the activation in the GEMV's epilogue
-        act = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.weight_scale, self.act)
+        # decode at batch 1: the activation in the GEMV's epilogue (not with LoRA: its delta is added
+        # to gate/up before the activation)
+        act = None if self.gate_up_proj.lora is not None else \
+            gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.weight_scale, self.act)
         if act is None:
             gu = self.gate_up_proj(x)
             self._prefetch("down", self.down_proj.weight)  # while the activation runs
@@ -203,6 +208,7 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp_size) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lora: Optional[LoRAContext] = None  # once enable_lora has run
         self.make_rotary(max_positions)
 
     def make_rotary(self, max_positions: int) -> None:
@@ -254,6 +260,37 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
             self.to(device)
         if self.embed_tokens.weight.is_cuda:
             torch.cuda.empty_cache()
+
+    def enable_lora(self, max_loras: int, max_rank: int, max_tokens: int) -> LoRAContext:
+        """Give every decoder layer's q/k/v, o and (dense) gate/up, down projections LoRA slot weights
+        for max_loras adapters of rank <= max_rank (lora/layers.py), on the model's device and dtype;
+        returns the context whose token_slots the runner fills (max_tokens: the largest step)."""
+        from pageflash.lora.adapter import module_shapes
+        from pageflash.lora.layers import LoRAContext, LoRASlots
+
+        if self.tp_size > 1:
+            raise ValueError("LoRA adapters with tensor_parallel_size > 1 are not supported")
+        w = self.embed_tokens.weight
+        ctx = LoRAContext(max_loras, max_rank, max_tokens, w.device)
+        for layer in self.layers:
+            mods = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj}
+            if isinstance(layer.mlp, LlamaMLP):  # (MoE layers: experts are not LoRA targets)
+                mods.update(gate_up_proj=layer.mlp.gate_up_proj, down_proj=layer.mlp.down_proj)
+            for name, mod in mods.items():
+                in_features, slices = module_shapes(self.cfg, name)
+                mod.lora = LoRASlots(ctx, in_features, slices, w.dtype, w.device)
+        self.lora = ctx
+        return ctx
+
+    def load_lora(self, slot: int, adapter: Any) -> None:
+        """Copy a lora.adapter.LoRAAdapter into slot of every targeted projection (the others' slot
+        zeroed)."""
+        for i, layer in enumerate(self.layers):
+            for name, mod in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                              ("gate_up_proj", getattr(layer.mlp, "gate_up_proj", None)),
+                              ("down_proj", getattr(layer.mlp, "down_proj", None))):
+                if mod is not None and mod.lora is not None:
+                    mod.lora.load(slot, adapter.weights.get((i, name), ()))
 
     def set_prefetcher(self, prefetcher) -> None:
         """Give every layer the weight prefetcher (None: off)."""

@@ -451,6 +451,9 @@ class OpenAIServing:
                  chat_template: str | None = None, trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.model_names = model_names
+        self.loras: dict[str, Any] = {}  # served LoRA adapters: model name -> LoRARequest (build_app)
+        self.next_lora_id = 0  # the last lora_int_id handed out (adapters loaded at run time take the next)
+        self.lora_loading: set[str] = set()
         self.max_body_bytes = max_body_bytes
         self.chat_template = chat_template  # replaces the tokenizer's (--chat-template)
         self.trust_request_chat_template = trust_request_chat_template
@@ -485,10 +488,56 @@ class OpenAIServing:
     def response_model_name(self, requested: str | None) -> str:
         if requested is None:
             return self.model_names[0]
-        if requested not in self.model_names:
-            raise APIError(404, f"The model `{requested}` does not exist (served: {', '.join(self.model_names)})",
+        if requested not in self.model_names and requested not in self.loras:
+            served = ", ".join(self.model_names + list(self.loras))
+            raise APIError(404, f"The model `{requested}` does not exist (served: {served})",
                            param="model", code="model_not_found")  # fmt: skip
         return requested
+
+    def lora_for(self, model: str) -> Any:
+        """The LoRARequest a request's (known) model name runs under; None for the base model."""
+        return self.loras.get(model)
+
+    def model_cards(self) -> list[P.ModelCard]:
+        """/v1/models: the base model's names, then the adapters (parent: the base model, as vLLM)."""
+        e = self.engine
+        cards = [P.ModelCard(id=n, root=e.model_name, max_model_len=e.max_model_len) for n in self.model_names]
+        cards += [P.ModelCard(id=name, root=r.lora_path, parent=r.base_model_name or self.model_names[0],
+                              max_model_len=e.max_model_len) for name, r in self.loras.items()]
+        return cards
+
+    # ---- runtime LoRA updates (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter)
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Serve a new adapter under lora_name, read (and checked against the model) now: 400 for a bad
+        folder or a name already served."""
+        from pageflash.lora.request import LoRARequest
+
+        body: P.LoadLoRAAdapterRequest = await self.read_json(request, P.LoadLoRAAdapterRequest)
+        name = body.lora_name
+        if name in self.loras or name in self.model_names or name in self.lora_loading:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        self.lora_loading.add(name)  # (a second load of the name while this one reads the folder: a 400)
+        try:
+            self.next_lora_id += 1
+            lora = LoRARequest(name, self.next_lora_id, body.lora_path)
+            await self.engine.call(lambda eng: eng.add_lora(lora))
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        finally:
+            self.lora_loading.discard(name)
+        self.loras[name] = lora
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Stop serving an adapter (requests running under it finish under it): 404 if unknown."""
+        body: P.UnloadLoRAAdapterRequest = await self.read_json(request, P.UnloadLoRAAdapterRequest)
+        lora = self.loras.get(body.lora_name)
+        if lora is None:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
+                           code="model_not_found")  # fmt: skip
+        del self.loras[body.lora_name]
+        await self.engine.call(lambda eng: eng.remove_lora(lora.lora_int_id))
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     def sampling_params(self, kw: dict[str, Any], constraint_field: str | None = None) -> Any:
         """SamplingParams(**kw), a 400 naming the field at fault; constraint_field: the request field an
@@ -546,15 +595,16 @@ class OpenAIServing:
             raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
     async def add_all(self, base_id: str, prompts: list[Any], params: Any, param: str = "prompt",
-                      ) -> list[RequestStream]:  # fmt: skip
-        """Add one engine request per prompt; on any refusal abort those already added. param: the
-        request field the prompts came from ("prompt" or "messages"), named by a refusal's error."""
+                      lora: Any = None) -> list[RequestStream]:  # fmt: skip
+        """Add one engine request per prompt (under the LoRA adapter lora, if any); on any refusal abort
+        those already added. param: the request field the prompts came from ("prompt" or
+        "messages"), named by a refusal's error."""
         streams: list[RequestStream] = []
         i = 0
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(rid, prompt, params))
+                streams.append(await self.engine.add_request(rid, prompt, params, lora))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -736,6 +786,7 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise _value_error(e, ["n", "length_penalty"]) from None
         rid = f"beam-{uuid.uuid4().hex}"
+        lora = self.lora_for(self.response_model_name(req.model))
         timer = self.metrics.timer()
         timer.prompt_tokens = sum(len(p) for p in prompts)
 
@@ -743,7 +794,7 @@ class OpenAIServing:
             r = 0
             while todo := search.pending():
                 streams = await self.add_all(f"{rid}-{r}", [{"prompt_token_ids": t} for t in todo], search.step_params,
-                                             param)  # fmt: skip
+                                             param, lora)  # fmt: skip
                 try:
                     tops = []
                     for stream in streams:
@@ -826,7 +877,8 @@ class OpenAIServing:
                     continue
                 raise ours(e) from None
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
-        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "input"),
+        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "input",
+                                             self.lora_for(model)),
                           params, self.metrics.timer())  # fmt: skip
         created = time.time()
 
@@ -1008,7 +1060,7 @@ class OpenAIServing:
             prompts.append({"prompt_token_ids": ids})
         timer = self.metrics.timer()  # (e2e latency, prompt length and success counts; no tokens are generated)
         timer.prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        streams = await self.add_all(f"embd-{uuid.uuid4().hex}", prompts, pooling, "input")
+        streams = await self.add_all(f"embd-{uuid.uuid4().hex}", prompts, pooling, "input", self.lora_for(model))
 
         async def collect() -> list[Any]:
             outs = []
@@ -1141,7 +1193,7 @@ class OpenAIServing:
             first_tokens, prompt_offsets = [f for f, _ in found], [o for _, o in found]
         rid = f"cmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
-        gen = _Generation(await self.add_all(rid, prompts, params), params, timer)
+        gen = _Generation(await self.add_all(rid, prompts, params, "prompt", self.lora_for(model)), params, timer)
         gen.echo_only = echo_only
         created = int(time.time())
 
@@ -1251,7 +1303,8 @@ class OpenAIServing:
         self.validate(prompt_ids, params, "messages", "the chat prompt (messages after the chat template)")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
-        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "messages"),
+        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "messages",
+                                             self.lora_for(model)),
                           params, timer)  # fmt: skip
         created = int(time.time())
 
@@ -1530,7 +1583,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
               allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
               allow_credentials: bool = False, chat_template: str | None = None,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False) -> FastAPI:  # fmt: skip
+              reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False,
+              lora_modules: Sequence[Any] = (), allow_runtime_lora_updating: bool = False) -> FastAPI:  # fmt: skip
     """The FastAPI app serving `engine` under the given model name(s) (the first is the default).
 
     `api_key`: if set, /v1/* require `Authorization: Bearer <api_key>` (401 otherwise); /health and
@@ -1543,11 +1597,22 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     (reasoning_parsers.REASONING_PARSERS) that splits a thinking model's chat output into `reasoning`
     and `content`; None returns the output as content. `return_tokens_as_token_ids`: logprobs name
     tokens "token_id:ID" for every request (a request can ask for it alone).
+    `lora_modules`: LoRARequests (an engine with enable_lora) served as models of their lora_name: a
+    request whose "model" names one runs under that adapter. `allow_runtime_lora_updating`: vLLM's
+    POST /v1/load_lora_adapter and /v1/unload_lora_adapter (`pageflash serve` turns them on with
+    PAGEFLASH_ALLOW_RUNTIME_LORA_UPDATING=1, or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
     serving = OpenAIServing(engine, names, max_body_bytes, chat_template, trust_request_chat_template)
+    if (lora_modules or allow_runtime_lora_updating) and getattr(engine.engine, "lora_cache", None) is None:
+        raise ValueError("LoRA modules need an engine started with enable_lora=True (--enable-lora)")
+    for lora in lora_modules:
+        if lora.lora_name in names or lora.lora_name in serving.loras:
+            raise ValueError(f"LoRA module name {lora.lora_name!r} is used twice (or is the base model's name)")
+        serving.loras[lora.lora_name] = lora
+        serving.next_lora_id = max(serving.next_lora_id, lora.lora_int_id)
     if tool_call_parser is not None:
         if tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
@@ -1625,14 +1690,17 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
 
     @v1.get("/models")
     async def models() -> Response:
-        cards = [P.ModelCard(id=n, root=engine.model_name, max_model_len=engine.max_model_len) for n in names]
-        return Response(P.ModelList(data=cards).model_dump_json(), media_type="application/json")
+        return Response(P.ModelList(data=serving.model_cards()).model_dump_json(), media_type="application/json")
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> Response:
         serving.response_model_name(model_id)  # 404 naming the served models if unknown
-        card = P.ModelCard(id=model_id, root=engine.model_name, max_model_len=engine.max_model_len)
+        card = next(c for c in serving.model_cards() if c.id == model_id)
         return Response(card.model_dump_json(), media_type="application/json")
+
+    if allow_runtime_lora_updating:
+        v1.add_api_route("/load_lora_adapter", serving.load_lora_adapter, methods=["POST"])
+        v1.add_api_route("/unload_lora_adapter", serving.unload_lora_adapter, methods=["POST"])
 
     for path, handler in (("/completions", serving.completions), ("/chat/completions", serving.chat_completions),
                           ("/responses", serving.responses), ("/embeddings", serving.embeddings)):
@@ -1682,8 +1750,34 @@ def make_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-log-requests", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--response-role", default="assistant", choices=["assistant"],
                    help="the role of replies after a generation prompt (only 'assistant')")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served as models (with --enable-lora): name=path, or vLLM's JSON "
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
     add_engine_args(p)
     return p
+
+
+def parse_lora_modules(values: Sequence[str]) -> list[Any]:
+    """--lora-modules values (vLLM's syntax: name=path, or a JSON object with name, path and optionally
+    base_model_name) as LoRARequests with ids 1, 2, ...; ValueError naming a bad one."""
+    from pageflash.lora.request import LoRARequest
+
+    out = []
+    for i, v in enumerate(values, 1):
+        if v.lstrip().startswith("{"):
+            try:
+                d = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules {v!r}: not valid JSON ({e})") from None
+            if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
+                raise ValueError(f"--lora-modules {v!r}: the JSON form needs string 'name' and 'path'")
+            out.append(LoRARequest(d["name"], i, d["path"], base_model_name=d.get("base_model_name")))
+        else:
+            name, sep, path = v.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {v!r}: expected name=path (or a JSON object)")
+            out.append(LoRARequest(name, i, path))
+    return out
 
 
 def _json_str_list(text: str) -> list[str]:
@@ -1721,6 +1815,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    try:
+        loras = parse_lora_modules(args.lora_modules or [])
+    except ValueError as e:
+        parser.error(str(e))
+    if loras and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
     template = args.chat_template
     if template is not None and os.path.isfile(template):
         with open(template, encoding="utf-8") as f:
@@ -1739,10 +1839,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         llm = LLM(**engine_kwargs(args))
+        for lora in loras:  # each adapter read and checked against the model now, not at its first request
+            llm.llm_engine.add_lora(lora)
     except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     engine = AsyncLLMEngine(llm.llm_engine)
+    runtime_lora = any(os.environ.get(v, "").lower() in ("1", "true")
+                       for v in ("PAGEFLASH_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"))
     api_key = args.api_key or os.environ.get("PAGEFLASH_API_KEY") or None
     names = args.served_model_name or [args.model]
     app = build_app(engine, names, api_key=api_key, max_body_bytes=args.max_body_bytes,
@@ -1751,7 +1855,8 @@ def main(argv: list[str] | None = None) -> int:
                     chat_template=template, trust_request_chat_template=args.trust_request_chat_template,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                     reasoning_parser=args.reasoning_parser,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, lora_modules=loras,
+                    allow_runtime_lora_updating=runtime_lora and args.enable_lora)
     logger.info("serving %s as %s on http://%s:%d/v1", args.model, ", ".join(names), args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,

@@ -847,7 +847,22 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pageflash"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field; null for the base itself)
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: StrictStr
+    lora_path: StrictStr
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's POST /v1/unload_lora_adapter (lora_int_id: taken, as vLLM's, and not needed)."""
+
+    lora_name: StrictStr
+    lora_int_id: StrictInt | None = None
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,158 @@
+"""LoRA on the device: stacked slot weights per targeted projection, and each token's delta.
+
+Every targeted projection (q/k/v, o, gate/up, down of each decoder layer; merged ones hold their
+parts as slices) gets a ``LoRASlots``: preallocated ``a`` [S, n x rank, in], ``b`` [S, out, rank] and
+``scale`` [S, n] float32, S = max_loras + 1, slot 0 all zeros (no adapter). An adapter is copied into
+a slot (zero-padded up to the slots' rank) when the scheduler hands it one (lora/slots.py).
+
+Per step, ``LoRAContext.token_slots`` holds each token's slot (a static device buffer: the decode
+CUDA graphs read it in place) and ``begin_step`` groups the tokens by slot once, on the device
+(``group_by_slot``: a stable argsort and per-slot counts, fixed shapes, no host sync). Each targeted
+``Linear`` then adds ``scale * (x @ A^T) @ B^T`` of its token's adapter to its output:
+kernels/lora_shrink.py and kernels/lora_expand.py on CUDA, their references on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pageflash.layers import triton_kernel
+
+__all__ = ["LoRAContext", "LoRASlots", "SlotGroups", "group_by_slot", "lora_shrink_ref", "lora_expand_ref"]
+
+
+class SlotGroups(NamedTuple):
+    """A step's tokens grouped by adapter slot: order int64 [T] (token indices, slot by slot, stable),
+    counts / starts int32 [S] (each slot's number of tokens and first index in order)."""
+
+    order: torch.Tensor
+    counts: torch.Tensor
+    starts: torch.Tensor
+
+
+def group_by_slot(slots: torch.Tensor, num_slots: int) -> SlotGroups:
+    """slots int32 [T], values in [0, num_slots) -> SlotGroups. Fixed shapes, no host sync."""
+    order = torch.argsort(slots, stable=True)
+    counts = torch.zeros(num_slots, dtype=torch.int32, device=slots.device)
+    counts.scatter_add_(0, slots.long(), torch.ones_like(slots, dtype=torch.int32))
+    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    return SlotGroups(order, counts, starts)
+
+
+class LoRAContext:
+    """What every targeted projection of one model shares: the step's per-token slots and their grouping.
+
+    token_slots: int32 [max_tokens] on the device; a step writes its first T entries (0: no adapter),
+    then ``begin_step(T)``. ``groups`` is None for a step the host knows has no adapter token (the
+    projections then skip LoRA; graphs always take the grouped path). ``kernels``: whether the
+    projections run the Triton kernels (None: on CUDA; True also runs them on the CPU, under Triton's
+    interpreter: the tests' way to run the GPU path through the engine)."""
+
+    def __init__(self, max_loras: int, max_rank: int, max_tokens: int, device: torch.device) -> None:
+        self.num_slots = max_loras + 1
+        self.max_rank = max_rank
+        self.token_slots = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.groups: Optional[SlotGroups] = None
+        self.num_tokens = 0
+        self.kernels: Optional[bool] = None
+
+    def begin_step(self, num_tokens: int, active: bool = True) -> None:
+        """Group the first num_tokens token_slots by slot (active=False: the step has no adapter token)."""
+        if num_tokens > self.token_slots.shape[0]:
+            raise RuntimeError(f"a step of {num_tokens} tokens exceeds the LoRA slot buffer "
+                               f"({self.token_slots.shape[0]} tokens)")
+        self.num_tokens = num_tokens
+        self.groups = group_by_slot(self.token_slots[:num_tokens], self.num_slots) if active else None
+
+
+class LoRASlots(nn.Module):
+    """The LoRA slot weights of one projection y = x W^T with output slices (merged q/k/v: three).
+
+    a [S, n x rank, in], b [S, out, rank] in the model's dtype, scale float32 [S, n]; slot 0 zero."""
+
+    def __init__(self, ctx: LoRAContext, in_features: int, slices: Sequence[int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.slices = list(slices)
+        self.offsets = [sum(self.slices[:i]) for i in range(len(self.slices))]
+        s, r = ctx.num_slots, ctx.max_rank
+        self.rank = r
+        self.register_buffer("a", torch.zeros(s, len(self.slices) * r, in_features, dtype=dtype, device=device))
+        self.register_buffer("b", torch.zeros(s, sum(self.slices), r, dtype=dtype, device=device))
+        self.register_buffer("scale", torch.zeros(s, len(self.slices), dtype=torch.float32, device=device))
+
+    def load(self, slot: int, parts: Sequence[tuple[int, float, torch.Tensor, torch.Tensor]]) -> None:
+        """Put an adapter's parts of this projection into slot: (slice, scale, A [r, in], B [rows, r]);
+        slices it does not target stay zero. Copies queue on the stream: a step still running reads
+        the slot's old weights before they land."""
+        from pageflash.transfer import copy_to
+
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.scale[slot].zero_()
+        r = self.rank
+        for i, scale, a, b in parts:
+            k = a.shape[0]
+            copy_to(self.a[slot, i * r: i * r + k], a.to(self.a.dtype))
+            copy_to(self.b[slot, self.offsets[i]: self.offsets[i] + self.slices[i], :k], b.to(self.b.dtype))
+            self.scale[slot, i] = scale
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.scale[slot].zero_()
+
+    def add_(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y [T, out] += each token's adapter delta for x [T, in], in place."""
+        g = self.ctx.groups
+        if g is None:
+            return
+        if x.shape[0] != self.ctx.num_tokens:
+            raise RuntimeError(f"LoRA: a projection ran on {x.shape[0]} tokens in a step begun for "
+                               f"{self.ctx.num_tokens} (LoRAContext.begin_step was not called for it)")
+        if self.ctx.kernels or (self.ctx.kernels is None and x.is_cuda):
+            shrink = triton_kernel("pageflash.kernels.lora_shrink", "lora_shrink")
+            expand = triton_kernel("pageflash.kernels.lora_expand", "lora_expand")
+            if shrink is not None and expand is not None:
+                expand(shrink(x, self.a, self.scale, *g), self.b, *g, y, self.slices)
+                return
+        lora_expand_ref(lora_shrink_ref(x, self.a, self.scale, *g), self.b, *g, y, self.slices)
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, scale: torch.Tensor, order: torch.Tensor,
+                    counts: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """kernels/lora_shrink.py's op in plain PyTorch, slot by slot (reads counts on the host): float32
+    [1, T, R], zero in the rows of tokens without an adapter. x [T, K], a [S, R, K], scale float32
+    [S, n] (R = n x rank), order / counts / starts as SlotGroups."""
+    t, r = x.shape[0], a.shape[1]
+    rank = r // scale.shape[1]
+    p = torch.zeros(1, t, r, dtype=torch.float32, device=x.device)
+    for slot, (n, first) in enumerate(zip(counts.tolist(), starts.tolist())):
+        if slot == 0 or n == 0:
+            continue
+        rows = order[first: first + n]
+        p[0, rows] = (x[rows].float() @ a[slot].float().t()) * scale[slot].repeat_interleave(rank)
+    return p
+
+
+def lora_expand_ref(p: torch.Tensor, b: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
+                    starts: torch.Tensor, out: torch.Tensor, slices: Sequence[int]) -> torch.Tensor:
+    """kernels/lora_expand.py's op in plain PyTorch, slot by slot and slice by slice (reads counts on
+    the host): out [T, N] += (sum_k p[k, t, slice i's columns]) @ b[slot, slice i's rows]^T for each
+    token of a slot >= 1; p float32 [split_k, T, n x rank], b [S, N, rank]. Returns out."""
+    rank = b.shape[2]
+    for slot, (n, first) in enumerate(zip(counts.tolist(), starts.tolist())):
+        if slot == 0 or n == 0:
+            continue
+        rows = order[first: first + n]
+        s = p[:, rows].sum(0)
+        col = 0
+        for i, width in enumerate(slices):
+            d = s[:, i * rank: (i + 1) * rank].to(b.dtype).float() @ b[slot, col: col + width].float().t()
+            out[rows, col: col + width] = (out[rows, col: col + width].float() + d).to(out.dtype)
+            col += width
+    return out

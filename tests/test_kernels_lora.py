@@ -1,0 +1,89 @@
+"""LoRA shrink / expand kernels (kernels/lora_shrink.py, lora_expand.py) against their references under
+the Triton interpreter: mixed slots in shuffled order, tokens without an adapter, an adapter of a
+rank below the slots' (zero padding), slots with no tokens, ragged counts, split K, 1-3 slices."""
+
+import pytest
+import torch
+
+from kernel_checks import poison_outputs  # noqa: F401
+from pageflash.kernels.lora_expand import lora_expand, lora_expand_ref
+from pageflash.kernels.lora_shrink import lora_shrink, lora_shrink_ref
+from pageflash.lora.layers import group_by_slot
+
+
+def _case(t, k, rank, slices, num_slots, dtype, seed):
+    """Inputs of one targeted projection: x, stacked A / B (slot 0 zero, slot 2 of rank rank // 2
+    padded with zeros), scales, and the tokens' slots (every slot but the last used, some tokens
+    without an adapter)."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(slices)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    a = torch.randn(num_slots, len(slices) * rank, k, generator=g)
+    b = torch.randn(num_slots, n, rank, generator=g)
+    a[0], b[0] = 0, 0
+    if num_slots > 2:  # a rank-(rank // 2) adapter in slot 2: the rest of its rows / columns are padding
+        h = rank // 2
+        for i in range(len(slices)):
+            a[2, i * rank + h: (i + 1) * rank] = 0
+        b[2, :, h:] = 0
+    scale = torch.rand(num_slots, len(slices), generator=g) + 0.5  # per slot and slice
+    slots = torch.randint(0, max(1, num_slots - 1), (t,), generator=g, dtype=torch.int32)
+    return x, a.to(dtype), b.to(dtype), scale, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,k,rank,slices,num_slots,cfg", [
+    (1, 64, 8, [48], 3, None),                     # decode of one token
+    (7, 100, 16, [40, 24, 24], 5, None),           # qkv-like slices, K not a multiple of the tile
+    (37, 96, 8, [96, 96], 4, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, split_k=3)),  # gate/up, split K
+    (70, 64, 32, [64], 5, None),                   # several m-blocks per slot (BLOCK_M 32)
+])
+def test_shrink_expand_match_reference(dtype, t, k, rank, slices, num_slots, cfg):
+    x, a, b, scale, slots = _case(t, k, rank, slices, num_slots, dtype, seed=t * 7 + k)
+    order, counts, starts = group_by_slot(slots, num_slots)
+    p = lora_shrink(x, a, scale, order, counts, starts, config=cfg)
+    ref_p = lora_shrink_ref(x, a, scale, order, counts, starts)
+    has = slots > 0
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert p.shape[1:] == (t, len(slices) * rank)
+    if cfg is not None:
+        assert p.shape[0] == 3
+    assert torch.allclose(p.sum(0)[has], ref_p[0][has], rtol=tol, atol=tol * k ** 0.5)
+
+    base = torch.randn(t, sum(slices), generator=torch.Generator().manual_seed(3)).to(dtype)
+    out = lora_expand(p, b, order, counts, starts, base.clone(), slices)
+    ref = lora_expand_ref(ref_p, b, order, counts, starts, base.clone(), slices)
+    assert torch.equal(out[~has], base[~has])  # no adapter: the output is untouched
+    assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol * (k * rank) ** 0.5)
+    if has.any():
+        assert not torch.allclose(out[has].float(), base[has].float(), atol=1e-3)  # the delta is there
+
+
+def test_reference_is_the_lora_formula():
+    """The references against the plain per-token formula out[t] += scale (x A^T) B^T, slice by slice."""
+    x, a, b, scale, slots = _case(9, 32, 4, [16, 8], 4, torch.float32, seed=5)
+    order, counts, starts = group_by_slot(slots, 4)
+    out = lora_expand_ref(lora_shrink_ref(x, a, scale, order, counts, starts), b, order, counts, starts,
+                          torch.zeros(9, 24), [16, 8])
+    for i, s in enumerate(slots.tolist()):
+        h = x[i] @ a[s].t()
+        want = torch.cat([scale[s, 0] * h[:4] @ b[s, :16].t(), scale[s, 1] * h[4:] @ b[s, 16:].t()])
+        assert torch.allclose(out[i], want, atol=1e-5)
+
+
+def test_group_by_slot():
+    order, counts, starts = group_by_slot(torch.tensor([2, 0, 2, 1, 0], dtype=torch.int32), 4)
+    assert counts.tolist() == [2, 1, 2, 0] and starts.tolist() == [0, 2, 3, 5]
+    assert order.tolist() == [1, 4, 3, 0, 2]  # stable within a slot
+
+
+def test_launchers_check_shapes():
+    x, a, b, scale, slots = _case(4, 32, 8, [16], 3, torch.float32, seed=1)
+    meta = group_by_slot(slots, 3)
+    with pytest.raises(AssertionError, match="K="):
+        lora_shrink(x[:, :16], a, scale, *meta)
+    p = lora_shrink(x, a, scale, *meta)
+    with pytest.raises(AssertionError, match="slices"):
+        lora_expand(p, b, *meta, torch.zeros(4, 16), [8])
+    with pytest.raises(AssertionError, match="dtypes"):
+        lora_expand(p, b, *meta, torch.zeros(4, 16, dtype=torch.float16), [16])
