@@ -189,10 +189,15 @@ class LLMEngine:
         else:
             self.dtype = _DTYPES[config.dtype]
 
-        max_pos = self.model_config.max_position_embeddings
+        max_pos = self.model_config.max_context_len
         self.max_model_len = config.max_model_len or max_pos
         if self.max_model_len > max_pos:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context of {max_pos} tokens")
+            why = ""
+            if self.model_config.rope_type == "dynamic":  # (docs/ARCHITECTURE.md, "Rotary embeddings")
+                why = ("; dynamic NTK rope scaling runs up to max_position_embeddings only, where it equals the "
+                       "default rope as transformers computes it (past it, transformers rotates each token by "
+                       "the sequence length it was computed at)")
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context of {max_pos} tokens{why}")
         default_budget = 8192 if self.device.type == "cuda" else 2048
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
 
@@ -268,7 +273,8 @@ class LLMEngine:
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, 256))
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, window=kv_window)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                                   long_rope_after=mc.rope_long_after)
         if self.spec is not None:
             self.spec.bind(num_blocks)
         self.sampler = Sampler()
