@@ -157,7 +157,8 @@ CONFIGS = {
                                                 mscale=1.0, mscale_all_dim=0.5, beta_fast=16, truncate=False)),
     # dynamic NTK within max_position_embeddings: the default rope, as transformers computes it there
     "llama-dynamic": dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"], num_attention_heads=4,
-                          num_key_value_heads=4, rope_theta=10000.0, rope_scaling=dict(rope_type="dynamic", factor=2.0)),
+                          num_key_value_heads=4, rope_theta=10000.0,
+                          rope_scaling=dict(rope_type="dynamic", factor=2.0)),
     # Granite: embedding / residual / attention multipliers and the logits' scaling
     "granite": dict(BASE, model_type="granite", architectures=["GraniteForCausalLM"], num_attention_heads=4,
                     num_key_value_heads=2, rope_theta=10000.0, embedding_multiplier=6.0, residual_multiplier=0.3,
@@ -220,8 +221,8 @@ def test_longrope_switch_with_prefix_cache_matches_hf(tmp_path):
 
     def run(prompt, new):
         hits0 = eng.get_stats()["prefix_cache_hits"]
-        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0].token_ids
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
         assert out == hf_greedy(hf, prompt, new), f"prompt of {len(prompt)} tokens"
         return eng.get_stats()["prefix_cache_hits"] - hits0
 

@@ -15,7 +15,8 @@ from pageflash.model.registry import NAMED_CONFIGS
 
 SMALL = dict(vocab_size=100, hidden_size=128, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2)  # head_dim 32
-ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+        "phi3": "Phi3ForCausalLM"}
 LONGROPE = dict(short_factor=[1.0 + 0.15 * i for i in range(16)], long_factor=[1.0 + i * i / 16 for i in range(16)])
 CASES = {
     "llama-linear": dict(SMALL, model_type="llama", max_position_embeddings=256, rope_theta=10000.0,
@@ -41,7 +42,8 @@ CASES = {
     # Phi-3 LongRoPE: the pretraining context from the top level (the dict's own is ignored, as
     # transformers' Phi3Config does), the old type name "su"; a factor given outright
     "phi3-longrope": dict(SMALL, model_type="phi3", max_position_embeddings=256, original_max_position_embeddings=32,
-                          rope_theta=10000.0, rope_scaling=dict(LONGROPE, type="su", original_max_position_embeddings=99)),
+                          rope_theta=10000.0,
+                          rope_scaling=dict(LONGROPE, type="su", original_max_position_embeddings=99)),
     "phi3-longrope-factor": dict(SMALL, model_type="phi3", max_position_embeddings=256,
                                  original_max_position_embeddings=64, rope_theta=10000.0,
                                  rope_scaling=dict(LONGROPE, type="longrope", factor=16.0)),
@@ -110,14 +112,16 @@ def test_tables_equal_transformers_rotary_modules(name):
     x = torch.zeros(1, dtype=torch.float32)
     short = torch.tensor([[0, 1, 7, orig - 1]])
     cos, sin = ref(x, short)
-    assert torch.equal(rot.cos[rot.rows(short[0])], cos[0, :, :half]) and torch.equal(rot.sin[short[0]], sin[0, :, :half])
+    assert torch.equal(rot.cos[rot.rows(short[0])], cos[0, :, :half])
+    assert torch.equal(rot.sin[rot.rows(short[0])], sin[0, :, :half])
     both = torch.tensor([[0, 5, orig - 1, orig, orig + 39]])
     cos, sin = ref(x, both)
     if cfg.rope_type != "longrope":
         assert rot.long_offset is None and torch.equal(rot.cos[rot.rows(both[0])], cos[0, :, :half])
         return
     assert rot.cos.shape == (2 * rows, half) and rot.long_offset == rows
-    assert torch.equal(rot.cos[both[0] + rows], cos[0, :, :half]) and torch.equal(rot.sin[both[0] + rows], sin[0, :, :half])
+    assert torch.equal(rot.cos[both[0] + rows], cos[0, :, :half])
+    assert torch.equal(rot.sin[both[0] + rows], sin[0, :, :half])
     assert torch.equal(rot.rows(both[0]), both[0] + rows)  # (one sequence's forward, as transformers')
 
 

@@ -6,8 +6,8 @@ and can be shared between requests with reference counts. A block whose count dr
 the tail of the free queue but keeps its hash until it is handed out again (LRU eviction), so a later
 request can still hit it. A salt (any hashable; None: none) stands in for the first block's parent,
 so that requests whose equal tokens get different KV -- LongRoPE's sequences longer than the original
-context rotate with other factors (ModelConfig.rope_long_after) -- never share blocks. A sequence forked for parallel sampling shares the blocks of its computed
-tokens; the shared partial last block is copied on write (the copy is recorded here and performed by the model runner).
+context rotate with other factors (ModelConfig.rope_long_after) -- never share blocks. A sequence
+forked for parallel sampling shares the blocks of its computed tokens; the shared partial last block is copied on write (the copy is recorded here and performed by the model runner).
 
 Sliding-window models (every layer attends to the last ``window`` tokens only): a sequence's blocks
 that lie wholly before the window of its next token are released as it advances -- they go back to
