@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -16,6 +15,8 @@ SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation (SwiGLU / GeGLU with tanh GELU)
+# rope_scaling types, computed as transformers 5's modeling_rope_utils computes them (layers/rotary.py)
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
 # transformers 5's defaults for keys a config.json may leave out, where they differ from this reader's
 # Llama-style fallbacks (GemmaConfig, Gemma2Config, Gemma3TextConfig -- Gemma 3's image-text checkpoints
@@ -36,7 +37,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                         sliding_window=4096, final_logit_softcapping=None, attn_logit_softcapping=None),
     "granite": dict(rms_norm_eps=1e-6, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
     "phi3": dict(vocab_size=32064, rms_norm_eps=1e-5, max_position_embeddings=4096, bos_token_id=1,
-                 eos_token_id=32000),
+                 eos_token_id=32000, original_max_position_embeddings=4096),
 }
 
 
@@ -56,7 +57,11 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # rope_scaling: a dict with "rope_type" (ROPE_TYPES) and its parameters, as transformers 5's
+    # rope_parameters hold them (from_hf_dict fills in original_max_position_embeddings)
     rope_scaling: Optional[dict[str, Any]] = field(default=None, hash=False)
+    # Phi-3 (Phi-4-mini): only the first rotary_dim = int(head_dim * factor) dims of each head rotate
+    partial_rotary_factor: float = 1.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope
@@ -130,10 +135,104 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"model config: {name} must be a positive number or None, got {v!r}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "linear", "default"):
-                raise ValueError(f"model config: rope_scaling type {kind!r} is not supported (llama3, linear)")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        """partial_rotary_factor and rope_scaling: the type and the fields its computation reads."""
+        prf = self.partial_rotary_factor
+        if isinstance(prf, bool) or not isinstance(prf, (int, float)) or not 0 < prf <= 1:
+            raise ValueError(f"model config: partial_rotary_factor must be a number in (0, 1], got {prf!r}")
+        rot = self.rotary_dim
+        if rot < 2 or rot % 2:
+            raise ValueError(f"model config: the rotary dimension int(head_dim x partial_rotary_factor) = "
+                             f"int({self.head_dim} x {prf}) = {rot} must be even and >= 2")
+        if rot < self.head_dim and self.architecture != "Phi3ForCausalLM":
+            # (transformers' other decoders here rotate whole heads whatever the config says)
+            raise ValueError(f"model config: partial rotary embeddings (partial_rotary_factor={prf}) are "
+                             f"supported for Phi3ForCausalLM only, not {self.architecture}")
+        rs = self.rope_scaling
+        if rs is None:
+            return
+        if not isinstance(rs, dict):
+            raise ValueError(f"model config: rope_scaling must be a dict or None, got {type(rs).__name__}")
+        kind = self.rope_type
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"model config: rope_scaling type {kind!r} is not supported "
+                             f"({', '.join(ROPE_TYPES[1:])})")
+
+        def number(name: str, minimum: float, required: bool = False) -> None:
+            v = rs.get(name)
+            if v is None and not required:
+                return
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= minimum:
+                raise ValueError(f"model config: rope_scaling {name} of {kind} must be a number >= {minimum}, "
+                                 f"got {v!r}")
+
+        number("factor", 1.0, required=kind in ("linear", "llama3", "dynamic"))
+        number("original_max_position_embeddings", 1, required=False)
+        if kind == "yarn":
+            for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+                number(name, 0.0)
+        if kind == "longrope":
+            if self.architecture != "Phi3ForCausalLM":
+                # (the rule of rope_long_after is Phi-3's generation's: transformers' others keep the
+                # cache's rotations when a sequence crosses)
+                raise ValueError(f"model config: rope_scaling type 'longrope' is supported for Phi3ForCausalLM "
+                                 f"only, not {self.architecture}")
+            number("attention_factor", 0.0)
+            for name in ("short_factor", "long_factor"):
+                v = rs.get(name)
+                if not (isinstance(v, (list, tuple)) and len(v) == rot // 2 and all(
+                        not isinstance(x, bool) and isinstance(x, (int, float)) and x > 0 for x in v)):
+                    got = f"{len(v)} items" if isinstance(v, (list, tuple)) else repr(v)
+                    raise ValueError(f"model config: rope_scaling {name} of longrope must be a list of "
+                                     f"{rot // 2} positive numbers (rotary dim / 2), got {got}")
+
+    @property
+    def rope_type(self) -> str:
+        """The rope_scaling type ("default" without one)."""
+        rs = self.rope_scaling or {}
+        return rs.get("rope_type", rs.get("type")) or "default"
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head rotate (head_dim unless partial_rotary_factor < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rope_original_max(self) -> int:
+        """original_max_position_embeddings of llama3 / yarn / longrope scaling: the pretraining context
+        (transformers 5's default: max_position_embeddings)."""
+        v = (self.rope_scaling or {}).get("original_max_position_embeddings")
+        return int(v) if v else self.max_position_embeddings
+
+    @property
+    def rope_long_after(self) -> Optional[int]:
+        """LongRoPE: the sequence length past which a sequence's KV is computed with the long factors
+        (original_max_position_embeddings); None for the other rope types. transformers' Phi-3 takes
+        the long factors for a forward whose sequence is longer than that, and its generation drops
+        the cache when a sequence grows past it, recomputing the whole sequence with them; so a
+        sequence generated alone has its whole KV rotated with the short factors while it is at
+        most that long, and with the long ones from then on. The engine does the same per request
+        (the scheduler recomputes a request that crosses; vLLM instead switches whole batches, when
+        any of its sequences is longer, without recomputing), so that a request's output does not
+        depend on its batch."""
+        return self.rope_original_max if self.rope_type == "longrope" else None
+
+    def rope_long(self, num_tokens: int) -> bool:
+        """Whether a sequence of num_tokens tokens rotates with LongRoPE's long factors (rope_long_after)."""
+        after = self.rope_long_after
+        return after is not None and num_tokens > after
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence the model runs: max_position_embeddings, or with YaRN
+        original_max_position_embeddings x factor where that is longer (vLLM's rule; Qwen's model cards
+        add rope_scaling without raising max_position_embeddings)."""
+        rs = self.rope_scaling or {}
+        if self.rope_type == "yarn" and rs.get("factor") is not None:
+            return max(self.max_position_embeddings, int(self.rope_original_max * float(rs["factor"])))
+        return self.max_position_embeddings
 
     def layer_window(self, i: int) -> Optional[int]:
         """The attention window of decoder layer i (None: full causal attention)."""
@@ -274,13 +373,13 @@ class ModelConfig:
             rp = rp["full_attention"]
         if rope_theta is None and isinstance(rp, dict):  # transformers >= 5 layout
             rope_theta = rp.get("rope_theta")
-            if rp.get("rope_type", "default") != "default":
-                rope_scaling = rp
-        prf = d.get("partial_rotary_factor", 1.0)
-        if isinstance(rp, dict):
-            prf = rp.get("partial_rotary_factor", prf)
-        if prf not in (None, 1, 1.0):
-            raise ValueError(f"model config: partial rotary embeddings (partial_rotary_factor={prf}) are not supported")
+        if rope_scaling is None and isinstance(rp, dict):
+            rope_scaling = rp
+        # (transformers 5 takes the top-level factor where its rope parameters have none)
+        prf = next((x["partial_rotary_factor"] for x in (rope_scaling, rp)
+                    if isinstance(x, dict) and x.get("partial_rotary_factor") is not None),
+                   d.get("partial_rotary_factor"))
+        rope_scaling = _rope_scaling(rope_scaling, d, model_type)
         gemma = model_type in GEMMA_MODEL_TYPES
         gemma23 = model_type in ("gemma2", "gemma3_text")  # (sandwich norms, hidden_activation, scalars)
         if model_type == "gemma3_text":  # its defaults: 1e6 for the full layers, 1e4 for the sliding ones
@@ -305,6 +404,7 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
+            partial_rotary_factor=1.0 if prf is None else prf,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("qkv_bias", d.get("attention_bias", model_type in ("qwen2", "qwen2_moe")))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
@@ -362,6 +462,9 @@ class ModelConfig:
                 d["rope_local_base_freq"] = self.rope_local_theta
         if model_type in ("llama", "qwen3", "qwen3_moe"):
             d["attention_bias"] = self.attention_bias
+        if model_type == "phi3":  # (Phi3Config reads the pretraining context from the top level only)
+            d.update(partial_rotary_factor=self.partial_rotary_factor,
+                     original_max_position_embeddings=self.rope_original_max)
         if model_type == "qwen2_moe":
             d["qkv_bias"] = self.attention_bias
         if self.num_experts:
@@ -412,8 +515,9 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[Optional[int], 
             return None, None
         return int(w), (None if len(layers) == n else layers)
     if model_type == "phi3":  # every layer slides when sliding_window is set (transformers' default: none)
+        # (Phi-3.5 / Phi-4-mini set 262144, beyond their context: a window that never bites is none)
         w = d.get("sliding_window")
-        return (int(w), None) if w else (None, None)
+        return (int(w), None) if w and int(w) < int(d["max_position_embeddings"]) else (None, None)
     if model_type not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         return None, None  # (transformers' Llama and Gemma 1 ignore sliding_window)
     w = d.get("sliding_window", None if model_type == "mixtral" else 4096)
@@ -436,6 +540,30 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[Optional[int], 
     return int(w), (None if len(layers) == n else layers)
 
 
+def _rope_scaling(rs: Any, d: dict[str, Any], model_type: str) -> Optional[dict[str, Any]]:
+    """A config's rope_scaling (or transformers 5's rope_parameters) as transformers 5 standardizes it:
+    a copy with "rope_type" set (None for the default rope) and, for llama3 / yarn / longrope, the
+    pretraining context original_max_position_embeddings -- Phi-3's from its top-level key (default
+    4096), which wins over the dict's; others' from the dict, else max_position_embeddings. Phi-3 reads
+    the old types "su" and "yarn" as longrope."""
+    if rs is None:
+        return None
+    if not isinstance(rs, dict):
+        raise ValueError(f"model config: rope_scaling must be a JSON object or null, got {rs!r}")
+    kind = rs.get("rope_type", rs.get("type")) or "default"
+    if model_type == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"
+    if kind == "default":
+        return None
+    rs = {**rs, "rope_type": kind}
+    if kind in ("llama3", "yarn", "longrope"):
+        if model_type == "phi3":
+            rs["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+        else:
+            rs.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
+    return rs
+
+
 def _granite_fields(d: dict[str, Any]) -> dict[str, Any]:
     """Granite's multipliers (transformers' GraniteConfig defaults: 1.0 each)."""
     if d.get("mlp_bias"):
@@ -446,30 +574,3 @@ def _granite_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 def _opt_float(v: Any) -> Optional[float]:
     return None if v is None else float(v)
-
-
-def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> "Any":
-    """Inverse frequencies [head_dim // 2] with Llama 3.1 / linear scaling applied (float32 math, as
-    transformers does, so that greedy outputs match it). local: Gemma 3's sliding layers' (base
-    rope_local_theta, no scaling)."""
-    import torch
-
-    d = cfg.head_dim
-    theta = cfg.rope_local_theta if local else cfg.rope_theta
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    rs = None if local else cfg.rope_scaling
-    kind = (rs or {}).get("rope_type", (rs or {}).get("type"))
-    if kind == "linear":
-        inv = inv / float(rs["factor"])
-    elif kind == "llama3":
-        factor = float(rs["factor"])
-        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
-        old_len = float(rs.get("original_max_position_embeddings", 8192))
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        inv = torch.where(is_mid, mid, scaled)
-    return inv

@@ -224,3 +224,30 @@ def test_min_tokens_reached_then_stop_token(model, mode):
                                               stop_token_ids=[free[j]]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids == free[: j + 1]
     assert _no_leak(llm)
+
+
+def test_longrope_restart_with_a_token_in_flight(tmp_path):
+    """LongRoPE: a request that grows past the original context (32 tokens) is recomputed in the step
+    that crosses, which async scheduling launches while its newest token is still on the device
+    (filled in there); n = 2 siblings cross apart. Async equals sync, and greedy equals HF."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_ref import hf_greedy
+    from test_engine_hf import CONFIGS
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["phi3-longrope"])
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (20, 29, 31)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
+    runs = []
+    for mode in (False, True):
+        llm = LLM(folder, async_scheduling=mode, num_kv_blocks=200, **ENGINE)
+        assert llm.llm_engine.async_scheduling == mode
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([[c.token_ids for c in o.outputs] for o in outs])
+        assert llm.llm_engine.kv.num_free_blocks == 200
+    assert runs[0] == runs[1]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert runs[1][0][0] == hf_greedy(hf, prompts[0], 12) and runs[1][2][0] == hf_greedy(hf, prompts[2], 6)

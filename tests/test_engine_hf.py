@@ -131,6 +131,34 @@ CONFIGS = {
     # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; its sliding window on every layer
     "phi3": dict(BASE, model_type="phi3", architectures=["Phi3ForCausalLM"], num_attention_heads=4,
                  num_key_value_heads=2, rope_theta=10000.0, sliding_window=9, pad_token_id=0),
+    # LongRoPE from a 32-token "pretraining" context (Phi3Config reads it from the top level): prompts of
+    # 33 and 40 tokens rotate with the long factors throughout, those of 16 and 17 switch at position
+    # 32 while decoding; cos / sin scaled by sqrt(1 + ln 8 / ln 32)
+    "phi3-longrope": dict(BASE, model_type="phi3", architectures=["Phi3ForCausalLM"], num_attention_heads=4,
+                          num_key_value_heads=2, rope_theta=10000.0, pad_token_id=0,
+                          original_max_position_embeddings=32,
+                          rope_scaling=dict(type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)],
+                                            long_factor=[1.0 + i * i / 2 for i in range(8)])),
+    # Phi-4-mini's shape: 12 of 16 head dims rotate (partial_rotary_factor 0.75), LongRoPE with unit
+    # short factors, tied embeddings
+    "phi4-mini-like": dict(BASE, model_type="phi3", architectures=["Phi3ForCausalLM"], num_attention_heads=4,
+                           num_key_value_heads=2, rope_theta=10000.0, pad_token_id=0, partial_rotary_factor=0.75,
+                           original_max_position_embeddings=32, tie_word_embeddings=True,
+                           rope_scaling=dict(type="longrope", short_factor=[1.0] * 6,
+                                             long_factor=[1.0 + i * i for i in range(6)])),
+    # YaRN as Qwen's model cards set it (here 4 x a 32-token context: max_model_len 128 runs past
+    # max_position_embeddings, as vLLM allows), and Llama's with mscale / beta / untruncated ramp
+    "qwen2-yarn": dict(BASE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_attention_heads=4,
+                       num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=32,
+                       rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
+    "llama-yarn-mscale": dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"], num_attention_heads=4,
+                              num_key_value_heads=2, rope_theta=10000.0,
+                              rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
+                                                mscale=1.0, mscale_all_dim=0.5, beta_fast=16, truncate=False)),
+    # dynamic NTK within max_position_embeddings: the default rope, as transformers computes it there
+    "llama-dynamic": dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"], num_attention_heads=4,
+                          num_key_value_heads=4, rope_theta=10000.0,
+                          rope_scaling=dict(rope_type="dynamic", factor=2.0)),
     # Granite: embedding / residual / attention multipliers and the logits' scaling
     "granite": dict(BASE, model_type="granite", architectures=["GraniteForCausalLM"], num_attention_heads=4,
                     num_key_value_heads=2, rope_theta=10000.0, embedding_multiplier=6.0, residual_multiplier=0.3,
@@ -173,6 +201,74 @@ def test_random_models_match_hf(tmp_path, name):
                            SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs2] == [o.outputs[0].token_ids for o in outs[:4]]
+
+
+def test_longrope_switch_with_prefix_cache_matches_hf(tmp_path):
+    """LongRoPE (a 32-token original context, blocks of 4, prefill chunks of 8) with the prefix cache:
+    the short factors' KV of a prompt that fits is never reused by a request longer than the original
+    context (which rotates all of its tokens with the long factors); a long request reuses another's
+    long blocks; a short one crossing position 32 while decoding is recomputed, from the long blocks,
+    as transformers' Phi-3 generation recomputes its cache there. Each output equals HF's."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["phi3-longrope"])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 211, (24,), generator=g).tolist()
+    tail = torch.randint(0, 211, (15,), generator=g).tolist()
+    llm = LLM(folder, block_size=4, max_num_batched_tokens=8, max_model_len=64, num_kv_blocks=96)
+    eng = llm.llm_engine
+
+    def run(prompt, new):
+        hits0 = eng.get_stats()["prefix_cache_hits"]
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert out == hf_greedy(hf, prompt, new), f"prompt of {len(prompt)} tokens"
+        return eng.get_stats()["prefix_cache_hits"] - hits0
+
+    assert run(shared + tail[:4], 2) == 0  # 28 + 2 tokens: short throughout
+    assert run(shared + tail[:12], 4) == 0  # 36 tokens: long; the shared 24 tokens' short blocks are not hits
+    assert run(shared + tail[:15], 4) == 36  # long: B's 9 long blocks
+    # 26 tokens: hits A's 6 short blocks; at 33 tokens it starts over, hitting the 6 long ones, and
+    # recomputes 9 tokens in two chunks (the first ends at position 31: still long)
+    assert run(shared + tail[:2], 12) == 24 + 24
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["fused", "speculative"])
+def test_longrope_through_kernels_and_drafts_matches_hf(tmp_path, monkeypatch, mode):
+    """LongRoPE on both sides of its switch through the Triton kernels under the interpreter. "fused":
+    Phi-4-mini's rope (partial rotary 0.75) with rotary inside the K/V store and inside the decode
+    kernel. "speculative": the model drafting for itself (its drafts are accepted unless the rope
+    differs), verified through the static-buffer step path (StepGraphs, eager): a short request's
+    drafts stop before position 32, whose logits take the long factors. HF's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from pageflash.layers import rotary as rotary_layer
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["phi4-mini-like" if mode == "fused" else "phi3-longrope"])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    kw = dict(block_size=4, max_num_batched_tokens=32, max_model_len=64, num_kv_blocks=96, dtype="float32",
+              attention_backend="triton")
+    if mode == "fused":
+        monkeypatch.setattr(rotary_layer, "_use_fused", lambda q, k: True)
+        lens = (27, 36)
+    else:
+        kw["speculative_config"] = dict(method="draft_model", model=folder, num_speculative_tokens=3)
+        lens = (26, 31)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in lens]
+    llm = LLM(folder, **kw)
+    eng = llm.llm_engine
+    if mode == "speculative":
+        for r in (eng.runner, eng.spec.draft_runner):
+            r.enable_step_graphs(4, cuda_graphs=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
+    assert eng.runner.backend.decode_rope and (mode == "fused" or eng.runner.step_graphs.replays > 0)
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
 
 
 def test_prompt_logprobs_match_hf(tmp_path, monkeypatch):

@@ -197,17 +197,17 @@ def test_config_matches_transformers(d):
 
 def test_phi3_configs():
     """Phi-3: a mini-4k config (every layer over 2047 tokens, 3.82B parameters); partial rotary
-    (Phi-4-mini) and LongRoPE (the 128k variants) are refused by name."""
+    (Phi-4-mini) and LongRoPE (the 128k variants) are read (tests/test_rope.py checks their values)."""
     from pageflash.model.registry import NAMED_CONFIGS
 
     cfg = ModelConfig.from_hf_dict(NAMED_CONFIGS["phi-3-mini-4k"])
     assert cfg.kv_window == 2047 and abs(cfg.num_params() / 1e9 - 3.82) < 0.01
+    assert (cfg.rope_type, cfg.rotary_dim) == ("default", 96)
     d = dict(NAMED_CONFIGS["phi-3-mini-4k"], sliding_window=None)
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
-        ModelConfig.from_hf_dict(dict(d, partial_rotary_factor=0.75))
-    with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported"):
-        ModelConfig.from_hf_dict(dict(d, rope_scaling=dict(type="longrope", short_factor=[1.0] * 48,
-                                                           long_factor=[2.0] * 48)))
+    assert ModelConfig.from_hf_dict(dict(d, partial_rotary_factor=0.75)).rotary_dim == 72
+    long = ModelConfig.from_hf_dict(dict(d, rope_scaling=dict(type="longrope", short_factor=[1.0] * 48,
+                                                              long_factor=[2.0] * 48)))
+    assert long.rope_type == "longrope" and long.rope_original_max == 4096  # (Phi3Config's default)
 
 
 @pytest.mark.parametrize("d", [dict(model_type="granite", architectures=["GraniteForCausalLM"]),

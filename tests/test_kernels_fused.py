@@ -176,37 +176,42 @@ def _qkv_views(t, hq, hkv, d, dtype, g):
     return qkv, q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
 
 
+# rot < d: partial rotary embeddings (Phi-4-mini: 96 of 128), the tables scaled as YaRN / LongRoPE scale them
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 1, 64), (9, 3, 3, 80), (20, 6, 2, 32)])
-def test_rotary_fused_qkv_views(t, hq, hkv, d, dtype):
+@pytest.mark.parametrize("t,hq,hkv,d,rot", [(1, 4, 1, 64, 64), (9, 3, 3, 80, 80), (20, 6, 2, 32, 32),
+                                            (7, 4, 2, 32, 24), (3, 2, 1, 80, 40)])
+def test_rotary_fused_qkv_views(t, hq, hkv, d, rot, dtype):
     g = torch.Generator().manual_seed(t * hq + d)
     _, q, k, v = _qkv_views(t, hq, hkv, d, dtype, g)
     assert t == 1 or q.stride(0) == k.stride(0) == (hq + 2 * hkv) * d  # rows wider than Hq * D
     npos = 64
     pos = torch.randint(0, npos, (t,), generator=g)
-    ang = torch.outer(torch.arange(npos, dtype=torch.float32), torch.rand(d // 2, generator=g))
-    cos, sin = ang.cos(), ang.sin()
-    v0 = v.clone()
+    ang = torch.outer(torch.arange(npos, dtype=torch.float32), torch.rand(rot // 2, generator=g))
+    scale = 1.0 if rot == d else 1.2
+    cos, sin = ang.cos() * scale, ang.sin() * scale
+    v0, q0 = v.clone(), q.clone()
     ref_q, ref_k = apply_rotary_ref(q, k, pos, cos, sin)
     rq, rk = apply_rotary(q, k, pos, cos, sin)
     assert rq is q and rk is k
     # same operations in the same order, each rounded as PyTorch rounds it: bitwise equal
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
-    assert torch.equal(v, v0)
+    assert torch.equal(v, v0) and torch.equal(q[..., rot:], q0[..., rot:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,hq,hkv,d,bs", [(1, 4, 1, 64, 16), (9, 3, 3, 80, 4), (20, 6, 2, 32, 8)])
-def test_rotary_with_cache_store_equals_rotary_then_store(t, hq, hkv, d, bs, dtype):
+@pytest.mark.parametrize("t,hq,hkv,d,bs,rot", [(1, 4, 1, 64, 16, 64), (9, 3, 3, 80, 4, 80), (20, 6, 2, 32, 8, 32),
+                                               (9, 3, 3, 80, 4, 48), (20, 6, 2, 32, 8, 24)])
+def test_rotary_with_cache_store_equals_rotary_then_store(t, hq, hkv, d, bs, rot, dtype):
     """The fused rotary + K/V store writes exactly what rotary then store_kv_ref write: the rotated
-    k, the unchanged v, at shuffled slots with some -1 (skipped); nothing else in the cache moves."""
+    k (its dims past rot as they were), the unchanged v, at shuffled slots with some -1 (skipped);
+    nothing else in the cache moves."""
     from pageflash.layers.attention import store_kv_ref
 
     g = torch.Generator().manual_seed(t * 7 + d + bs)
     _, q, k, v = _qkv_views(t, hq, hkv, d, dtype, g)
     npos, nblocks = 64, 8
     pos = torch.randint(0, npos, (t,), generator=g)
-    ang = torch.outer(torch.arange(npos, dtype=torch.float32), torch.rand(d // 2, generator=g))
+    ang = torch.outer(torch.arange(npos, dtype=torch.float32), torch.rand(rot // 2, generator=g))
     cos, sin = ang.cos(), ang.sin()
     slots = torch.randperm(nblocks * bs, generator=g)[:t]
     slots[::3] = -1
@@ -219,6 +224,27 @@ def test_rotary_with_cache_store_equals_rotary_then_store(t, hq, hkv, d, bs, dty
     assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
     with pytest.raises(ValueError, match="go together"):
         apply_rotary(q, k, pos, cos, sin, v=v, k_cache=kc)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_with_scaled_tables(dtype):
+    """RotaryEmbedding's tables of YaRN (times its attention factor) and of a Phi-4-mini-like LongRoPE
+    with partial rotary (short and long rows, by rows()): the kernel equals the reference bit for bit."""
+    base = dict(vocab_size=32, hidden_size=128, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=64)
+    cfgs = [ModelConfig(**base, rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
+            ModelConfig(**base, architecture="Phi3ForCausalLM", partial_rotary_factor=0.75,
+                        rope_scaling=dict(rope_type="longrope", original_max_position_embeddings=16,
+                                          short_factor=[1.0] * 12, long_factor=[1.0 + i for i in range(12)]))]
+    g = torch.Generator().manual_seed(4)
+    for cfg in cfgs:
+        rope = rotary_layer.RotaryEmbedding(cfg, max_positions=64)
+        assert rope.cos.abs().max() > 1.0  # the attention factor is in the tables
+        _, q, k, _ = _qkv_views(9, 4, 2, cfg.head_dim, dtype, g)
+        rows = rope.rows(torch.randint(0, 64, (9,), generator=g))
+        ref_q, ref_k = apply_rotary_ref(q, k, rows, rope.cos, rope.sin)
+        apply_rotary(q, k, rows, rope.cos, rope.sin)
+        assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
 
 
 def test_rotary_int32_positions_and_strided_tables():
@@ -238,7 +264,9 @@ def test_rotary_bad_inputs():
     cos = torch.zeros(4, 4)
     with pytest.raises(ValueError, match="positions"):
         apply_rotary(q, k, torch.zeros(3, dtype=torch.int64), cos, cos)
-    with pytest.raises(ValueError, match="cos"):
+    with pytest.raises(ValueError, match=r"cos must be float32 \[P, R/2\] with R <= head_dim \(8\)"):
+        apply_rotary(q, k, torch.zeros(2, dtype=torch.int64), torch.zeros(4, 5), cos)
+    with pytest.raises(ValueError, match="differ in width"):  # (3 columns: partial rotary, both tables)
         apply_rotary(q, k, torch.zeros(2, dtype=torch.int64), torch.zeros(4, 3), cos)
     with pytest.raises(TypeError, match="dtype"):
         apply_rotary(q, k.half(), torch.zeros(2, dtype=torch.int64), cos, cos)

@@ -153,26 +153,27 @@ def test_flash_decode(heads, d, splits, dtype):
         assert not counters.any()
 
 
-def _rope_tables(n, d, seed):
+def _rope_tables(n, rot, seed):
     g = torch.Generator().manual_seed(seed)
-    ang = torch.rand(n, d // 2, generator=g) * 6.0
+    ang = torch.rand(n, rot // 2, generator=g) * 6.0
     return ang.cos(), ang.sin()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,d,splits,fused", [((4, 1), 64, 1, False), ((8, 2), 80, 3, True),
-                                                  ((4, 2), 64, 4, False), ((8, 2), 64, 5, True)])
-def test_flash_decode_rope_store(heads, d, splits, fused, dtype):
+@pytest.mark.parametrize("heads,d,splits,fused,rot", [((4, 1), 64, 1, False, 64), ((8, 2), 80, 3, True, 80),
+                                                      ((4, 2), 64, 4, False, 64), ((8, 2), 64, 5, True, 64),
+                                                      ((8, 2), 80, 3, True, 48), ((4, 1), 64, 1, False, 16)])
+def test_flash_decode_rope_store(heads, d, splits, fused, rot, dtype):
     """rope=: rotary + K/V store + decode in one launch equals apply_rotary (with its fused store)
     followed by flash_decode: the same caches bit for bit, the same outputs; the new key (the last of
     each sequence) is attended from registers, a padded slot (slot -1, seq_len 0) gives zeros and
-    stores nothing."""
+    stores nothing. rot < d: partial rotary (tables [P, rot / 2]; the other dims pass through)."""
     from pageflash.kernels.rotary import apply_rotary
 
     hq, hkv = heads
     specs = [(0, 1), (15, 1), (16, 1), (33, 1), (70, 1)]
     q, k, v, kc, vc, meta = make_case(specs, hq, hkv, d, 16, dtype, seed=splits + 10)
-    cos, sin = _rope_tables(80, d, seed=splits)
+    cos, sin = _rope_tables(80, rot, seed=splits)
     pos = (meta.seq_lens - 1).to(torch.int64)
     sl, slots = meta.seq_lens.clone(), meta.slot_mapping.clone()
     sl[3], slots[3], pos[3] = 0, -1, 0  # a padded batch slot

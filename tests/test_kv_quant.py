@@ -104,13 +104,16 @@ def test_store_kv_quantized(code, dtype, h, d, page):
 
 
 @pytest.mark.parametrize("code", CODES)
-def test_rotary_fused_store_quantized(code):
-    """apply_rotary's fused store into a quantized cache == rotate (reference), then store_kv_ref."""
+@pytest.mark.parametrize("rot", [32, 24])
+def test_rotary_fused_store_quantized(code, rot):
+    """apply_rotary's fused store into a quantized cache == rotate (reference), then store_kv_ref; rot <
+    32: partial rotary, the scale of a head taken over its rotated and its passed-through dims."""
     g = torch.Generator().manual_seed(3)
     t, hq, hkv, d, page, nb = 7, 4, 2, 32, 8, 4
     q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    k[:, :, rot:] *= 4  # (the largest entries outside the rotated dims: the scale must see them)
     pos = torch.randint(0, 50, (t,), generator=g)
-    ang = torch.rand(64, d // 2, generator=g) * 6
+    ang = torch.rand(64, rot // 2, generator=g) * 6
     cos, sin = ang.cos(), ang.sin()
     slots = torch.randperm(nb * page, generator=g)[:t]
     slots[2] = -1
@@ -148,17 +151,18 @@ def test_flash_decode_quantized(code, dtype, heads, d, splits, fused):
 
 
 @pytest.mark.parametrize("code", CODES)
-@pytest.mark.parametrize("splits,fused", [(1, False), (3, True), (5, False)])
-def test_flash_decode_rope_store_quantized(code, splits, fused):
+@pytest.mark.parametrize("splits,fused,rot", [(1, False, 32), (3, True, 24), (5, False, 32)])
+def test_flash_decode_rope_store_quantized(code, splits, fused, rot):
     """Rotary + store + decode in one launch on a quantized cache == apply_rotary's fused store, then
     flash_decode: the same codes and scales bit for bit; the new key, attended from registers, reads as
-    its code x scale like every other key; a padded slot gives zeros and stores nothing."""
+    its code x scale like every other key; a padded slot gives zeros and stores nothing. rot < 32:
+    partial rotary."""
     hq, hkv, d = 8, 2, 32
     specs = [(0, 1), (15, 1), (16, 1), (33, 1), (70, 1)]
     q, k, v, kc, vc, meta = make_case(specs, hq, hkv, d, 16, torch.float32, seed=splits + 20)
     kq, vq, (ks, vs) = _quantized(kc, vc, code)
     g = torch.Generator().manual_seed(splits)
-    ang = torch.rand(80, d // 2, generator=g) * 6
+    ang = torch.rand(80, rot // 2, generator=g) * 6
     cos, sin = ang.cos(), ang.sin()
     pos = (meta.seq_lens - 1).to(torch.int64)
     sl, slots = meta.seq_lens.clone(), meta.slot_mapping.clone()

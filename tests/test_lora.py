@@ -359,7 +359,30 @@ def test_prefix_hash_chain_is_salted_by_adapter():
 
     kv = KVCacheManager(16, 4)
     toks = list(range(13))
-    assert kv.allocate("x", 0, 13)
-    kv.cache_full_blocks("x", toks, 13, ("lora", 1))
+    assert kv.allocate("x", 0, 13, salt=("lora", 1))
+    kv.cache_full_blocks("x", toks, 13)
     assert kv.find_cached_prefix(toks, ("lora", 1)) == kv.block_ids("x")[:3]
     assert kv.find_cached_prefix(toks) == [] and kv.find_cached_prefix(toks, ("lora", 2)) == []
+
+
+def test_prefix_salt_joins_adapter_and_longrope():
+    """A LongRoPE model serving adapters: a request's chain is (adapter, long), so neither an adapter
+    nor the short / long rotation ever shares blocks with another."""
+    from types import SimpleNamespace
+
+    from pageflash.engine.kv_cache import KVCacheManager
+    from pageflash.engine.scheduler import Scheduler
+    from pageflash.engine.sequence import Request
+    from pageflash.sampling_params import SamplingParams
+
+    def req(n, uid=None):
+        r = Request(f"r{n}{uid}", None, list(range(n)), SamplingParams(max_tokens=4), 0.0)
+        r.lora = None if uid is None else SimpleNamespace(uid=uid)
+        return r
+
+    plain = Scheduler(KVCacheManager(64, 4), 8, 64, 64)
+    assert plain._salt(req(10)) is None
+    assert plain._salt(req(10, uid=3)) == (("lora", 3), None)
+    longrope = Scheduler(KVCacheManager(64, 4), 8, 64, 64, long_rope_after=12)
+    salts = {longrope._salt(req(n, uid)) for n in (10, 20) for uid in (None, 3, 4)}
+    assert len(salts) == 6 and (None, False) in salts and (("lora", 4), True) in salts

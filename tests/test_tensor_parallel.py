@@ -107,7 +107,7 @@ def _close(llm) -> None:
                                                    ("qwen3-qk-norm", False), ("qwen3-moe", True),
                                                    ("qwen2-moe", False), ("mistral-window", True),
                                                    ("gemma2", True), ("gemma3", False), ("phi3", False),
-                                                   ("granite", True)])
+                                                   ("granite", True), ("phi3-longrope", True)])
 def test_two_ranks_match_hf(tmp_path, name, async_scheduling):
     """Two ranks give HF's greedy tokens, with chunked prefill (a budget of 24 tokens, blocks of 4) in a
     pool small enough to preempt (a sliding window over every layer: blocks behind it given back); no KV block leaks; the workers stop at shutdown. With async
@@ -317,6 +317,8 @@ def test_compact_schedule_gives_the_runner_the_same_step():
     assert fixes_a == fixes_b == [(len(range(10)) + 4 + 1, 3)]
     assert ModelRunner._prompt_logprob_rows(compact) == ModelRunner._prompt_logprob_rows(sched)
     assert ModelRunner._prompt_logprob_rows(sched)[1] is not None
+    # (LongRoPE's table rows follow each request's length: ModelRunner.rope_rows)
+    assert [s.request.num_tokens for s in compact.seqs] == [s.request.num_tokens for s in sched.seqs]
     # what the decode graphs read: the token at num_computed_tokens, and the history's length
     for a, b in zip(compact.seqs[2:4], sched.seqs[2:4]):
         ra, rb = a.request, b.request

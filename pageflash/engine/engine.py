@@ -209,10 +209,15 @@ class LLMEngine:
         else:
             self.dtype = _DTYPES[config.dtype]
 
-        max_pos = self.model_config.max_position_embeddings
+        max_pos = self.model_config.max_context_len
         self.max_model_len = config.max_model_len or max_pos
         if self.max_model_len > max_pos:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context of {max_pos} tokens")
+            why = ""
+            if self.model_config.rope_type == "dynamic":  # (docs/ARCHITECTURE.md, "Rotary embeddings")
+                why = ("; dynamic NTK rope scaling runs up to max_position_embeddings only, where it equals the "
+                       "default rope as transformers computes it (past it, transformers rotates each token by "
+                       "the sequence length it was computed at)")
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context of {max_pos} tokens{why}")
         default_budget = 8192 if self.device.type == "cuda" else 2048
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
 
@@ -299,7 +304,7 @@ class LLMEngine:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, 256))
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, window=kv_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                                   lora_slots)
+                                   lora_slots, long_rope_after=mc.rope_long_after)
         if self.spec is not None:
             self.spec.bind(num_blocks)
         self.sampler = Sampler()
@@ -644,10 +649,10 @@ class LLMEngine:
                 continue  # verified by SpecDecoder.finish_step
             req.num_computed_tokens += s.num_new_tokens
             if count == 0:  # a prefill chunk that does not reach the end yet
-                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.prefix_salt)
+                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
                 continue
             if req.pooling is not None:  # an embedding: read off the hidden states, nothing sampled
-                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.prefix_salt)
+                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
                 self._pooled.append((req, start))
                 continue
             for r in self._fork_if_needed(req):
@@ -799,7 +804,7 @@ class LLMEngine:
             req.logprobs.append(entry)
             req.cumulative_logprob += lps[0]
             req.text_offsets.append(len(req.output_text))
-        self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.prefix_salt)
+        self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
         self._check_stop(req, tok)
         if req.finish_reason is None and req.grammar is not None and req.grammar.is_stopped():
             req.finish_reason = "stop"  # the constrained text is complete: nothing may follow

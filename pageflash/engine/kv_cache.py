@@ -2,12 +2,13 @@
 
 Blocks hold `block_size` tokens. A sequence's block table grows on demand. Full blocks get a hash
 chained over their whole prefix (hash(parent_hash, tokens)), so equal prefixes map to the same block
-and can be shared between requests with reference counts. The chain's root is a salt (None for the
-base model; a LoRA adapter's identity, Request.prefix_salt), so KV computed under one adapter never
-serves a request under another or the base model. A block whose count drops to zero goes to
+and can be shared between requests with reference counts. A block whose count drops to zero goes to
 the tail of the free queue but keeps its hash until it is handed out again (LRU eviction), so a later
-request can still hit it. A sequence forked for parallel sampling shares the blocks of its computed
-tokens; the shared partial last block is copied on write (the copy is recorded here and performed by the model runner).
+request can still hit it. A salt (any hashable; None: none) stands in for the first block's parent,
+so that requests whose equal tokens get different KV -- under different LoRA adapters (or the base
+model), or LongRoPE's sequences longer than the original context, which rotate with other factors
+(ModelConfig.rope_long_after) -- never share blocks (Scheduler._salt). A sequence
+forked for parallel sampling shares the blocks of its computed tokens; the shared partial last block is copied on write (the copy is recorded here and performed by the model runner).
 
 Sliding-window models (every layer attends to the last ``window`` tokens only): a sequence's blocks
 that lie wholly before the window of its next token are released as it advances -- they go back to
@@ -21,12 +22,17 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 
-def hash_block(parent_hash: Any, tokens: Sequence[int]) -> int:
-    """parent_hash: the previous block's hash, or the chain's salt for the first block."""
+def hash_block(parent_hash: Optional[int], tokens: Sequence[int]) -> int:
     return hash((parent_hash, tuple(tokens)))
+
+
+def _first_parent(salt: Hashable) -> Optional[int]:
+    """The parent hash of a chain's first block: None, or the salt's (tagged, so that it is never
+    an int another chain's block hash could equal by design)."""
+    return None if salt is None else hash(("salt", salt))
 
 
 @dataclass
@@ -181,6 +187,7 @@ class SeqBlocks:
     block_ids: list[int]
     hashes: list[int]
     released: int = 0
+    salt: Hashable = None  # its prefix-cache chain's (KVCacheManager.find_cached_prefix)
 
 
 class KVCacheManager:
@@ -219,6 +226,11 @@ class KVCacheManager:
     def block_ids(self, seq_id: str) -> list[int]:
         return self.seqs[seq_id].block_ids
 
+    def salt(self, seq_id: str) -> Hashable:
+        """The prefix-cache salt a sequence holding blocks was allocated with (None: none, or no blocks)."""
+        sb = self.seqs.get(seq_id)
+        return None if sb is None else sb.salt
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -239,9 +251,9 @@ class KVCacheManager:
             self.pool.free(drop)
 
     # -- prefix cache -----------------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int], salt: Any = None) -> list[int]:
-        """Block ids of the longest cached chain of full blocks within token_ids[:-1], its hash chain
-        rooted at salt (Request.prefix_salt).
+    def find_cached_prefix(self, token_ids: Sequence[int], salt: Hashable = None) -> list[int]:
+        """Block ids of the longest cached chain of full blocks within token_ids[:-1], among the
+        chains of this salt (give allocate the same).
 
         The last token is never served from cache: its logits are needed, so at least one token is
         computed.
@@ -250,7 +262,7 @@ class KVCacheManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = salt
+        parent = _first_parent(salt)
         for i in range((len(token_ids) - 1) // bs):
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             bid = self.pool.lookup(h)
@@ -260,14 +272,13 @@ class KVCacheManager:
             parent = h
         return hits
 
-    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int, salt: Any = None) -> None:
-        """Publish the blocks that became full and computed (token_ids: the sequence's tokens; salt:
-        the root of its hash chain, as given to find_cached_prefix)."""
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Publish the blocks that became full and computed (token_ids: the sequence's tokens)."""
         sb = self.seqs.get(seq_id)
         if not self.pool.enable_caching or sb is None:  # None: preempted while its last token was in flight
             return
         bs = self.block_size
-        parent = sb.hashes[-1] if sb.hashes else salt
+        parent = sb.hashes[-1] if sb.hashes else _first_parent(sb.salt)
         for i in range(len(sb.hashes), min(num_computed, len(token_ids)) // bs):
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             if i >= sb.released:  # (a block released before it was published is gone; the chain goes on)
@@ -294,10 +305,12 @@ class KVCacheManager:
         revived = sum(1 for b in cached_blocks[behind:] if self.pool.blocks[b].ref_cnt == 0)
         return need if need + revived <= self.pool.num_free else None
 
-    def allocate(self, seq_id: str, num_computed: int, num_new: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def allocate(self, seq_id: str, num_computed: int, num_new: int, cached_blocks: Sequence[int] = (),
+                 salt: Hashable = None) -> bool:
         """Make room for tokens [num_computed, num_computed + num_new) of seq_id.
 
-        cached_blocks: prefix-cache hits for a new sequence (from find_cached_prefix). Returns False
+        cached_blocks: prefix-cache hits for a new sequence (from find_cached_prefix); salt: a new
+        sequence's prefix-cache chain (find_cached_prefix's; its full blocks are published there). Returns False
         when the pool has too few free blocks, changing nothing but the release of blocks behind a
         sliding window (which no later step reads).
         """
@@ -313,7 +326,7 @@ class KVCacheManager:
             self.pool.touch(cached_blocks[behind:])
             hashes = [self.pool.blocks[b].block_hash for b in cached_blocks]
             table = [0] * behind + list(cached_blocks[behind:])
-            sb = self.seqs[seq_id] = SeqBlocks(table, hashes, behind)  # type: ignore[arg-type]
+            sb = self.seqs[seq_id] = SeqBlocks(table, hashes, behind, salt)  # type: ignore[arg-type]
         if num_new > 0 and num_computed % self.block_size:
             idx = num_computed // self.block_size
             old = sb.block_ids[idx]
@@ -344,7 +357,7 @@ class KVCacheManager:
         keep = sb.block_ids[: self.blocks_needed(num_computed)]
         self.pool.touch(keep[sb.released:])
         self.seqs[child_id] = SeqBlocks(keep, sb.hashes[: num_computed // self.block_size],
-                                        min(sb.released, len(keep)))
+                                        min(sb.released, len(keep)), sb.salt)
 
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         """Keep only the blocks covering num_tokens (speculative rollback of rejected slots)."""

@@ -361,9 +361,11 @@ class ModelRunner:
         prompt_idx, prompt_rows = self._prompt_logprob_rows(sched)
         if positions_override is not None:
             pos = positions_override
+        rope_rows = self.rope_rows(sched, pos)
         sg = self.step_graphs
         if sg is not None and kv_caches is None and not fixes and prompt_rows is None:
-            res = sg.run(ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers)
+            res = sg.run(ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers,
+                         rope_rows)
             if res is not None:
                 return res
         meta = self.metadata(qlens, seq_lens, slots, block_tables, tree_mask)
@@ -376,13 +378,30 @@ class ModelRunner:
         if self.lora is not None:  # (drafters' Feeds have no adapter)
             slots = [getattr(s.request, "lora_slot", 0) for s in sched.seqs]
             self._set_lora_slots(np.repeat(slots, [s.num_new_tokens for s in sched.seqs]), len(ids))
-        hidden = self.model(input_ids, positions, kv_caches or self.kv_caches, self.backend, plan, num_layers)
+        if rope_rows is not None:
+            rope_rows = to_device(torch.tensor(rope_rows, dtype=torch.int64), dev)
+        hidden = self.model(input_ids, positions, kv_caches or self.kv_caches, self.backend, plan, num_layers,
+                            rope_rows)
         idx = to_device(torch.tensor(logit_idx, dtype=torch.int64), dev)
         h = hidden[idx]
         ph = None
         if prompt_rows is not None:
             ph = hidden[to_device(torch.tensor(prompt_idx, dtype=torch.int64), dev)]
         return StepResult(self.model.compute_logits(h), rows, h, prompt_rows=prompt_rows, prompt_hidden=ph)
+
+    def rope_rows(self, sched: SchedulerOutput, pos: Sequence[int]) -> Optional[list[int]]:
+        """LongRoPE models: each input token's row of the rotary tables (pos: the step's positions,
+        seq by seq), position + P for the tokens of requests longer than the original context
+        (ModelConfig.rope_long_after: the scheduler has recomputed a request whose KV was computed
+        shorter); None for the other models, whose rows are their positions."""
+        rot = self.model.rotary
+        if rot.long_offset is None:
+            return None
+        out: list[int] = []
+        for s in sched.seqs:
+            off = rot.long_offset if self.cfg.rope_long(s.request.num_tokens) else 0
+            out.extend(p + off for p in pos[len(out): len(out) + s.num_new_tokens])
+        return out
 
     @staticmethod
     def _prompt_logprob_rows(sched: SchedulerOutput) -> tuple[list[int], Optional[list[tuple[int, int]]]]:
@@ -435,6 +454,9 @@ class DecodeGraphs:
         self._i64 = torch.zeros(3 * n, dtype=torch.int64, device=dev)
         self._i32 = torch.zeros(n + n * self.max_blocks, dtype=torch.int32, device=dev)
         self.input_ids, self.positions, self.slots = self._i64[:n], self._i64[n: 2 * n], self._i64[2 * n:]
+        # LongRoPE models: the tokens' rows of the rotary tables (ModelRunner.rope_rows), a third copy
+        self.rope_rows = torch.zeros(n, dtype=torch.int64, device=dev) \
+            if runner.model.rotary.long_offset is not None else None
         self.seq_lens = self._i32[:n]
         self.block_tables = self._i32[n:].view(n, self.max_blocks)
         self.slots.fill_(-1)
@@ -528,6 +550,10 @@ class DecodeGraphs:
             h = np.zeros(bucket, dtype=np.int32)
             h[:b] = [s.request.lora_slot for s in sched.seqs]
             copy_to(self.runner.lora.token_slots[:bucket], torch.from_numpy(h))
+        if self.rope_rows is not None:
+            rr = np.zeros(bucket, dtype=np.int64)
+            rr[: len(sched.seqs)] = self.runner.rope_rows(sched, pos[: len(sched.seqs)].tolist())
+            copy_to(self.rope_rows[:bucket], torch.from_numpy(rr))
         if fixes:
             _fill_pending(self.input_ids, fixes, prev_tokens)
         c = self.select(bucket, int(lens.max()))
@@ -551,11 +577,13 @@ class DecodeGraphs:
         r = self.runner
         argmax = self.argmax and b <= _GRAPH_ARGMAX_MAX_BATCH
 
+        rows = None if self.rope_rows is None else self.rope_rows[:b]
+
         def fwd():
             if r.lora is not None:  # grouped by slot inside the graph, from the rows' slots of the step
                 r.lora.begin_step(b)
             logits = r.model.compute_logits(
-                r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan))
+                r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan, rope_rows=rows))
             if not argmax:
                 return logits, None
             from pageflash.kernels.argmax import argmax as argmax_kernel
@@ -720,6 +748,9 @@ class StepGraphs:
         self._i64 = torch.zeros(3 * t, dtype=torch.int64, device=dev)
         self.input_ids, self.positions, self.slots = self._i64[:t], self._i64[t: 2 * t], self._i64[2 * t:]
         self.slots.fill_(-1)
+        # LongRoPE models: the tokens' rows of the rotary tables (ModelRunner.rope_rows), a third copy
+        self.rope_rows = torch.zeros(t, dtype=torch.int64, device=dev) \
+            if runner.model.rotary.long_offset is not None else None
         self._i32 = torch.zeros(2 * n + 1 + n * self.max_blocks, dtype=torch.int32, device=dev)
         self.qsl, self.seq_lens = self._i32[: n + 1], self._i32[n + 1: 2 * n + 1]
         self.block_tables = self._i32[2 * n + 1:].view(n, self.max_blocks)
@@ -779,9 +810,10 @@ class StepGraphs:
         )
         plan = r.backend.plan(meta)
         layers = None if nl == r.cfg.num_hidden_layers else nl
+        rows = None if self.rope_rows is None else self.rope_rows[:t]
 
         def fwd() -> None:
-            h = r.model(self.input_ids[:t], self.positions[:t], r.kv_caches, r.backend, plan, layers)
+            h = r.model(self.input_ids[:t], self.positions[:t], r.kv_caches, r.backend, plan, layers, rows)
             self.out_hidden[:t].copy_(h)
             self.out_logits[:t].copy_(r.model.compute_logits(h))
 
@@ -841,8 +873,10 @@ class StepGraphs:
         copy_to(self.block_tables[:b], torch.from_numpy(bt))
         return qsl
 
-    def run(self, ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers):
-        """The step through a graph, or None (not eligible / not captured yet: run it eagerly)."""
+    def run(self, ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers,
+            rope_rows=None):
+        """The step through a graph, or None (not eligible / not captured yet: run it eagerly).
+        rope_rows: ModelRunner.rope_rows' (LongRoPE models)."""
         key = self._key(qlens, tree_mask, num_layers)
         if key is None:
             return None
@@ -858,6 +892,8 @@ class StepGraphs:
             qsl = self._copy_packed(ids, pos, slots, qlens, seq_lens, block_tables, b, t)
         else:
             qsl = self._copy_each(ids, pos, slots, qlens, seq_lens, block_tables, b, t)
+        if self.rope_rows is not None:
+            copy_to(self.rope_rows[:t], torch.tensor(list(rope_rows) + [0] * (t - n), dtype=torch.int64))
         if tree_mask is None:  # causal within each sequence's new tokens
             local = np.arange(n) - np.repeat(qsl[:s], qlens)
             m = (np.arange(self.MAX_Q)[None, :] <= local[:, None]).astype(np.uint8)

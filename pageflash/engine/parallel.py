@@ -94,6 +94,10 @@ class _Req:
     num_pending: int = 0
     pending_row: int = -1
 
+    @property
+    def num_tokens(self) -> int:  # (a Request's: what LongRoPE's rows depend on, ModelRunner.rope_rows)
+        return len(self.token_ids) + self.num_pending
+
 
 @dataclass
 class _Seq:

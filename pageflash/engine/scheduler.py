@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Hashable, Iterable, Optional
 
 from pageflash.engine.kv_cache import KVCacheManager
 from pageflash.engine.sequence import Request, Status
@@ -76,11 +76,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         lora_slots: Optional[Any] = None,
+        long_rope_after: Optional[int] = None,
     ) -> None:
         """lora_slots: a lora.manager.AdapterSlots when LoRA is on (the running requests' adapters hold
-        slots; a waiting one is admitted when its adapter has or can get one)."""
+        slots; a waiting one is admitted when its adapter has or can get one). long_rope_after: LongRoPE models' ModelConfig.rope_long_after. A request longer than that
+        many tokens has its KV computed with the long factors, a shorter one with the short ones: the
+        two live in separate prefix-cache chains (salts), a request that grows past it is recomputed
+        from its first token (from the long chain's cached blocks) in the step that crosses, and a
+        shorter request's draft tokens stop before that position (their logits would be the long
+        factors')."""
         self.kv = kv
         self.lora_slots = lora_slots
+        self.long_rope_after = long_rope_after
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -140,6 +147,25 @@ class Scheduler:
             m is not None and req.num_output_tokens + req.num_pending >= m
         )
 
+    def _salt(self, req: Request) -> Hashable:
+        """The prefix-cache chain of the request's KV: its LoRA adapter's (Request.prefix_salt) and,
+        with LongRoPE, whether it is long -- (adapter, long); None for the base model without LongRoPE."""
+        long = None if self.long_rope_after is None else req.num_tokens > self.long_rope_after
+        return None if long is None and req.prefix_salt is None else (req.prefix_salt, long)
+
+    def _restart_long(self, req: Request) -> list[int]:
+        """LongRoPE: a running request computed with the short factors that is now longer than the
+        original context starts over (its blocks freed, its drafts dropped) from its longest
+        prefix-cache hit among long KV, as transformers' Phi-3 recomputes its cache there. Returns
+        the hits (for allocate)."""
+        self.kv.free(req.request_id)
+        req.spec_token_ids = []
+        hits = [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.token_ids, self._salt(req))
+        req.num_computed_tokens = len(hits) * self.kv.block_size
+        self.kv.prefix_queries += req.num_tokens
+        self.kv.prefix_hits += req.num_computed_tokens
+        return hits
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -151,10 +177,15 @@ class Scheduler:
             if req.num_pending and self._ends_by_length(req):
                 i += 1  # its token in flight is its last: nothing more to compute
                 continue
+            salt, hits = self._salt(req), []
+            if self.long_rope_after is not None and salt != self.kv.salt(req.request_id):
+                hits = self._restart_long(req)
             num_spec = len(req.spec_token_ids)
             want = req.num_tokens + num_spec - req.num_computed_tokens
             # Never past the context: draft tokens beyond max_model_len are dropped.
             want = min(want, self.max_model_len - req.num_computed_tokens)
+            if self.long_rope_after is not None and not salt[1]:  # (LongRoPE, short: drafts stop before the long factors)
+                want = min(want, self.long_rope_after - req.num_computed_tokens)
             n = min(want, budget)
             spec = max(0, n - (req.num_tokens - req.num_computed_tokens))
             if spec < num_spec:
@@ -163,7 +194,7 @@ class Scheduler:
                 i += 1
                 continue
             scheduled = True
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens, n):
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens, n, hits, salt):
                 if spec:  # drafts never cost a preemption: drop them first
                     n, spec, req.spec_token_ids = n - spec, 0, []
                     continue
@@ -188,10 +219,11 @@ class Scheduler:
             if req.lora is not None and not self.lora_slots.can_acquire(req.lora):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits = [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.token_ids, req.prefix_salt)
+            salt = self._salt(req)
+            hits = [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.token_ids, salt)
             computed = len(hits) * self.kv.block_size
             n = min(req.num_tokens - computed, budget)
-            if not self.kv.allocate(req.request_id, computed, n, hits):
+            if not self.kv.allocate(req.request_id, computed, n, hits, salt):
                 break
             self.kv.prefix_queries += req.num_tokens
             self.kv.prefix_hits += computed

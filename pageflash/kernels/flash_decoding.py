@@ -79,14 +79,18 @@ def window_start(seq_len, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rope_tile(x, xp, c, s, lo_half):
-    """Rotate-halves rotary of a [.., BLOCK_D] tile x (xp: the partner halves, x[..., (d + D/2) % D];
-    c, s: cos/sin per column, already rounded to x's dtype), rounded step by step like
-    kernels/rotary.py: out1 = x1*c - x2*s, out2 = x2*c + x1*s."""
+def _rope_tile(x, xp, c, s, lo_half, rot, PARTIAL: tl.constexpr):
+    """Rotate-halves rotary of a [.., BLOCK_D] tile x over its first R columns (xp: the partner
+    halves, x[..., (d + R/2) % R]; c, s: cos/sin per column, already rounded to x's dtype), rounded
+    step by step like kernels/rotary.py: out1 = x1*c - x2*s, out2 = x2*c + x1*s. PARTIAL (R < D):
+    the columns where rot is false keep x."""
     dt = x.dtype
     a = (x.to(tl.float32) * c).to(dt).to(tl.float32)
     b = (xp.to(tl.float32) * s).to(dt).to(tl.float32)
-    return tl.where(lo_half, a - b, a + b).to(dt)
+    out = tl.where(lo_half, a - b, a + b).to(dt)
+    if PARTIAL:
+        out = tl.where(rot, out, x)
+    return out
 
 
 # num_splits is not specialized: the batch buckets' split counts share one compile (cold start);
@@ -106,8 +110,9 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
     BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False,
     QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, ROT_DIM: tl.constexpr = 0,
 ):
+    # ROT_DIM: with ROPE, how many leading dims of each head rotate (HEAD_DIM, or fewer: partial rotary)
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -149,16 +154,19 @@ def _decode_split_kernel(
         # q and the new token's k are rotated here, and this token's k/v stored into the cache by the
         # program whose chunk holds it (key seq_len - 1), which takes that key from registers: the
         # separate rotary + store launch of the step goes away.
-        lo_half = offs_d < (HEAD_DIM // 2)
-        partner = tl.where(lo_half, offs_d + (HEAD_DIM // 2), offs_d - (HEAD_DIM // 2))
-        hidx = tl.where(lo_half, offs_d, offs_d - (HEAD_DIM // 2))
+        # (columns past ROT_DIM: their partner and table column are in range but unused)
+        partial: tl.constexpr = ROT_DIM < HEAD_DIM
+        rot = offs_d < ROT_DIM
+        lo_half = offs_d < (ROT_DIM // 2)
+        partner = tl.where(lo_half, offs_d + (ROT_DIM // 2), offs_d - (ROT_DIM // 2))
+        hidx = tl.where(lo_half, offs_d, offs_d - (ROT_DIM // 2))
         pos = tl.load(POS + b).to(tl.int64)
-        c = tl.load(COS + pos * stride_cos + hidx, mask=d_ok, other=0.0).to(Q.dtype.element_ty)
-        s = tl.load(SIN + pos * stride_sin + hidx, mask=d_ok, other=0.0).to(Q.dtype.element_ty)
+        c = tl.load(COS + pos * stride_cos + hidx, mask=rot, other=0.0).to(Q.dtype.element_ty)
+        s = tl.load(SIN + pos * stride_sin + hidx, mask=rot, other=0.0).to(Q.dtype.element_ty)
         c = c.to(tl.float32)
         s = s.to(tl.float32)
         qp = tl.load(q_ptr + partner[None, :], mask=q_mask, other=0.0)
-        q = _rope_tile(q, qp, c[None, :], s[None, :], lo_half[None, :])
+        q = _rope_tile(q, qp, c[None, :], s[None, :], lo_half[None, :], rot[None, :], partial)
         if STRIDED and SPLIT:
             owner = (seq_len > 0) & ((((seq_len - 1) - w0) // BLOCK_N) % num_splits == split)
             hi_loop = hi - 1  # == seq_len - 1: no other program's tiles hold that key
@@ -168,7 +176,7 @@ def _decode_split_kernel(
         kn_ptr = KN + b64 * stride_knb + kvh * stride_knh
         kn = tl.load(kn_ptr + offs_d, mask=d_ok, other=0.0)
         knp = tl.load(kn_ptr + partner, mask=d_ok, other=0.0)
-        kn = _rope_tile(kn, knp, c, s, lo_half)
+        kn = _rope_tile(kn, knp, c, s, lo_half, rot, partial)
         vn = tl.load(VN + b64 * stride_vnb + kvh * stride_vnh + offs_d, mask=d_ok, other=0.0)
         slot = tl.load(SLOTS + b).to(tl.int64)
         kn_mask = d_ok & ((tl.zeros([BLOCK_D], dtype=tl.int32) + owner.to(tl.int32)) > 0)
@@ -438,8 +446,10 @@ def flash_decode(
     at a time: with it (and num_splits > 1) the last split program of each (sequence, KV head) combines
     the partials itself (and resets its counter to 0), instead of a second kernel.
 
-    rope=(positions [B], cos [P, D/2], sin [P, D/2]) with k_new, v_new [B, Hkv, D] and slot_mapping [B]:
-    the step's rotary embedding and K/V store in the same launch. q and k_new are the *unrotated*
+    rope=(positions [B], cos [P, R/2], sin [P, R/2]) with k_new, v_new [B, Hkv, D] and slot_mapping [B]:
+    the step's rotary embedding and K/V store in the same launch (positions: table rows,
+    RotaryEmbedding.rows; R <= D: the first R dims of each head rotate, the rest pass through, as
+    partial rotary embeddings do). q and k_new are the *unrotated*
     projections (q is not modified); each query is rotated at its position, the new key rotated, and
     both k and v written to the cache at the token's slot (-1: not stored), exactly as
     ``apply_rotary(q, k_new, *rope, v=v_new, k_cache=..., v_cache=..., slot_mapping=...)`` followed by
@@ -492,15 +502,16 @@ def flash_decode(
         if k_new.shape != (b, hkv, d) or k_new.dtype != q.dtype:
             raise ValueError(f"flash_decode: k_new must be [{b}, {hkv}, {d}] {q.dtype}, got "
                              f"{tuple(k_new.shape)} {k_new.dtype}")
-        if d % 2:
-            raise ValueError(f"flash_decode: rope needs an even head_dim, got {d}")
         if positions.shape != (b,) or positions.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"flash_decode: positions must be [{b}] int32/int64, got {tuple(positions.shape)} "
                              f"{positions.dtype}")
         for name, tab in (("cos", cos), ("sin", sin)):
-            if tab.dim() != 2 or tab.shape[1] != d // 2 or tab.dtype != torch.float32 or tab.stride(1) != 1:
-                raise ValueError(f"flash_decode: {name} must be float32 [P, {d // 2}] contiguous in the last dim, "
-                                 f"got {tuple(tab.shape)} {tab.dtype}")
+            if tab.dim() != 2 or not 1 <= tab.shape[1] <= d // 2 or tab.dtype != torch.float32 or tab.stride(1) != 1:
+                raise ValueError(f"flash_decode: {name} must be float32 [P, R/2] with R <= head_dim ({d}), "
+                                 f"contiguous in the last dim, got {tuple(tab.shape)} {tab.dtype}")
+        if sin.shape[1] != cos.shape[1]:
+            raise ValueError(f"flash_decode: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ in width")
+        rot_dim = 2 * cos.shape[1]
         positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
         rope_args = (k_new, v_new, positions, cos, sin, slot_mapping, k_new.stride(0), k_new.stride(1),
                      v_new.stride(0), v_new.stride(1), cos.stride(0), sin.stride(0))
@@ -509,6 +520,7 @@ def flash_decode(
     else:
         # unused without ROPE: None arguments are constexprs to Triton, so they cost no per-launch binding
         rope_args = (None,) * 12
+        rot_dim = 0
     if out is None:
         o = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device:
@@ -545,7 +557,7 @@ def flash_decode(
         STRIDED=bool(cfg.get("STRIDED", False)),
         BLOCK_S=next_pow2(num_splits) if fused else 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, WINDOW=window or 0,
-        SOFTCAP=softcap_arg(softcap), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SOFTCAP=softcap_arg(softcap), ROT_DIM=rot_dim, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
         enable_fp_fusion=rope is None,
     )

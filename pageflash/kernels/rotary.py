@@ -3,12 +3,14 @@
 The arithmetic is ``pageflash.layers.rotary._rotate``'s, operation for operation, each result rounded
 to the tensor's dtype as PyTorch's eager kernels round it:
 
-    c, s = cos[pos].to(dtype), sin[pos].to(dtype)
-    out1 = x1 * c - x2 * s          (x1 = x[..., :D/2], x2 = x[..., D/2:])
+    c, s = cos[row].to(dtype), sin[row].to(dtype)
+    out1 = x1 * c - x2 * s          (x1 = x[..., :R/2], x2 = x[..., R/2:R])
     out2 = x2 * c + x1 * s
 
 (the products of 16-bit operands are exact in float32; FMA contraction is disabled), so the result is
-bitwise equal to the reference on CUDA.
+bitwise equal to the reference on CUDA. R, the rotary dim, is twice the tables' width: D, or less for
+partial rotary embeddings (Phi-4-mini), whose dims R.. are left as they are (and stored as they are
+by the fused K/V store).
 """
 
 from __future__ import annotations
@@ -51,16 +53,23 @@ def _rotate_heads(base, stride_h, num_heads, h0, c, s,
 
 
 @triton.jit
-def _store_halves_q(x1, x2, dst, scale_dst, mask, row_mask, HALF: tl.constexpr, QMAX: tl.constexpr,
-                    CODE_INT: tl.constexpr):
-    """Quantize rows given as two halves [R, HALF] (masked entries 0) with one scale per row: codes
-    to dst / dst + HALF, scales to scale_dst [R]."""
+def _store_parts_q(x1, x2, x3, dst, dst3, scale_dst, mask, mask3, row_mask, HALF: tl.constexpr,
+                   PASS: tl.constexpr, QMAX: tl.constexpr, CODE_INT: tl.constexpr):
+    """Quantize rows given as parts with one scale per row: the rotary halves x1, x2 [R, BLOCK_HALF]
+    (dims [0, HALF) and [HALF, 2 HALF): codes to dst, dst + HALF) and, when PASS > 0, the
+    pass-through dims x3 [R, BLOCK_PASS] (codes to dst3); masked entries 0. Scales to scale_dst [R]."""
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1)) / QMAX
+    m = tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1))
+    if PASS > 0:
+        f3 = x3.to(tl.float32)
+        m = tl.maximum(m, tl.max(tl.abs(f3), 1))
+    s = m / QMAX
     den = tl.where(s > 0.0, s, 1.0)[:, None]
     tl.store(dst, kv_round(f1 / den, QMAX, CODE_INT).to(dst.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, kv_round(f2 / den, QMAX, CODE_INT).to(dst.dtype.element_ty), mask=mask)
+    if PASS > 0:
+        tl.store(dst3, kv_round(f3 / den, QMAX, CODE_INT).to(dst3.dtype.element_ty), mask=mask3)
     tl.store(scale_dst, s, mask=row_mask)
 
 
@@ -74,10 +83,13 @@ def _rotary_kernel(
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     STORE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
+    PASS: tl.constexpr = 0, BLOCK_PASS: tl.constexpr = 1,
 ):
     # grid (T, cdiv(HQ, BLOCK_H) + cdiv(HKV, BLOCK_H)): a program owns BLOCK_H heads of q or of k
     # STORE: the k programs also write their rotated k heads and the same v heads into the paged
     # cache at the token's slot (-1: skip), with kernels/kv_store.py's slot arithmetic
+    # PASS: partial rotary embeddings' dims [2 HALF, 2 HALF + PASS) of each head, which do not rotate:
+    # only the store reads them (from k, which this launch does not write there)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(POS + t).to(tl.int64)
@@ -97,19 +109,31 @@ def _rotary_kernel(
             kc = KC + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
             pv = V + t * stride_vt + h[:, None] * stride_vh + d[None, :]
             vc = VC + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+            k3, v3, mask3, kc3, vc3 = o1, o1, mask, kc, vc  # (placeholders where PASS == 0)
+            if PASS > 0:
+                e = tl.arange(0, BLOCK_PASS)
+                _, _, keep3 = slot_page(SLOTS, t, PAGE_SIZE, BLOCK_H, BLOCK_PASS)
+                mask3 = keep3 & (h[:, None] < HKV) & (e[None, :] < PASS)
+                k3 = tl.load(K + t * stride_kt + h[:, None] * stride_kh + 2 * HALF + e[None, :], mask=mask3, other=0.0)
+                v3 = tl.load(V + t * stride_vt + h[:, None] * stride_vh + 2 * HALF + e[None, :], mask=mask3, other=0.0)
+                kc3 = KC + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + 2 * HALF + e[None, :]
+                vc3 = VC + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + 2 * HALF + e[None, :]
             if QUANT:
-                # one scale per (token, head) over both halves: kv_store.store_quantized_rows' arithmetic
+                # one scale per (token, head) over the whole head: kv_store.store_quantized_rows' arithmetic
                 row_mask = (h < HKV) & (tl.max(keep.to(tl.int32), 1) > 0)
                 s_off = blk * stride_sb + h * stride_sh + off
-                _store_halves_q(o1, o2, kc, KS + s_off, mask, row_mask, HALF, QMAX, CODE_INT)
+                _store_parts_q(o1, o2, k3, kc, kc3, KS + s_off, mask, mask3, row_mask, HALF, PASS, QMAX, CODE_INT)
                 v1 = tl.load(pv, mask=mask, other=0.0)
                 v2 = tl.load(pv + HALF, mask=mask, other=0.0)
-                _store_halves_q(v1, v2, vc, VS + s_off, mask, row_mask, HALF, QMAX, CODE_INT)
+                _store_parts_q(v1, v2, v3, vc, vc3, VS + s_off, mask, mask3, row_mask, HALF, PASS, QMAX, CODE_INT)
             else:
                 tl.store(kc, o1.to(KC.dtype.element_ty), mask=mask)
                 tl.store(kc + HALF, o2.to(KC.dtype.element_ty), mask=mask)
                 tl.store(vc, tl.load(pv, mask=mask).to(VC.dtype.element_ty), mask=mask)
                 tl.store(vc + HALF, tl.load(pv + HALF, mask=mask).to(VC.dtype.element_ty), mask=mask)
+                if PASS > 0:
+                    tl.store(kc3, k3.to(KC.dtype.element_ty), mask=mask3)
+                    tl.store(vc3, v3.to(VC.dtype.element_ty), mask=mask3)
 
 
 _rotary_kernel = fast_launch(_rotary_kernel)  # host launches via the cached CompiledKernel
@@ -136,9 +160,11 @@ def apply_rotary(
     v: Optional[torch.Tensor] = None, k_cache: Optional[torch.Tensor] = None, v_cache: Optional[torch.Tensor] = None,
     slot_mapping: Optional[torch.Tensor] = None, kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (and return them) at positions [T] (int64/int32).
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (and return them) by the table rows positions [T]
+    (int64/int32; RotaryEmbedding.rows).
 
-    cos, sin: [P, D/2] float32 tables (row stride free, last dim contiguous). q and k: same dtype
+    cos, sin: [P, R/2] float32 tables (row stride free, last dim contiguous), R <= D even: the first R
+    dims of each head rotate (R < D: partial rotary embeddings; the rest stay). q and k: same dtype
     (float16/bfloat16/float32), any token/head strides with D contiguous, e.g. views of a fused qkv
     projection's output. Positions must be in [0, P) (not checked: that would sync with the host).
 
@@ -163,19 +189,20 @@ def apply_rotary(
     t, hq, d = q.shape
     if k.shape[0] != t or k.shape[2] != d:
         raise ValueError(f"apply_rotary: k {tuple(k.shape)} does not match q {tuple(q.shape)} in T or D")
-    if d % 2:
-        raise ValueError(f"apply_rotary: head_dim must be even, got {d}")
+
     if q.dtype != k.dtype or q.dtype not in _DTYPES:
         raise TypeError(f"apply_rotary: q and k must share a float16/bfloat16/float32 dtype, got {q.dtype}/{k.dtype}")
     if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"apply_rotary: positions must be [{t}] int32/int64, got {tuple(positions.shape)} {positions.dtype}")
-    half = d // 2
     for name, tab in (("cos", cos), ("sin", sin)):
-        if tab.dim() != 2 or tab.shape[1] != half or tab.dtype != torch.float32 or tab.stride(1) != 1:
+        if tab.dim() != 2 or not 1 <= tab.shape[1] <= d // 2 or tab.dtype != torch.float32 or tab.stride(1) != 1:
             raise ValueError(
-                f"apply_rotary: {name} must be float32 [P, {half}] contiguous in the last dim, "
-                f"got {tuple(tab.shape)} {tab.dtype} strides {tab.stride()}"
+                f"apply_rotary: {name} must be float32 [P, R/2] with R <= head_dim ({d}), contiguous in the last "
+                f"dim, got {tuple(tab.shape)} {tab.dtype} strides {tab.stride()}"
             )
+    half = cos.shape[1]
+    if sin.shape[1] != half:
+        raise ValueError(f"apply_rotary: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ in width")
     for name, x in (("q", q), ("k", k)):
         if x.stride(2) != 1:
             raise ValueError(f"apply_rotary: {name} must be contiguous in head_dim (strides {x.stride()})")
@@ -201,6 +228,7 @@ def apply_rotary(
         hq, hkv, *extra, *qargs, **qconst,
         HALF=half, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half),
         STORE=store, PAGE_SIZE=k_cache.shape[1] if store else 1,
+        PASS=d - 2 * half if store else 0, BLOCK_PASS=next_pow2(max(1, d - 2 * half)),
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return q, k

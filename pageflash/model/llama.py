@@ -72,8 +72,12 @@ class LlamaAttention(_Prefetching, nn.Module):
         kv_cache: tuple[torch.Tensor, ...],
         backend: AttentionBackend,
         plan: Any,
+        rope_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) for a quantized cache."""
+        """kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) for a quantized cache.
+        positions [T]: the tokens' positions (sliding windows, token trees); rope_rows [T]: their rows of
+        the rotary tables (RotaryEmbedding.rows; None: the positions)."""
+        rows = positions if rope_rows is None else rope_rows
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         fused_qk_norm = _fused_qk_norm(qkv, self.q_norm.weight) if self.q_norm is not None else None
@@ -92,10 +96,10 @@ class LlamaAttention(_Prefetching, nn.Module):
         if getattr(backend, "fuses_rope", False) and rotary.fusable(q, k):
             # the backend rotates q and k in the launch that stores k and v in the cache
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale,
-                                rope=(positions, rotary.cos, rotary.sin), kv_scales=kv_scales,
+                                rope=(rows, rotary.cos, rotary.sin), kv_scales=kv_scales,
                                 window=self.window, positions=positions, softcap=self.softcap)
         else:
-            q, k = rotary(positions, q, k)
+            q, k = rotary(rows, q, k)
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale, kv_scales=kv_scales,
                                 window=self.window, positions=positions, softcap=self.softcap)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
@@ -162,16 +166,17 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, residual, positions, rotary, kv_cache, backend, plan, pre=None):
+    def forward(self, x, residual, positions, rotary, kv_cache, backend, plan, pre=None, rope_rows=None):
         """pre: the previous layer's post_feedforward_layernorm (sandwich norms), applied to x in
-        the launch of this layer's input norm. Returns (h, residual): a sandwich layer's h is the
-        MLP's output before its post_feedforward_layernorm, which the next norm applies."""
+        the launch of this layer's input norm; rope_rows: LlamaAttention's. Returns (h, residual): a
+        sandwich layer's h is the MLP's output before its post_feedforward_layernorm, which the next
+        norm applies."""
         self._prefetch("qkv", self.self_attn.qkv_proj.weight)  # while the input norm runs
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual, pre=pre, x_scale=self.residual_scale)
-        h = self.self_attn(h, positions, rotary, kv_cache, backend, plan)
+        h = self.self_attn(h, positions, rotary, kv_cache, backend, plan, rope_rows)
         if self.tp_size > 1:
             h = _all_reduce(h)
         if isinstance(self.mlp, LlamaMLP):  # (an MoE block's weights depend on the routing)
@@ -226,8 +231,13 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         backend: AttentionBackend,
         plan: Any,
         num_layers: Optional[int] = None,
+        rope_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """num_layers < L runs only the first layers (early-exit drafts); the final norm is applied."""
+        """num_layers < L runs only the first layers (early-exit drafts); the final norm is applied.
+        rope_rows [T]: each token's row of the rotary tables (LongRoPE: which factors it rotates with;
+        the runner gives each request's, ModelConfig.rope_long_after); None: as one sequence's forward
+        (RotaryEmbedding.rows)."""
+        rows = self.rotary.rows(positions) if rope_rows is None else rope_rows
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * _rounded(self.embed_scale, x.dtype)
@@ -236,7 +246,8 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         residual = pre = None
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             rotary = self.rotary_local if layer.local_rope else self.rotary
-            x, residual = layer(x, residual, positions, rotary, kv_caches[i], backend, plan, pre)
+            x, residual = layer(x, residual, positions, rotary, kv_caches[i], backend, plan, pre,
+                                None if layer.local_rope else rows)
             pre = layer.post_feedforward_layernorm if layer.sandwich else None
         self._prefetch("lm_head", self.head_weight)
         x, _ = self.norm(x, residual, pre=pre, x_scale=self.cfg.residual_multiplier)

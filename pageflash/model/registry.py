@@ -6,6 +6,39 @@ from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m"
 
+# LongRoPE factors of the Phi configs below, as their config.json files publish them
+_PHI35_LONG = [
+    1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601, 1.5899999141693115,
+    1.600000023841858, 1.6200000047683716, 2.620000123977661, 3.2300000190734863, 3.2300000190734863,
+    4.789999961853027, 7.400000095367432, 7.700000286102295, 9.09000015258789, 12.199999809265137,
+    17.670000076293945, 24.46000099182129, 28.57000160217285, 30.420001983642578, 30.840002059936523,
+    32.590003967285156, 32.93000411987305, 42.320003509521484, 44.96000289916992, 50.340003967285156,
+    50.45000457763672, 57.55000305175781, 57.93000411987305, 58.21000289916992, 60.1400032043457,
+    62.61000442504883, 62.62000274658203, 62.71000289916992, 63.1400032043457, 63.1400032043457,
+    63.77000427246094, 63.93000411987305, 63.96000289916992, 63.970001220703125, 64.02999877929688,
+    64.06999969482422, 64.08000183105469, 64.12000274658203, 64.41000366210938, 64.4800033569336,
+    64.51000213623047, 64.52999877929688, 64.83999633789062,
+]
+_PHI35_SHORT = [
+    1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705, 1.0499999523162842, 1.0499999523162842,
+    1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0699999332427979, 1.0999999046325684,
+    1.1099998950958252, 1.1599998474121094, 1.1599998474121094, 1.1699998378753662, 1.2899998426437378,
+    1.339999794960022, 1.679999828338623, 1.7899998426437378, 1.8199998140335083, 1.8499997854232788,
+    1.8799997568130493, 1.9099997282028198, 1.9399996995925903, 1.9899996519088745, 2.0199997425079346,
+    2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346,
+    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
+    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0799996852874756,
+    2.0899996757507324, 2.189999580383301, 2.2199995517730713, 2.5899994373321533, 2.729999542236328,
+    2.749999523162842, 2.8399994373321533,
+]
+_PHI4_MINI_LONG = [
+    1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649, 2.446418898,
+    2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533, 5.984965424,
+    6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+    16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23,
+    32.6, 32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77,
+]
+
 # HF config.json dicts of the shapes we benchmark; weights come from load_format="dummy" or a real checkpoint.
 NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(
@@ -80,6 +113,25 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
         max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=2047,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000,
+    ),
+    # Phi-3.5-mini-instruct: LongRoPE from a 4096-token pretraining context to 131072 (its config.json's
+    # factor lists, one per frequency of its 96-dim heads; the 262144-token window never bites)
+    "phi-3.5-mini": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=32064, hidden_size=3072,
+        intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        max_position_embeddings=131072, original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0, sliding_window=262144, tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000,
+        rope_scaling=dict(type="longrope", long_factor=_PHI35_LONG, short_factor=_PHI35_SHORT),
+    ),
+    # Phi-4-mini-instruct: 24 query / 8 KV heads of 128 dims of which 96 rotate (partial_rotary_factor
+    # 0.75), LongRoPE whose short factors are all 1, tied embeddings, a 200064-token vocabulary
+    "phi-4-mini": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=200064, hidden_size=3072,
+        intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+        max_position_embeddings=131072, original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+        rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=262144, tie_word_embeddings=True,
+        bos_token_id=199999, eos_token_id=199999,
+        rope_scaling=dict(type="longrope", long_factor=_PHI4_MINI_LONG, short_factor=[1.0] * 48),
     ),
     # Granite 3.1 8B's shapes and multipliers (embeddings x 12, block outputs x 0.22 before each residual
     # add, attention scale 1/128, logits / 16)

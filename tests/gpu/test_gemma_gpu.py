@@ -133,6 +133,9 @@ def _folder(tmp_path_factory, name, **over):
     ("gemma-3-1b", dict(num_hidden_layers=6, sliding_window=64)),
     # 4 of granite-3.1-8b's layers (its multipliers)
     ("granite-3.1-8b", dict(num_hidden_layers=4)),
+    # 2 of phi-4-mini's layers (96 of 128 dims rotate) with LongRoPE switching at 120 tokens: prompts
+    # of 180 and 250 long throughout, the 100-token one recomputed when it crosses while decoding
+    ("phi-4-mini", dict(num_hidden_layers=2, original_max_position_embeddings=120)),
 ])
 def test_engine_triton_graphs_equal_torch_fp32(tmp_path_factory, name, over):
     folder = _folder(tmp_path_factory, name, **over)
