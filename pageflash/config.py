@@ -57,6 +57,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict[str, Any]] = field(default=None, hash=False)
+    # llama.cpp's rope_freqs (GGUF files of Llama 3.1+): inverse frequency i is divided by factor i --
+    # the converter's form of the llama3 rope_scaling, whose parameters the file does not keep
+    rope_freq_factors: Optional[tuple[float, ...]] = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope
@@ -130,6 +133,10 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"model config: {name} must be a positive number or None, got {v!r}")
+        if self.rope_freq_factors is not None and (
+                len(self.rope_freq_factors) != self.head_dim // 2 or not all(f > 0 for f in self.rope_freq_factors)):
+            raise ValueError(f"model config: rope_freq_factors must be head_dim // 2 = {self.head_dim // 2} positive "
+                             f"numbers, got {len(self.rope_freq_factors)}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("llama3", "linear", "default"):
@@ -336,6 +343,8 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict that transformers accepts (used by tests to build the HF reference)."""
         model_type = _MODEL_TYPES[self.architecture]
+        if self.rope_freq_factors is not None:  # (a GGUF's: transformers' config has no such field)
+            raise ValueError("a config with rope_freq_factors has no HF config.json form")
         d = dict(
             architectures=[self.architecture], model_type=model_type, vocab_size=self.vocab_size,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -450,8 +459,8 @@ def _opt_float(v: Any) -> Optional[float]:
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> "Any":
     """Inverse frequencies [head_dim // 2] with Llama 3.1 / linear scaling applied (float32 math, as
-    transformers does, so that greedy outputs match it). local: Gemma 3's sliding layers' (base
-    rope_local_theta, no scaling)."""
+    transformers does, so that greedy outputs match it), or divided by a GGUF's rope_freq_factors.
+    local: Gemma 3's sliding layers' (base rope_local_theta, no scaling)."""
     import torch
 
     d = cfg.head_dim
@@ -472,4 +481,6 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> "Any":
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv = torch.where(is_mid, mid, scaled)
+    if cfg.rope_freq_factors is not None and not local:
+        inv = inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     return inv
