@@ -122,6 +122,25 @@ def test_llama31_rope_freqs_are_its_rope_scaling(tmp_path):
     assert [o.outputs[0].token_ids for o in outs] != [hf_greedy(plain, p, 16) for p in prompts]
 
 
+def test_early_mixtral_files_with_one_tensor_per_expert(tmp_path):
+    """Mixtral files from before llama.cpp stacked the experts (blk.N.ffn_gate.E.weight ...) load the
+    same weights as the stacked layout."""
+    folder = make_random_hf_folder(tmp_path / "hf", CONFIGS["mixtral"])
+
+    def unstack(t, w):
+        for name in [n for n in t if "_exps." in n]:
+            stacked = t.pop(name)
+            t.update({name.replace("_exps.", f".{e}.", 1): stacked[e] for e in range(stacked.shape[0])})
+
+    weights = []
+    for edit in (None, unstack):
+        src = resolve_model(write_gguf(folder, str(tmp_path / f"{edit is None}.gguf"), edit=edit))
+        weights.append(dict(iter_weights(src, load_config(src))))
+    assert any(".experts.3." in n for n in weights[1]) and weights[0].keys() == weights[1].keys()
+    for name, w in weights[0].items():
+        assert torch.equal(weights[1][name], w), name
+
+
 # a Q4_K_M-like mix (and F16 / BF16): GGUF tensor key -> (HF name part, type, bound on the relative error:
 # 1.5x what our plain encoders reach on normal weights; a block layout read wrongly gives ~1)
 QUANTS = {"token_embd": ("embed_tokens", Q.Q8_0, 0.01), "output": ("lm_head", Q.Q6_K, 0.03),

@@ -51,7 +51,8 @@ _BLOCK_BY_ARCH = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # [E, out, in]
-_LEGACY_EXPERTS = {"ffn_gate": "w1", "ffn_down": "w2", "ffn_up": "w3"}  # early Mixtral files: blk.N.ffn_gate.E.weight
+# early Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight
+_LEGACY_EXPERTS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([A-Za-z0-9_]+?)(?:\.(\d+))?\.(weight|bias)")
 
 
