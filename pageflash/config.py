@@ -62,6 +62,9 @@ class ModelConfig:
     rope_scaling: Optional[dict[str, Any]] = field(default=None, hash=False)
     # Phi-3 (Phi-4-mini): only the first rotary_dim = int(head_dim * factor) dims of each head rotate
     partial_rotary_factor: float = 1.0
+    # llama.cpp's rope_freqs (GGUF files of Llama 3.1+): inverse frequency i is divided by factor i --
+    # the converter's form of the llama3 rope_scaling, whose parameters the file does not keep
+    rope_freq_factors: Optional[tuple[float, ...]] = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope
@@ -136,6 +139,10 @@ class ModelConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"model config: {name} must be a positive number or None, got {v!r}")
         self._check_rope()
+        if self.rope_freq_factors is not None and (
+                len(self.rope_freq_factors) != self.rotary_dim // 2 or not all(f > 0 for f in self.rope_freq_factors)):
+            raise ValueError(f"model config: rope_freq_factors must be rotary_dim // 2 = {self.rotary_dim // 2} "
+                             f"positive numbers, got {len(self.rope_freq_factors)}")
 
     def _check_rope(self) -> None:
         """partial_rotary_factor and rope_scaling: the type and the fields its computation reads."""
@@ -436,6 +443,8 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict that transformers accepts (used by tests to build the HF reference)."""
         model_type = _MODEL_TYPES[self.architecture]
+        if self.rope_freq_factors is not None:  # (a GGUF's: transformers' config has no such field)
+            raise ValueError("a config with rope_freq_factors has no HF config.json form")
         d = dict(
             architectures=[self.architecture], model_type=model_type, vocab_size=self.vocab_size,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,

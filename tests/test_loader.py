@@ -1,4 +1,5 @@
-"""Model resolution and loading errors, GGUF details (Q/K un-permutation), dummy weights."""
+"""Model resolution and loading errors, GGUF Q/K un-permutation, dummy weights (GGUF files of every
+architecture: tests/test_gguf.py)."""
 
 import importlib.util
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from pageflash.config import ModelConfig
-from pageflash.model.loader import _unpermute_rope_rows, load_config, resolve_model
+from pageflash.model.gguf_file import unpermute_rope_rows
+from pageflash.model.loader import load_config, resolve_model
 from pageflash.model.registry import NAMED_CONFIGS
 
 
@@ -57,11 +59,11 @@ def test_missing_weights_folder(tmp_path):
 
 
 def test_unpermute_inverts_llama_cpp_permute():
+    from gguf_ref import permute  # llama.cpp's convert script's
+
     n_head, hd, d_in = 3, 8, 5
     w = torch.randn(n_head * hd, d_in)
-    # llama.cpp's convert script: reshape(n_head, 2, hd // 2, ...).swapaxes(1, 2)
-    permuted = w.reshape(n_head, 2, hd // 2, d_in).swapaxes(1, 2).reshape(w.shape)
-    assert torch.equal(_unpermute_rope_rows(permuted, n_head), w)
+    assert torch.equal(unpermute_rope_rows(permute(w, n_head), n_head), w)
 
 
 def test_dummy_weights_run():
@@ -115,67 +117,6 @@ def test_load_format_is_enforced(tmp_path):
         next(iter(iter_weights(resolve_model(str(pt), "safetensors"), load_config(src))))
     assert {k for k, _ in iter_weights(resolve_model(str(pt), "pt"), load_config(src))} == names
     assert {k for k, _ in iter_weights(resolve_model(str(pt)), load_config(src))} == names
-
-
-def test_qwen3_gguf_loads_like_its_hf_folder(tmp_path):
-    """A Qwen3 GGUF (llama.cpp tensor names: attn_q_norm / attn_k_norm, no Q/K permutation) gives the
-    same config and the same greedy tokens as the HF folder it was written from."""
-    import gguf
-    import numpy as np
-    from safetensors.torch import load_file
-
-    from hf_ref import make_random_hf_folder
-    from pageflash import LLM, SamplingParams
-
-    hf = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=97, hidden_size=32,
-              intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
-              tie_word_embeddings=True, attention_bias=False)
-    folder = make_random_hf_folder(tmp_path / "hf", hf)
-    import glob
-    tensors = {}
-    for f in sorted(glob.glob(f"{folder}/*.safetensors")):
-        tensors.update(load_file(f))
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-    path = str(tmp_path / "tiny-qwen3.gguf")
-    w = gguf.GGUFWriter(path, "qwen3")
-    w.add_block_count(2)
-    w.add_context_length(128)
-    w.add_embedding_length(32)
-    w.add_feed_forward_length(48)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_key_length(16)
-    w.add_value_length(16)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1000000.0)
-    w.add_vocab_size(97)
-    for name, t in tensors.items():
-        if name == "model.embed_tokens.weight":
-            g = "token_embd.weight"
-        elif name == "model.norm.weight":
-            g = "output_norm.weight"
-        else:
-            _, _, i, rest = name.split(".", 3)
-            mod, kind = rest.rsplit(".", 1)
-            g = f"blk.{i}.{names[mod]}.{kind}"
-        w.add_tensor(g, t.float().numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-    cfg = load_config(resolve_model(path))
-    assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm and cfg.head_dim == 16 and cfg.tie_word_embeddings
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [5, 9, 2, 40, 11, 3, 77]}, {"prompt_token_ids": [1]}]
-    kw = dict(max_model_len=64, num_kv_blocks=16, block_size=4, dtype="float32")
-    a = LLM(path, tokenizer=folder, **kw).generate(prompts, greedy, use_tqdm=False)
-    b = LLM(folder, **kw).generate(prompts, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
 def test_quantized_checkpoint_is_refused_by_name():

@@ -54,6 +54,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> 
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv = torch.where(is_mid, mid, scaled)
+    if cfg.rope_freq_factors is not None and not local:  # a GGUF's llama3 scaling, as llama.cpp applies it
+        inv = inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     return inv
 
 

@@ -1,7 +1,8 @@
 """Where weights, config and tokenizer come from: a HF folder, a GGUF file, or a config alone (dummy).
 
 resolve_model(name) -> ModelSource; load_config(source) -> ModelConfig; iter_weights(source) yields
-(HF tensor name, float tensor) pairs for LlamaForCausalLM.load_weights; load_tokenizer(source).
+(HF tensor name, float tensor) pairs for LlamaForCausalLM.load_weights; load_tokenizer(source). GGUF
+files: pageflash/model/gguf_file.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from pageflash.config import ModelConfig
+from pageflash.model.gguf_file import field, gguf_config, iter_gguf_weights, open_gguf
 from pageflash.model.registry import EMBEDDED_MODELS, NAMED_CONFIGS
 
 
@@ -113,7 +115,7 @@ def load_config(src: ModelSource) -> ModelConfig:
             return ModelConfig.from_hf_dict(d)
         except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
             raise ValueError(f"model folder {src.path!r}: config.json is invalid ({e})") from e
-    return _gguf_config(_gguf_reader(src.path))
+    return gguf_config(open_gguf(src.path), src.path)
 
 
 # generation_config.json keys vLLM's generation_config="auto" takes as default sampling parameters
@@ -141,116 +143,6 @@ def load_generation_config(src: Optional[ModelSource]) -> dict[str, Any]:
     eos = d.get("eos_token_id")
     eos = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int))
     return {"eos_token_ids": eos, "defaults": {k: d[k] for k in _GENERATION_DEFAULTS if d.get(k) is not None}}
-
-
-def _gguf_reader(path: str):
-    try:
-        import gguf
-    except ImportError as e:  # pragma: no cover - gguf is a dependency
-        raise ValueError("loading a GGUF file needs the 'gguf' package: pip install gguf") from e
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises assorted errors on a damaged file
-        raise ValueError(f"GGUF file {path!r} is corrupt or unreadable: {type(e).__name__}: {e}") from e
-
-
-def _field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
-
-
-# GGUF general.architecture -> ours
-_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
-
-
-def _gguf_config(reader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCHS)})")
-    a = arch
-    if _field(reader, f"{a}.expert_count"):  # e.g. Mixtral GGUFs are "llama" with routed experts
-        raise ValueError("GGUF files of mixture-of-experts models are not supported yet; load the HF folder")
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError("GGUF with rope_freqs (Llama 3.1 rope scaling) is not supported yet; load the HF folder")
-    heads = int(_field(reader, f"{a}.attention.head_count"))
-    hidden = int(_field(reader, f"{a}.embedding_length"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{a}.vocab_size") or (len(tokens.data) if tokens is not None else None)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{a}.block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{a}.attention.key_length", hidden // heads)),
-        max_position_embeddings=int(_field(reader, f"{a}.context_length", 4096)),
-        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        architecture=_GGUF_ARCHS[arch],
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
-    )
-
-
-# ---- weights -----------------------------------------------------------------------------------
-
-_GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-}
-
-
-def _unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's convert-time permutation of Q/K rows (interleaved rope -> HF's rotate-halves).
-
-    llama.cpp stores, per head, rows ordered (pair, half) -> we restore (half, pair).
-    """
-    shape = w.shape
-    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
-def iter_gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
-    import numpy as np
-
-    reader = _gguf_reader(path)
-    permute = _field(reader, "general.architecture") in ("llama", "mistral")
-    for t in reader.tensors:
-        shape = tuple(reversed([int(x) for x in t.shape]))
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {t.name}: quantization type {t.tensor_type.name} is not supported") from e
-        arr = np.asarray(arr).reshape(shape)
-        w = torch.from_numpy(np.array(arr, dtype=np.float32))  # own, writable copy
-        parts = t.name.split(".")
-        if t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif t.name == "output.weight":
-            name = "lm_head.weight"
-        elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
-            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-            if permute and parts[2] == "attn_q":
-                w = _unpermute_rope_rows(w, cfg.num_attention_heads)
-            elif permute and parts[2] == "attn_k":
-                w = _unpermute_rope_rows(w, cfg.num_key_value_heads)
-        else:
-            continue  # e.g. rope_freqs handled in config; unknown extras are ignored
-        yield name, w
 
 
 def iter_hf_weights(folder: str, weights: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
@@ -313,7 +205,8 @@ def _cache_dir() -> str:
 
 
 def load_tokenizer(src: Optional[ModelSource]):
-    """A HF tokenizer (with chat template) or None when the source has none (dummy named configs)."""
+    """A HF tokenizer (with chat template) or None when the source has none (dummy named configs, HF
+    folders without tokenizer files, GGUF files without tokenizer metadata)."""
     if src is None:
         return None
     if src.kind == "config":
@@ -334,8 +227,19 @@ def load_tokenizer(src: Optional[ModelSource]):
             return AutoTokenizer.from_pretrained(cached)
         except Exception:
             pass  # a damaged cache entry: rebuild it below
+    reader = open_gguf(src.path)
+    model = field(reader, "tokenizer.ggml.model")
+    if model is None:
+        return None  # weights only: prompts must come as token ids
+    # AutoTokenizer picks its class from the config transformers reads from the file, a reader that
+    # lacks Gemma 1: name the class for it
+    kw = {"tokenizer_type": "gemma"} if field(reader, "general.architecture") == "gemma" else {}
     folder, fname = os.path.split(src.path)
-    tok = AutoTokenizer.from_pretrained(folder or ".", gguf_file=fname)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder or ".", gguf_file=fname, **kw)
+    except Exception as e:  # transformers raises assorted errors on metadata it cannot convert
+        raise ValueError(f"GGUF file {src.path!r}: no tokenizer can be built from its metadata (tokenizer.ggml.model "
+                         f"{model!r}): {type(e).__name__}: {e}; pass tokenizer= a HF tokenizer folder") from e
     try:
         tok.save_pretrained(cached)
     except OSError:
