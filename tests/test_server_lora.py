@@ -132,3 +132,8 @@ def test_lora_modules_syntax(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["serve", "--port", "0", "--lora-modules", "x=/p/x"])
     assert e.value.code == 2 and "--lora-modules needs --enable-lora" in capsys.readouterr().err
+    # a name given twice, or a served model's name: refused before the model loads (was a traceback after)
+    for argv in (["--lora-modules", "x=/p/x", "x=/p/y"], ["--served-model-name", "m", "--lora-modules", "m=/p/x"]):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--port", "0", "--model", "/no/such/model", "--enable-lora", *argv])
+        assert e.value.code == 2 and "is used twice (or is a served model name)" in capsys.readouterr().err

@@ -1821,6 +1821,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if loras and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
+    served = set(args.served_model_name or [args.model])
+    for i, lora in enumerate(loras):  # (checked before the model loads, as build_app would refuse them after)
+        if lora.lora_name in served or any(lora.lora_name == o.lora_name for o in loras[:i]):
+            parser.error(f"--lora-modules: the name {lora.lora_name!r} is used twice (or is a served model name)")
     template = args.chat_template
     if template is not None and os.path.isfile(template):
         with open(template, encoding="utf-8") as f:
