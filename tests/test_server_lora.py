@@ -47,8 +47,10 @@ def srv(tmp_path_factory) -> Iterator[Srv]:
     llm.llm_engine.remove_lora(9)  # (c is loaded at run time below)
     aeng = AsyncLLMEngine(llm.llm_engine)
     try:
-        with serve(build_app(aeng, "base", lora_modules=loras, allow_runtime_lora_updating=True)) as base:
+        app = build_app(aeng, "base", lora_modules=loras, allow_runtime_lora_updating=True)
+        with serve(app) as base:
             s = Srv(base, aeng, refs)
+            s.app = app  # (tests reach the OpenAIServing through app.state.serving)
             yield s
             s.http.close()
     finally:
@@ -112,6 +114,50 @@ def test_runtime_load_and_unload(srv: Srv) -> None:
     assert_error(srv.post("/v1/completions", {"model": "c", "prompt": "hi"}), 404, param="model")
     assert_error(srv.post("/v1/unload_lora_adapter", {"lora_name": "c"}), 404, param="lora_name")
     assert _complete(srv, "a") == srv.refs["a"]  # the others go on
+
+
+def test_adapter_unloaded_while_a_request_is_prepared_still_runs_it(srv: Srv, monkeypatch) -> None:
+    """A request whose adapter is unloaded while its prompt is being tokenized (off the event loop) runs
+    under that adapter, as the requests already running under it do (it ran the base model while
+    answering as the adapter); later requests for the name are 404s."""
+    import threading
+
+    assert srv.post("/v1/load_lora_adapter", {"lora_name": "c2", "lora_path": srv.refs["paths"]["c"]}).status_code == 200
+
+    def complete(model: str) -> str:
+        r = srv.post("/v1/completions", {"model": model, "prompt": "The sky is", "max_tokens": 8, "temperature": 0,
+                                         "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    want = complete("c2")
+    assert want != complete("base")
+    tokenizer = srv.app.state.serving.tokenizer
+    entered, release = threading.Event(), threading.Event()
+    run = tokenizer.run
+
+    async def held_run(fn: Any, what: str, param: str) -> Any:
+        def held(t: Any) -> Any:
+            entered.set()
+            release.wait(30)
+            return fn(t)
+
+        return await run(held, what, param)
+
+    monkeypatch.setattr(tokenizer, "run", held_run)
+    out: dict[str, str] = {}
+    t = threading.Thread(target=lambda: out.update(text=complete("c2")))
+    t.start()
+    try:
+        assert entered.wait(30)
+        assert srv.post("/v1/unload_lora_adapter", {"lora_name": "c2"}).status_code == 200
+    finally:
+        release.set()
+        t.join(60)
+    monkeypatch.undo()
+    assert out["text"] == want
+    assert_error(srv.post("/v1/completions", {"model": "c2", "prompt": "hi"}), 404, param="model")
+    assert srv.wait_idle()["num_free_blocks"] > 0
 
 
 def test_runtime_updates_are_off_unless_asked(srv: Srv) -> None:
