@@ -157,12 +157,13 @@ class LLM:
                             f"{type(lora_request).__name__}")
         eng = self.llm_engine
         encoded = []
+        held = []  # the adapters checked below, held until their requests hold them (each read once)
         for i, (p, sp, lora) in enumerate(zip(prompts, params, loras)):
             try:
                 if not isinstance(sp, (SamplingParams, PoolingParams)):
                     raise TypeError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
                 if lora is not None:
-                    eng.get_lora(lora)  # the adapter read and checked (then cached) before anything is queued
+                    held.append(eng.get_lora(lora))  # read and checked before anything is queued
                 text, ids = eng.tokenize_prompt(p)
                 ids = sp.truncate_prompt(ids)
                 eng.validate_request(ids, sp, strict_length=False)  # (as vLLM: stops at the context)

@@ -379,6 +379,30 @@ def test_add_remove_list_loras(small):
 # ---- host bookkeeping --------------------------------------------------------------------------
 
 
+def test_adapters_are_read_once_while_requests_hold_them(small, tmp_path, monkeypatch):
+    """max_cpu_loras=1 with two adapters interleaved over six prompts: each folder is read once (it was
+    read again for nearly every prompt, at generate's check and at its add_request, each request then
+    holding its own copy), and the outputs are each adapter's; with no request left, one dropped from
+    the cache is read again at its next use."""
+    import pageflash.lora.manager as manager
+
+    tmp, folder, good, _ = small
+    other = make_peft_adapter(folder, tmp_path / "o", ["v_proj"], r=2, seed=8, std=0.3)
+    reads = []
+    load = manager.load_adapter
+    monkeypatch.setattr(manager, "load_adapter", lambda req, *a: (reads.append(req.lora_name), load(req, *a))[1])
+    llm = LLM(folder, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=4, block_size=4,
+              max_model_len=64, num_kv_blocks=64)
+    loras = [LoRARequest("good", 1, good), LoRARequest("other", 2, other)] * 3
+    (p,) = _prompts(12, (6,))
+    outs = llm.generate([{"prompt_token_ids": p}] * 6, GREEDY, use_tqdm=False, lora_request=loras)
+    assert sorted(reads) == ["good", "other"]
+    assert _tokens(outs)[0::2] == [_tokens(outs)[0]] * 3 and _tokens(outs)[1::2] == [_tokens(outs)[1]] * 3
+    assert _tokens(outs)[0] != _tokens(outs)[1]
+    llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False, lora_request=loras[0])
+    assert sorted(reads) == ["good", "good", "other"]
+
+
 def test_adapter_slots_lru_among_idle_slots():
     """Two slots: a loaded adapter is reused without a copy; a third adapter takes the least recently
     released idle slot; none is free while both are held."""
