@@ -109,6 +109,8 @@ def test_runtime_load_and_unload(srv: Srv) -> None:
                  param="lora_name", contains=("already been loaded",))
     assert_error(srv.post("/v1/load_lora_adapter", {"lora_name": "d", "lora_path": "/no/such/dir"}), 400,
                  param="lora_path", contains=("does not exist",))
+    assert_error(srv.post("/v1/load_lora_adapter", {"lora_name": "", "lora_path": paths["c"]}), 400,
+                 param="lora_name", contains=("must not be empty",))
     r = srv.post("/v1/unload_lora_adapter", {"lora_name": "c"})
     assert r.status_code == 200 and "removed successfully" in r.text
     assert_error(srv.post("/v1/completions", {"model": "c", "prompt": "hi"}), 404, param="model")
@@ -158,6 +160,18 @@ def test_adapter_unloaded_while_a_request_is_prepared_still_runs_it(srv: Srv, mo
     assert out["text"] == want
     assert_error(srv.post("/v1/completions", {"model": "c2", "prompt": "hi"}), 404, param="model")
     assert srv.wait_idle()["num_free_blocks"] > 0
+
+
+def test_async_engine_generate_takes_lora_request(srv: Srv) -> None:
+    """AsyncLLMEngine.generate(prompt, params, request_id, lora_request), as vLLM's."""
+    import asyncio
+
+    async def run() -> list[int]:
+        outs = [o async for o in srv.aeng.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True), lora_request=LoRARequest("b", 2, srv.refs["paths"]["b"]))]
+        return outs[-1].outputs[0].token_ids
+
+    assert asyncio.run(run()) == srv.refs["b"]
 
 
 def test_runtime_updates_are_off_unless_asked(srv: Srv) -> None:

@@ -517,6 +517,8 @@ class OpenAIServing:
 
         body: P.LoadLoRAAdapterRequest = await self.read_json(request, P.LoadLoRAAdapterRequest)
         name = body.lora_name
+        if not name:
+            raise APIError(400, "lora_name must not be empty", param="lora_name")
         if name in self.loras or name in self.model_names or name in self.lora_loading:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         self.lora_loading.add(name)  # (a second load of the name while this one reads the folder: a 400)
