@@ -289,6 +289,9 @@ def test_bad_adapters_raise_by_name_and_nothing_else_breaks(small):
             k: (v[:, :32].contiguous() if k == a0 else v) for k, v in t.items()}),
         "mixture-of-experts": _edit(good, tmp / "moe", tensors=lambda t: {
             k.replace("self_attn.q_proj", "mlp.experts.0.gate_proj"): v for k, v in t.items()}),
+        "part of a mixture-of-experts block": _edit(good, tmp / "moe_fused", tensors=lambda t: {  # (PEFT on
+            k.replace("self_attn.q_proj", "mlp.experts"): v for k, v in t.items()}),  # fused experts' tensors)
+        r"alpha_pattern\['v_proj'\] must be a number": _edit(good, tmp / "alpha", {"alpha_pattern": {"v_proj": "8"}}),
     }
     with open(os.path.join(bad["cannot read its weights"], "adapter_model.safetensors"), "wb") as f:
         f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")

@@ -124,7 +124,8 @@ def test_adapter_unloaded_while_a_request_is_prepared_still_runs_it(srv: Srv, mo
     answering as the adapter); later requests for the name are 404s."""
     import threading
 
-    assert srv.post("/v1/load_lora_adapter", {"lora_name": "c2", "lora_path": srv.refs["paths"]["c"]}).status_code == 200
+    r = srv.post("/v1/load_lora_adapter", {"lora_name": "c2", "lora_path": srv.refs["paths"]["c"]})
+    assert r.status_code == 200, r.text
 
     def complete(model: str) -> str:
         r = srv.post("/v1/completions", {"model": model, "prompt": "The sky is", "max_tokens": 8, "temperature": 0,
