@@ -187,7 +187,8 @@ def test_lora_modules_syntax(capsys) -> None:
     assert [(m.lora_name, m.lora_int_id, m.lora_path, m.base_model_name) for m in mods] == [
         ("x", 1, "/p/x", None), ("y", 2, "/p/y", "m")]
     for bad, msg in (("x", "expected name=path"), ('{"name": "y"}', "needs string 'name' and 'path'"),
-                     ("{oops", "not valid JSON")):
+                     ("{oops", "not valid JSON"),
+                     ('{"name": "y", "path": "/p", "base_model_name": 5}', "base_model_name must be a string")):
         with pytest.raises(ValueError, match=msg):
             parse_lora_modules([bad])
     with pytest.raises(SystemExit) as e:
