@@ -127,6 +127,10 @@ class BeamSearch:
         self._flat = [(i, b) for i, beams in enumerate(self.live) for b in beams]
         return [b.tokens for _, b in self._flat]
 
+    def prompt_of_pending(self) -> list[int]:
+        """The prompt index of each of pending()'s sequences."""
+        return [i for i, _ in self._flat]
+
     def advance(self, tops: Sequence[dict[int, Any]]) -> None:
         """tops[j]: the {token id: Logprob} of pending()[j]'s next token (top 2 x width)."""
         self.rounds += 1
@@ -171,16 +175,23 @@ class BeamSearch:
 def beam_search(llm: "LLM", prompts: Sequence[Any], params: BeamSearchParams,
                 use_tqdm: bool = False, lora_request: Any = None) -> list[BeamSearchOutput]:  # fmt: skip
     """Beam search for each prompt (as LLM.generate takes them); one BeamSearchOutput per prompt.
-    lora_request: one LoRA adapter for every beam (None: the base model)."""
+    lora_request: the LoRA adapter of every prompt's beams, or a list of one per prompt (None: the
+    base model)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     if isinstance(lora_request, (list, tuple)):
-        raise TypeError("beam_search takes one lora_request for all prompts (or None), not a list")
+        loras = list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; they must match")
+    else:
+        loras = [lora_request] * len(prompts)
     eng = llm.llm_engine
     step = SamplingParams(temperature=0.0, max_tokens=1)
     ids_list = []
     for i, p in enumerate(prompts):
         try:
+            if loras[i] is not None:
+                eng.get_lora(loras[i])  # the adapter read and checked before the first round
             _, ids = eng.tokenize_prompt(p)
             eng.validate_request(ids, step)
         except (ValueError, TypeError) as e:
@@ -198,7 +209,7 @@ def beam_search(llm: "LLM", prompts: Sequence[Any], params: BeamSearchParams,
             if not todo:
                 break
             outs = llm.generate([{"prompt_token_ids": t} for t in todo], search.step_params, use_tqdm=False,
-                                lora_request=lora_request)
+                                lora_request=[loras[i] for i in search.prompt_of_pending()])
             search.advance([o.outputs[0].logprobs[0] for o in outs])
             if bar is not None:
                 bar.update(1)

@@ -157,12 +157,13 @@ class LLM:
                             f"{type(lora_request).__name__}")
         eng = self.llm_engine
         encoded = []
+        held = []  # the adapters checked below, held until their requests hold them (each read once)
         for i, (p, sp, lora) in enumerate(zip(prompts, params, loras)):
             try:
                 if not isinstance(sp, (SamplingParams, PoolingParams)):
                     raise TypeError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
                 if lora is not None:
-                    eng.get_lora(lora)  # the adapter read and checked (then cached) before anything is queued
+                    held.append(eng.get_lora(lora))  # read and checked before anything is queued
                 text, ids = eng.tokenize_prompt(p)
                 ids = sp.truncate_prompt(ids)
                 eng.validate_request(ids, sp, strict_length=False)  # (as vLLM: stops at the context)
@@ -190,19 +191,22 @@ class LLM:
         messages: Union[Conversation, Sequence[Conversation]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
         chat_template: Optional[str] = None,
+        *,
+        add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Optional[list[dict]] = None,
         chat_template_kwargs: Optional[dict] = None,
-        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
-        As vLLM's LLM.chat: chat_template replaces the tokenizer's; continue_final_message leaves the
-        last (assistant) message open for the output to continue (add_generation_prompt must then be
-        False); tools (OpenAI's {"type": "function", "function": {...}} dicts) and chat_template_kwargs
-        go to the template. lora_request: as generate's (one per conversation for a list)."""
+        As vLLM's LLM.chat (its first five arguments in its order; the rest by keyword, where vLLM's
+        sixth, chat_template_content_format, is not taken): lora_request as generate's (one per
+        conversation for a list); chat_template replaces the tokenizer's; continue_final_message
+        leaves the last (assistant) message open for the output to continue (add_generation_prompt
+        must then be False); tools (OpenAI's {"type": "function", "function": {...}} dicts) and
+        chat_template_kwargs go to the template."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
         tok = self.get_tokenizer()
@@ -258,9 +262,11 @@ class LLM:
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids) for o in outs]
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: Any,
-                    use_tqdm: bool = False, lora_request: Optional[LoRARequest] = None) -> list:  # fmt: skip
-        """vLLM's beam search (pageflash.beam_search): params a BeamSearchParams; one BeamSearchOutput
-        (its .sequences, best first) per prompt; lora_request: one adapter for every prompt."""
+                    lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+                    use_tqdm: bool = False) -> list:  # fmt: skip
+        """vLLM's beam search (pageflash.beam_search), with vLLM's argument order: params a
+        BeamSearchParams; lora_request as generate's (one adapter for every prompt, or one per
+        prompt); one BeamSearchOutput (its .sequences, best first) per prompt."""
         from pageflash.beam_search import beam_search
 
         return beam_search(self, self._as_prompt_list(prompts), params, use_tqdm, lora_request)

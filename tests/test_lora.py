@@ -195,6 +195,53 @@ def test_decode_graph_path_with_lora_kernels(model, monkeypatch):
     assert steps.count(3) >= NEW - 2  # mixed decode steps went through the graph path
 
 
+# ---- vLLM's signatures ---------------------------------------------------------------------------
+
+
+def test_beam_search_takes_lora_request_in_vllms_place(small):
+    """LLM.beam_search(prompts, params, lora_request, use_tqdm) in vLLM's order (a vLLM script passing
+    the adapter positionally ran the base model, with a progress bar), and, as vLLM's, a list of one
+    adapter per prompt."""
+    from pageflash.beam_search import BeamSearchParams
+
+    _, _, good, llm = small
+    lora = LoRARequest("good", 1, good)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(11, (5, 9))]
+    bp = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+
+    def beams(outs):
+        return [[s.tokens for s in o.sequences] for o in outs]
+
+    base = beams(llm.beam_search(prompts, bp))
+    under = beams(llm.beam_search(prompts, bp, lora_request=lora))
+    assert under[0] != base[0] and under[1] != base[1]
+    assert beams(llm.beam_search(prompts, bp, lora)) == under
+    assert beams(llm.beam_search(prompts, bp, [lora, None])) == [under[0], base[1]]
+    with pytest.raises(ValueError, match="got 1 lora_requests for 2 prompts"):
+        llm.beam_search(prompts, bp, [lora])
+    assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.kv.pool.num_blocks
+
+
+def test_chat_takes_lora_request_fourth(tmp_path):
+    """LLM.chat(messages, sampling_params, use_tqdm, lora_request, chat_template) in vLLM's order (the
+    adapter passed fourth was taken as add_generation_prompt: the base model ran); vLLM's later
+    positional arguments are refused rather than taken for others."""
+    from pageflash.model.loader import load_tokenizer, resolve_model
+
+    folder = make_random_hf_folder(tmp_path / "m", dict(CONFIGS["llama-gqa"], vocab_size=49152))
+    load_tokenizer(resolve_model("smollm2-135m", "auto")).save_pretrained(folder)
+    lora = LoRARequest("a", 1, make_peft_adapter(folder, tmp_path / "a", ALL, r=4, seed=3, std=0.2))
+    llm = LLM(folder, enable_lora=True, max_lora_rank=4, max_model_len=128, num_kv_blocks=64)
+    chat = [{"role": "user", "content": "Name a color."}]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.chat(chat, sp, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+    assert want != llm.chat(chat, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.chat(chat, sp, False, lora)[0].outputs[0].token_ids == want
+    assert llm.chat(chat, sp, False, lora, None)[0].outputs[0].token_ids == want
+    with pytest.raises(TypeError):
+        llm.chat(chat, sp, False, lora, None, "auto")  # (vLLM's chat_template_content_format)
+
+
 # ---- errors ------------------------------------------------------------------------------------
 
 
@@ -242,6 +289,9 @@ def test_bad_adapters_raise_by_name_and_nothing_else_breaks(small):
             k: (v[:, :32].contiguous() if k == a0 else v) for k, v in t.items()}),
         "mixture-of-experts": _edit(good, tmp / "moe", tensors=lambda t: {
             k.replace("self_attn.q_proj", "mlp.experts.0.gate_proj"): v for k, v in t.items()}),
+        "part of a mixture-of-experts block": _edit(good, tmp / "moe_fused", tensors=lambda t: {  # (PEFT on
+            k.replace("self_attn.q_proj", "mlp.experts"): v for k, v in t.items()}),  # fused experts' tensors)
+        r"alpha_pattern\['v_proj'\] must be a number": _edit(good, tmp / "alpha", {"alpha_pattern": {"v_proj": "8"}}),
     }
     with open(os.path.join(bad["cannot read its weights"], "adapter_model.safetensors"), "wb") as f:
         f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
@@ -330,6 +380,30 @@ def test_add_remove_list_loras(small):
 
 
 # ---- host bookkeeping --------------------------------------------------------------------------
+
+
+def test_adapters_are_read_once_while_requests_hold_them(small, tmp_path, monkeypatch):
+    """max_cpu_loras=1 with two adapters interleaved over six prompts: each folder is read once (it was
+    read again for nearly every prompt, at generate's check and at its add_request, each request then
+    holding its own copy), and the outputs are each adapter's; with no request left, one dropped from
+    the cache is read again at its next use."""
+    import pageflash.lora.manager as manager
+
+    tmp, folder, good, _ = small
+    other = make_peft_adapter(folder, tmp_path / "o", ["v_proj"], r=2, seed=8, std=0.3)
+    reads = []
+    load = manager.load_adapter
+    monkeypatch.setattr(manager, "load_adapter", lambda req, *a: (reads.append(req.lora_name), load(req, *a))[1])
+    llm = LLM(folder, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=4, block_size=4,
+              max_model_len=64, num_kv_blocks=64)
+    loras = [LoRARequest("good", 1, good), LoRARequest("other", 2, other)] * 3
+    (p,) = _prompts(12, (6,))
+    outs = llm.generate([{"prompt_token_ids": p}] * 6, GREEDY, use_tqdm=False, lora_request=loras)
+    assert sorted(reads) == ["good", "other"]
+    assert _tokens(outs)[0::2] == [_tokens(outs)[0]] * 3 and _tokens(outs)[1::2] == [_tokens(outs)[1]] * 3
+    assert _tokens(outs)[0] != _tokens(outs)[1]
+    llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False, lora_request=loras[0])
+    assert sorted(reads) == ["good", "good", "other"]
 
 
 def test_adapter_slots_lru_among_idle_slots():

@@ -47,8 +47,10 @@ def srv(tmp_path_factory) -> Iterator[Srv]:
     llm.llm_engine.remove_lora(9)  # (c is loaded at run time below)
     aeng = AsyncLLMEngine(llm.llm_engine)
     try:
-        with serve(build_app(aeng, "base", lora_modules=loras, allow_runtime_lora_updating=True)) as base:
+        app = build_app(aeng, "base", lora_modules=loras, allow_runtime_lora_updating=True)
+        with serve(app) as base:
             s = Srv(base, aeng, refs)
+            s.app = app  # (tests reach the OpenAIServing through app.state.serving)
             yield s
             s.http.close()
     finally:
@@ -107,11 +109,70 @@ def test_runtime_load_and_unload(srv: Srv) -> None:
                  param="lora_name", contains=("already been loaded",))
     assert_error(srv.post("/v1/load_lora_adapter", {"lora_name": "d", "lora_path": "/no/such/dir"}), 400,
                  param="lora_path", contains=("does not exist",))
+    assert_error(srv.post("/v1/load_lora_adapter", {"lora_name": "", "lora_path": paths["c"]}), 400,
+                 param="lora_name", contains=("must not be empty",))
     r = srv.post("/v1/unload_lora_adapter", {"lora_name": "c"})
     assert r.status_code == 200 and "removed successfully" in r.text
     assert_error(srv.post("/v1/completions", {"model": "c", "prompt": "hi"}), 404, param="model")
     assert_error(srv.post("/v1/unload_lora_adapter", {"lora_name": "c"}), 404, param="lora_name")
     assert _complete(srv, "a") == srv.refs["a"]  # the others go on
+
+
+def test_adapter_unloaded_while_a_request_is_prepared_still_runs_it(srv: Srv, monkeypatch) -> None:
+    """A request whose adapter is unloaded while its prompt is being tokenized (off the event loop) runs
+    under that adapter, as the requests already running under it do (it ran the base model while
+    answering as the adapter); later requests for the name are 404s."""
+    import threading
+
+    r = srv.post("/v1/load_lora_adapter", {"lora_name": "c2", "lora_path": srv.refs["paths"]["c"]})
+    assert r.status_code == 200, r.text
+
+    def complete(model: str) -> str:
+        r = srv.post("/v1/completions", {"model": model, "prompt": "The sky is", "max_tokens": 8, "temperature": 0,
+                                         "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    want = complete("c2")
+    assert want != complete("base")
+    tokenizer = srv.app.state.serving.tokenizer
+    entered, release = threading.Event(), threading.Event()
+    run = tokenizer.run
+
+    async def held_run(fn: Any, what: str, param: str) -> Any:
+        def held(t: Any) -> Any:
+            entered.set()
+            release.wait(30)
+            return fn(t)
+
+        return await run(held, what, param)
+
+    monkeypatch.setattr(tokenizer, "run", held_run)
+    out: dict[str, str] = {}
+    t = threading.Thread(target=lambda: out.update(text=complete("c2")))
+    t.start()
+    try:
+        assert entered.wait(30)
+        assert srv.post("/v1/unload_lora_adapter", {"lora_name": "c2"}).status_code == 200
+    finally:
+        release.set()
+        t.join(60)
+    monkeypatch.undo()
+    assert out["text"] == want
+    assert_error(srv.post("/v1/completions", {"model": "c2", "prompt": "hi"}), 404, param="model")
+    assert srv.wait_idle()["num_free_blocks"] > 0
+
+
+def test_async_engine_generate_takes_lora_request(srv: Srv) -> None:
+    """AsyncLLMEngine.generate(prompt, params, request_id, lora_request), as vLLM's."""
+    import asyncio
+
+    async def run() -> list[int]:
+        outs = [o async for o in srv.aeng.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True), lora_request=LoRARequest("b", 2, srv.refs["paths"]["b"]))]
+        return outs[-1].outputs[0].token_ids
+
+    assert asyncio.run(run()) == srv.refs["b"]
 
 
 def test_runtime_updates_are_off_unless_asked(srv: Srv) -> None:
@@ -126,9 +187,15 @@ def test_lora_modules_syntax(capsys) -> None:
     assert [(m.lora_name, m.lora_int_id, m.lora_path, m.base_model_name) for m in mods] == [
         ("x", 1, "/p/x", None), ("y", 2, "/p/y", "m")]
     for bad, msg in (("x", "expected name=path"), ('{"name": "y"}', "needs string 'name' and 'path'"),
-                     ("{oops", "not valid JSON")):
+                     ("{oops", "not valid JSON"),
+                     ('{"name": "y", "path": "/p", "base_model_name": 5}', "base_model_name must be a string")):
         with pytest.raises(ValueError, match=msg):
             parse_lora_modules([bad])
     with pytest.raises(SystemExit) as e:
         main(["serve", "--port", "0", "--lora-modules", "x=/p/x"])
     assert e.value.code == 2 and "--lora-modules needs --enable-lora" in capsys.readouterr().err
+    # a name given twice, or a served model's name: refused before the model loads (was a traceback after)
+    for argv in (["--lora-modules", "x=/p/x", "x=/p/y"], ["--served-model-name", "m", "--lora-modules", "m=/p/x"]):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--port", "0", "--model", "/no/such/model", "--enable-lora", *argv])
+        assert e.value.code == 2 and "is used twice (or is a served model name)" in capsys.readouterr().err

@@ -259,16 +259,17 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(
-        self, prompt: Any, params: "SamplingParams", request_id: str | None = None
+        self, prompt: Any, params: "SamplingParams", request_id: str | None = None, lora_request: Any = None
     ) -> AsyncIterator["RequestOutput"]:
-        """Yield the request's outputs (cumulative) until it finishes.
+        """Yield the request's outputs (cumulative) until it finishes; lora_request: the LoRA adapter
+        it runs under (None: the base model), as vLLM's.
 
         Errors from `add_request` propagate on the first iteration. If the consumer stops early
         (break, aclose, cancellation), the request is aborted and its KV blocks freed.
         """
         if request_id is None:
             request_id = self.new_request_id()
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt, params, lora_request)
         try:
             async for out in stream:
                 yield out

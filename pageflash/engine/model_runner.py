@@ -196,7 +196,7 @@ class ModelRunner:
         """Each of the step's first num_tokens tokens' adapter slot (slots: per token, padded with 0
         up to num_tokens), then the step's grouping; a step without adapter tokens skips LoRA."""
         ctx = self.lora
-        active = any(slots)
+        active = bool(np.any(slots))  # (vectorized: a prefill step has thousands of tokens)
         if active:
             h = np.zeros(num_tokens, dtype=np.int32)
             h[: len(slots)] = slots

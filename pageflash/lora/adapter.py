@@ -91,6 +91,16 @@ def _check_config(cfg: dict[str, Any], path: str) -> None:
     alpha = cfg.get("lora_alpha", _PEFT_ALPHA)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    pattern = cfg.get("alpha_pattern") or {}
+    if not isinstance(pattern, dict):
+        raise ValueError(f"{where}: alpha_pattern must map module names to numbers, got {pattern!r}")
+    for key, value in pattern.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: alpha_pattern[{key!r}] must be a number, got {value!r}")
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise ValueError(f"{where}: alpha_pattern key {key!r} is not a valid pattern ({e})") from None
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"{where}: bias={cfg.get('bias')!r} trains bias vectors, which pageflash does not load; "
                          f"only bias='none' adapters are supported")
@@ -148,7 +158,7 @@ def _unsupported(module: str, path: str) -> ValueError:
         what = "embed_tokens" if "embed" in module else "lm_head"
         return ValueError(f"{where} targets {what} ({module}); pageflash applies LoRA to the decoder layers' "
                           f"projections only (q/k/v/o, gate/up/down)")
-    if ".experts." in module or ".shared_expert" in module or module.endswith(".mlp.gate"):
+    if ".experts." in module or module.endswith((".experts", ".mlp.gate")) or ".shared_expert" in module:
         return ValueError(f"{where} targets {module}, part of a mixture-of-experts block; LoRA on experts, shared "
                           f"experts and routers is not supported (attention projections and dense MLPs are)")
     return ValueError(f"{where} targets {module}, which pageflash does not support as a LoRA target "

@@ -3,7 +3,7 @@
 Every targeted projection (q/k/v, o, gate/up, down of each decoder layer; merged ones hold their
 parts as slices) gets a ``LoRASlots``: preallocated ``a`` [S, n x rank, in], ``b`` [S, out, rank] and
 ``scale`` [S, n] float32, S = max_loras + 1, slot 0 all zeros (no adapter). An adapter is copied into
-a slot (zero-padded up to the slots' rank) when the scheduler hands it one (lora/slots.py).
+a slot (zero-padded up to the slots' rank) when the scheduler hands it one (lora/manager.py).
 
 Per step, ``LoRAContext.token_slots`` holds each token's slot (a static device buffer: the decode
 CUDA graphs read it in place) and ``begin_step`` groups the tokens by slot once, on the device
@@ -91,9 +91,7 @@ class LoRASlots(nn.Module):
         the slot's old weights before they land."""
         from pageflash.transfer import copy_to
 
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        self.scale[slot].zero_()
+        self.clear(slot)
         r = self.rank
         for i, scale, a, b in parts:
             k = a.shape[0]
@@ -102,6 +100,7 @@ class LoRASlots(nn.Module):
             self.scale[slot, i] = scale
 
     def clear(self, slot: int) -> None:
+        """Zero slot's weights and scales (its delta becomes zero)."""
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.scale[slot].zero_()

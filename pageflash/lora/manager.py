@@ -1,8 +1,10 @@
 """Which adapters the engine knows (host memory) and which sit in the device's slots.
 
 ``AdapterCache``: adapters read from disk (lora/adapter.py), keyed by lora_int_id, the least
-recently used dropped beyond ``capacity`` (vLLM's max_cpu_loras; a request holds its own adapter
-object, so dropping one costs only a new read later). Each distinct adapter gets a ``uid`` that
+recently used dropped beyond ``capacity`` (vLLM's max_cpu_loras). A request holds its adapter
+object, and one dropped from the cache while requests still hold it is handed out again rather than
+read again: an adapter is read once however many requests wait under it, and host memory holds at
+most one copy of it (dropping one no request holds costs a new read later). Each distinct adapter gets a ``uid`` that
 names its weights: device slots and prefix-cache hashes are keyed by it, so an adapter removed and
 added again (perhaps changed on disk) never meets the old one's slot or cached blocks.
 
@@ -14,6 +16,7 @@ running request uses -- and waits when every slot is held.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Optional
 
@@ -31,6 +34,8 @@ class AdapterCache:
         self.capacity = capacity
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # int id -> adapter, least recent first
         self.known: dict[int, tuple[str, str, int]] = {}  # int id -> (name, path, uid), until removed
+        # int id -> the adapter while anything (a request) holds it, cached or not
+        self.held: weakref.WeakValueDictionary[int, LoRAAdapter] = weakref.WeakValueDictionary()
         self._next_uid = 1
 
     def get(self, req: LoRARequest) -> LoRAAdapter:
@@ -42,16 +47,16 @@ class AdapterCache:
         if known is not None and known[:2] != (req.lora_name, req.lora_path):
             raise ValueError(f"lora_int_id {req.lora_int_id} is already used by adapter {known[0]!r} ({known[1]}); "
                              f"each adapter needs its own id (or remove that one first)")
-        hit = self.loaded.get(req.lora_int_id)
-        if hit is not None:
-            self.loaded.move_to_end(req.lora_int_id)
-            return hit
-        adapter = load_adapter(req, self.model_cfg, self.max_rank)
-        if known is None:
-            known = self.known[req.lora_int_id] = (req.lora_name, req.lora_path, self._next_uid)
-            self._next_uid += 1
-        adapter.uid = known[2]
+        adapter = self.loaded.get(req.lora_int_id) or self.held.get(req.lora_int_id)
+        if adapter is None:
+            adapter = load_adapter(req, self.model_cfg, self.max_rank)
+            if known is None:
+                known = self.known[req.lora_int_id] = (req.lora_name, req.lora_path, self._next_uid)
+                self._next_uid += 1
+            adapter.uid = known[2]
+            self.held[req.lora_int_id] = adapter
         self.loaded[req.lora_int_id] = adapter
+        self.loaded.move_to_end(req.lora_int_id)
         while len(self.loaded) > self.capacity:
             self.loaded.popitem(last=False)
         return adapter
@@ -59,6 +64,7 @@ class AdapterCache:
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter (a later request reads it again, as a new one). False if unknown."""
         self.loaded.pop(lora_int_id, None)
+        self.held.pop(lora_int_id, None)  # (requests holding it finish under it; the id is new hereafter)
         return self.known.pop(lora_int_id, None) is not None
 
     def ids(self) -> set[int]:

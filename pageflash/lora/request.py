@@ -27,6 +27,8 @@ class LoRARequest:
         path = lora_path or lora_local_path or ""  # (lora_local_path: vLLM's deprecated spelling)
         if not isinstance(path, str) or not path:
             raise ValueError(f"lora_path must name the adapter's folder, got {lora_path!r}")
+        if base_model_name is not None and not isinstance(base_model_name, str):
+            raise ValueError(f"base_model_name must be a string or None, got {base_model_name!r}")
         self.lora_name = lora_name
         self.lora_int_id = lora_int_id
         self.lora_path = path

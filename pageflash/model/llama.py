@@ -214,6 +214,7 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lora: Optional[LoRAContext] = None  # once enable_lora has run
+        self.lora_targets: list[tuple[int, str, Linear]] = []  # (layer, projection name, module) with LoRA slots
         self.make_rotary(max_positions)
 
     def make_rotary(self, max_positions: int) -> None:
@@ -283,25 +284,22 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
             raise ValueError("LoRA adapters with tensor_parallel_size > 1 are not supported")
         w = self.embed_tokens.weight
         ctx = LoRAContext(max_loras, max_rank, max_tokens, w.device)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             mods = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj}
             if isinstance(layer.mlp, LlamaMLP):  # (MoE layers: experts are not LoRA targets)
                 mods.update(gate_up_proj=layer.mlp.gate_up_proj, down_proj=layer.mlp.down_proj)
             for name, mod in mods.items():
                 in_features, slices = module_shapes(self.cfg, name)
                 mod.lora = LoRASlots(ctx, in_features, slices, w.dtype, w.device)
+                self.lora_targets.append((i, name, mod))
         self.lora = ctx
         return ctx
 
     def load_lora(self, slot: int, adapter: Any) -> None:
         """Copy a lora.adapter.LoRAAdapter into slot of every targeted projection (the others' slot
         zeroed)."""
-        for i, layer in enumerate(self.layers):
-            for name, mod in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                              ("gate_up_proj", getattr(layer.mlp, "gate_up_proj", None)),
-                              ("down_proj", getattr(layer.mlp, "down_proj", None))):
-                if mod is not None and mod.lora is not None:
-                    mod.lora.load(slot, adapter.weights.get((i, name), ()))
+        for i, name, mod in self.lora_targets:
+            mod.lora.load(slot, adapter.weights.get((i, name), ()))
 
     def set_prefetcher(self, prefetcher) -> None:
         """Give every layer the weight prefetcher (None: off)."""

@@ -495,7 +495,10 @@ class OpenAIServing:
         return requested
 
     def lora_for(self, model: str) -> Any:
-        """The LoRARequest a request's (known) model name runs under; None for the base model."""
+        """The LoRARequest a request's (known) model name runs under; None for the base model. Taken
+        as soon as the name is checked: an adapter unloaded while the request is prepared (prompts
+        tokenized, a chat template rendered, a constraint compiled) still runs it, as it does the
+        requests already running under it -- never the base model in its place."""
         return self.loras.get(model)
 
     def model_cards(self) -> list[P.ModelCard]:
@@ -514,6 +517,8 @@ class OpenAIServing:
 
         body: P.LoadLoRAAdapterRequest = await self.read_json(request, P.LoadLoRAAdapterRequest)
         name = body.lora_name
+        if not name:
+            raise APIError(400, "lora_name must not be empty", param="lora_name")
         if name in self.loras or name in self.model_names or name in self.lora_loading:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         self.lora_loading.add(name)  # (a second load of the name while this one reads the folder: a 400)
@@ -736,7 +741,7 @@ class OpenAIServing:
         return await self.tokenizer.run(render, "Cannot apply the chat template", "messages")
 
     async def completions_beam_search(self, request: Request, req: P.CompletionRequest, raw: list[Any],
-                                      model: str) -> Response:  # fmt: skip
+                                      model: str, lora: Any) -> Response:  # fmt: skip
         for name in ("echo", "logprobs"):
             if getattr(req, name):
                 raise APIError(400, f"use_beam_search does not take {name}", param=name)
@@ -751,7 +756,7 @@ class OpenAIServing:
             else:
                 ids_list.append(await self.tokenizer.run(lambda t, p=p: list(t.encode(p)), "Cannot tokenize the prompt",
                                                          name))  # fmt: skip
-        results, usage = await self.beam_search(request, req, ids_list, req.max_tokens, "prompt")
+        results, usage = await self.beam_search(request, req, ids_list, req.max_tokens, "prompt", lora)
         choices = [P.CompletionChoice(index=i * req.n + j, text=s.output_text or "", finish_reason=s.finish_reason)
                    for i, r in enumerate(results) for j, s in enumerate(r.sequences)]  # fmt: skip
         body = P.CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=model, choices=choices, usage=usage)
@@ -759,7 +764,7 @@ class OpenAIServing:
 
     # ---- beam search (vLLM's use_beam_search)
     async def beam_search(self, request: Request, req: Any, prompts: list[list[int]], max_tokens: int | None,
-                          param: str) -> tuple[list[Any], P.Usage]:  # fmt: skip
+                          param: str, lora: Any) -> tuple[list[Any], P.Usage]:  # fmt: skip
         """Beam search with n beams (pageflash.beam_search.BeamSearch), its rounds of one-token
         requests run through the async engine. Returns per prompt its BeamSearchOutput (best n
         first, texts decoded on the worker thread) and the usage (prompt tokens, the returned
@@ -786,7 +791,6 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise _value_error(e, ["n", "length_penalty"]) from None
         rid = f"beam-{uuid.uuid4().hex}"
-        lora = self.lora_for(self.response_model_name(req.model))
         timer = self.metrics.timer()
         timer.prompt_tokens = sum(len(p) for p in prompts)
 
@@ -831,6 +835,7 @@ class OpenAIServing:
         output_item.done, then completed, or incomplete when max_output_tokens cut it)."""
         body: P.ResponsesRequest = await self.read_json(request, P.ResponsesRequest)
         model = self.response_model_name(body.model)
+        lora = self.lora_for(model)
         shift = 1 if body.instructions else 0  # the system message instructions become comes first
 
         def ours(e: APIError) -> APIError:
@@ -877,8 +882,7 @@ class OpenAIServing:
                     continue
                 raise ours(e) from None
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
-        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "input",
-                                             self.lora_for(model)),
+        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "input", lora),
                           params, self.metrics.timer())  # fmt: skip
         created = time.time()
 
@@ -1035,6 +1039,7 @@ class OpenAIServing:
 
         body: P.EmbeddingRequest = await self.read_json(request, P.EmbeddingRequest)
         model = self.response_model_name(body.model)
+        lora = self.lora_for(model)
         try:
             raw = body.inputs()
             pooling = PoolingParams(dimensions=body.dimensions, truncate_prompt_tokens=body.truncate_prompt_tokens)
@@ -1060,7 +1065,7 @@ class OpenAIServing:
             prompts.append({"prompt_token_ids": ids})
         timer = self.metrics.timer()  # (e2e latency, prompt length and success counts; no tokens are generated)
         timer.prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        streams = await self.add_all(f"embd-{uuid.uuid4().hex}", prompts, pooling, "input", self.lora_for(model))
+        streams = await self.add_all(f"embd-{uuid.uuid4().hex}", prompts, pooling, "input", lora)
 
         async def collect() -> list[Any]:
             outs = []
@@ -1141,6 +1146,7 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         req: P.CompletionRequest = await self.read_json(request, P.CompletionRequest)
         model = self.response_model_name(req.model)
+        lora = self.lora_for(model)
         try:
             raw = req.prompts()
         except ValueError as e:
@@ -1148,7 +1154,7 @@ class OpenAIServing:
         if len(raw) * req.n > MAX_CHOICES:
             raise APIError(400, f"prompts x n = {len(raw) * req.n} is over the limit of {MAX_CHOICES}", param="n")
         if req.use_beam_search:
-            return await self.completions_beam_search(request, req, raw, model)
+            return await self.completions_beam_search(request, req, raw, model, lora)
         kw = req.sampling_kwargs()
         echo_only = req.max_tokens == 0  # vLLM's echo without generation: one token is run, not returned
         kw["max_tokens"] = 1 if echo_only else req.max_tokens
@@ -1193,7 +1199,7 @@ class OpenAIServing:
             first_tokens, prompt_offsets = [f for f, _ in found], [o for _, o in found]
         rid = f"cmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
-        gen = _Generation(await self.add_all(rid, prompts, params, "prompt", self.lora_for(model)), params, timer)
+        gen = _Generation(await self.add_all(rid, prompts, params, "prompt", lora), params, timer)
         gen.echo_only = echo_only
         created = int(time.time())
 
@@ -1265,6 +1271,7 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         req: P.ChatCompletionRequest = await self.read_json(request, P.ChatCompletionRequest)
         model = self.response_model_name(req.model)
+        lora = self.lora_for(model)
         if req.n > MAX_CHOICES:
             raise APIError(400, f"n = {req.n} is over the limit of {MAX_CHOICES}", param="n")
         if req.calls_tools == "auto" and self.tool_parser is None:
@@ -1279,7 +1286,8 @@ class OpenAIServing:
             for name in ("echo", "logprobs", "tools"):
                 if getattr(req, name):
                     raise APIError(400, f"use_beam_search does not take {name}", param=name)
-            results, usage = await self.beam_search(request, req, [prompt_ids], req.max_new_tokens, "messages")
+            results, usage = await self.beam_search(request, req, [prompt_ids], req.max_new_tokens, "messages",
+                                                    lora)
             beams = [P.ChatChoice(index=j, message=P.ChatResponseMessage(role=req.response_role, content=s.output_text),
                                   finish_reason=s.finish_reason) for j, s in enumerate(results[0].sequences)]  # fmt: skip
             if self.reasoning_parser is not None:  # the thought split off, as for any chat reply
@@ -1303,8 +1311,7 @@ class OpenAIServing:
         self.validate(prompt_ids, params, "messages", "the chat prompt (messages after the chat template)")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
-        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "messages",
-                                             self.lora_for(model)),
+        gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "messages", lora),
                           params, timer)  # fmt: skip
         created = int(time.time())
 
@@ -1821,6 +1828,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if loras and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
+    served = set(args.served_model_name or [args.model])
+    for i, lora in enumerate(loras):  # (checked before the model loads, as build_app would refuse them after)
+        if lora.lora_name in served or any(lora.lora_name == o.lora_name for o in loras[:i]):
+            parser.error(f"--lora-modules: the name {lora.lora_name!r} is used twice (or is a served model name)")
     template = args.chat_template
     if template is not None and os.path.isfile(template):
         with open(template, encoding="utf-8") as f:
