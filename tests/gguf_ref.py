@@ -1,7 +1,8 @@
 """GGUF files for tests, written the way llama.cpp's convert_hf_to_gguf.py writes them: a HF folder's
 tensors renamed through gguf's own TensorNameMap (the converter's map_tensor_name), llama's Q/K rows
 permuted, Gemma's norms shifted by 1, experts stacked into [E, out, in], Llama 3.1's rope scaling as a
-rope_freqs tensor, and the metadata keys each converter class writes; tokenizer metadata (byte-level
+rope_freqs tensor, Phi-3's LongRoPE as rope_factors tensors, and the metadata keys each converter
+class writes (YaRN's rope.scaling.* keys, Phi-3's rotary dims and attn_factor); tokenizer metadata (byte-level
 BPE as Llama 3 and Qwen files carry, SentencePiece as Gemma, Phi-3 and Mistral files do); and K-quant
 blocks, which gguf.quants cannot make (Q4_K / Q5_K / Q6_K encoders after ggml's block layouts)."""
 
@@ -77,9 +78,26 @@ def _metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rp: dict) -> None:
             w.add_final_logit_softcapping(hp["final_logit_softcapping"])
             w.add_sliding_window(hp["sliding_window"])
         return
-    if rp.get("rope_type") == "linear":
+    rope_type = rp.get("rope_type", rp.get("type"))
+    if arch == "phi3":
+        pass  # Phi3MiniModel writes no scaling type: its LongRoPE is the rope_factors tensors (_phi3_longrope)
+    elif rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rp["factor"])
+    elif rope_type == "yarn" and rp.get("factor") is not None:  # TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        if rp.get("extrapolation_factor") is not None:
+            w.add_rope_scaling_yarn_ext_factor(rp["extrapolation_factor"])
+        if rp.get("attention_factor", rp.get("attn_factor")) is not None:
+            w.add_rope_scaling_yarn_attn_factor(rp.get("attention_factor", rp.get("attn_factor")))
+        if rp.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rp["beta_fast"])
+        if rp.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rp["beta_slow"])
+    elif rope_type in ("su", "longrope"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
     w.add_rope_freq_base(rp["rope_theta"])
     if hp.get("num_local_experts"):
         w.add_expert_count(hp["num_local_experts"])
@@ -102,10 +120,27 @@ def _metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rp: dict) -> None:
             w.add_final_logit_softcapping(hp["final_logit_softcapping"])
         if hp.get("sliding_window_pattern") != 1:
             w.add_sliding_window(hp["sliding_window"])
-    elif arch == "phi3":
-        w.add_rope_scaling_orig_ctx_len(hp.get("original_max_position_embeddings", hp["max_position_embeddings"]))
-        w.add_rope_dimension_count(head_dim)
+    elif arch == "phi3":  # Phi3MiniModel: the rotary dims from hidden / heads, not head_dim
+        w.add_rope_scaling_orig_ctx_len(hp["original_max_position_embeddings"])
+        w.add_rope_dimension_count(int(hp.get("partial_rotary_factor", 1.0) * hp["hidden_size"]) // heads)
         w.add_sliding_window(hp.get("sliding_window") or 0)
+
+
+def _phi3_longrope(w: gguf.GGUFWriter, hp: dict, rp: dict) -> dict[str, torch.Tensor]:
+    """Phi3MiniModel.generate_extra_tensors: LongRoPE's factors as tensors, and the cos / sin factor
+    (rope.scaling.attn_factor) from max_position_embeddings / original_max_position_embeddings."""
+    kind = rp.get("rope_type", rp.get("type", "")).lower()
+    if kind not in ("su", "longrope", "yarn"):
+        return {}
+    scale, orig = hp["max_position_embeddings"] / hp["original_max_position_embeddings"], \
+        hp["original_max_position_embeddings"]
+    if kind == "yarn":
+        attn = 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
+    else:
+        attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+    w.add_rope_scaling_attn_factors(attn)
+    return {"rope_factors_long.weight": torch.tensor(rp["long_factor"], dtype=torch.float32),
+            "rope_factors_short.weight": torch.tensor(rp["short_factor"], dtype=torch.float32)}
 
 
 def write_gguf(folder: str, path: str, quant: Optional[Callable[[str], Optional[Q]]] = None,
@@ -150,6 +185,8 @@ def write_gguf(folder: str, path: str, quant: Optional[Callable[[str], Optional[
 
     w = gguf.GGUFWriter(path, arch)
     _metadata(w, arch, hp, rp)
+    if arch == "phi3":
+        out.update(_phi3_longrope(w, hp, rp))
     if tokenizer is not None:
         add_tokenizer(w, tokenizer)
     if edit is not None:
