@@ -1,10 +1,11 @@
 """GGUF files for tests, written the way llama.cpp's convert_hf_to_gguf.py writes them: a HF folder's
-tensors renamed through gguf's own TensorNameMap (the converter's map_tensor_name), llama's Q/K rows
-permuted, Gemma's norms shifted by 1, experts stacked into [E, out, in], Llama 3.1's rope scaling as a
-rope_freqs tensor, Phi-3's LongRoPE as rope_factors tensors, and the metadata keys each converter
-class writes (YaRN's rope.scaling.* keys, Phi-3's rotary dims and attn_factor); tokenizer metadata (byte-level
-BPE as Llama 3 and Qwen files carry, SentencePiece as Gemma, Phi-3 and Mistral files do); and K-quant
-blocks, which gguf.quants cannot make (Q4_K / Q5_K / Q6_K encoders after ggml's block layouts)."""
+tensors renamed through gguf's own TensorNameMap (the converter's map_tensor_name), llama's and
+Granite's Q/K rows permuted, Gemma's norms shifted by 1, experts stacked into [E, out, in], Llama 3.1's
+rope scaling as a rope_freqs tensor, Phi-3's LongRoPE as rope_factors tensors, and the metadata keys
+each converter class writes (YaRN's rope.scaling.* keys, Phi-3's rotary dims and attn_factor,
+Granite's *_scale keys); tokenizer metadata (byte-level BPE as Llama 3 and Qwen files carry,
+SentencePiece as Gemma, Phi-3 and Mistral files do); and K-quant blocks, which gguf.quants cannot
+make (Q4_K / Q5_K / Q6_K encoders after ggml's block layouts)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 # HF model_type -> GGUF general.architecture (the converter class registered for it)
 ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma": "gemma", "gemma2": "gemma2",
-        "gemma3_text": "gemma3", "phi3": "phi3"}
+        "gemma3_text": "gemma3", "phi3": "phi3", "granite": "granite"}
 
 
 def _folder_tensors(folder: str) -> dict[str, torch.Tensor]:
@@ -106,9 +107,15 @@ def _metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rp: dict) -> None:
     if hp.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if arch == "llama":
+    if arch in ("llama", "granite"):  # LlamaModel
         w.add_vocab_size(hp["vocab_size"])
         w.add_rope_dimension_count(head_dim)
+        if arch == "granite":  # GraniteModel: HF's multipliers under llama.cpp's names (those set and nonzero)
+            for hf, add in (("attention_multiplier", w.add_attention_scale),
+                            ("embedding_multiplier", w.add_embedding_scale),
+                            ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)):
+                if hp.get(hf):
+                    add(hp[hf])
     elif arch in ("qwen2moe", "qwen3moe"):
         if hp.get("num_experts"):  # (Qwen2MoeModel: the name transformers 4 saved)
             w.add_expert_count(hp["num_experts"])
@@ -153,6 +160,8 @@ def write_gguf(folder: str, path: str, quant: Optional[Callable[[str], Optional[
     with open(os.path.join(folder, "config.json")) as f:
         hp = json.load(f)
     arch = ARCH[hp["model_type"]]
+    if arch == "granite":
+        hp.pop("head_dim", None)  # GraniteModel ignores it (llama.cpp: hidden / heads)
     rp = hp.get("rope_parameters") or dict(hp.get("rope_scaling") or {}, rope_theta=hp.get("rope_theta", 10000.0))
     rp = rp.get("full_attention", rp)  # (per layer type: Gemma 3)
     heads, layers = hp["num_attention_heads"], hp["num_hidden_layers"]
@@ -167,9 +176,9 @@ def write_gguf(folder: str, path: str, quant: Optional[Callable[[str], Optional[
             continue  # the Gemma converters skip it (tied)
         if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + 1  # Gemma's norms scale by 1 + w; llama.cpp's by the stored weight
-        if arch == "llama" and name.endswith("q_proj.weight"):
+        if arch in ("llama", "granite") and name.endswith("q_proj.weight"):  # (GraniteModel is a LlamaModel)
             t = permute(t, heads)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
+        elif arch in ("llama", "granite") and name.endswith("k_proj.weight"):
             t = permute(t, kv_heads)
         parts = name.split(".")
         if ".experts." in name and parts[-2] in ("w1", "w2", "w3", "gate_proj", "up_proj", "down_proj"):

@@ -2,8 +2,8 @@
 them (tests/gguf_ref.py), against HF transformers on the folder they were converted from: greedy
 tokens equal (a text prompt through the tokenizer built from the file's metadata too), the writer's
 conventions read back by transformers' own GGUF loader where it reads the architecture, Llama 3.1's
-rope_freqs, LongRoPE / partial rotary / YaRN read back as the HF config's rope scaling, K-quants and
-Q8_0, tokenizers, and bad files."""
+rope_freqs, LongRoPE / partial rotary / YaRN read back as the HF config's rope scaling, Granite's
+multipliers, K-quants and Q8_0, tokenizers, and bad files."""
 
 from __future__ import annotations
 
@@ -74,6 +74,8 @@ CASES = {
     "qwen2-yarn": (CONFIGS["qwen2-yarn"], "qwen"),
     "qwen3-yarn": (dict(CONFIGS["qwen3-qk-norm"], rope_scaling=YARN), "qwen"),
     "llama-yarn": (dict(CONFIGS["llama-gqa"], rope_scaling=dict(YARN, attention_factor=1.25)), "llama3"),
+    # Granite's embedding / residual / attention multipliers and logits scaling (a byte-level BPE vocabulary)
+    "granite": (CONFIGS["granite"], "llama3"),
 }
 ROPE_CASES = ("phi3-longrope", "phi4-mini", "qwen2-yarn", "qwen3-yarn", "llama-yarn")
 # architectures whose every config key transformers' GGUF reader reads (not Gemma 1, Mixtral, nor the
@@ -164,6 +166,23 @@ def test_rope_scaling_read_as_the_hf_config(tmp_path, name):
     assert [o.outputs[0].token_ids for o in outs] != [hf_greedy(plain, p, 16) for p in prompts]
 
 
+def test_granite_multipliers_and_weights_read_as_the_hf_folder(tmp_path):
+    """A Granite file's *_scale keys are the HF config's multipliers, and its tensors (Q/K rows
+    permuted as for llama) read back as the folder's (transformers' GGUF loader reads no granite)."""
+    folder = make_random_hf_folder(tmp_path / "hf", dict(CONFIGS["granite"], vocab_size=211))
+    src = resolve_model(write_gguf(folder, str(tmp_path / "granite.gguf")))
+    cfg, want = load_config(src), ModelConfig.from_hf_dict(dict(CONFIGS["granite"], vocab_size=211))
+    names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    # (the file holds float32 values: the multipliers as the float32 arithmetic applies them anyway)
+    assert [np.float32(getattr(cfg, n)) for n in names] == [np.float32(getattr(want, n)) for n in names]
+    assert (cfg.architecture, cfg.head_dim, cfg.rope_theta) == ("GraniteForCausalLM", want.head_dim, want.rope_theta)
+    ref = _hf(folder).state_dict()
+    weights = dict(iter_weights(src, cfg))
+    assert weights.keys() == ref.keys()
+    for name, w in weights.items():
+        torch.testing.assert_close(w, ref[name], rtol=0, atol=1e-6, msg=name)
+
+
 def test_early_mixtral_files_with_one_tensor_per_expert(tmp_path):
     """Mixtral files from before llama.cpp stacked the experts (blk.N.ffn_gate.E.weight ...) load the
     same weights as the stacked layout."""
@@ -231,7 +250,7 @@ def _tokenizer_file(path: str, arch: str, tok: dict) -> str:
 
 
 @pytest.mark.parametrize("arch,kind", [("llama", "llama3"), ("qwen2", "qwen"), ("llama", "llama"), ("gemma", "gemma"),
-                                       ("gemma3", "gemma"), ("phi3", "phi3")])
+                                       ("gemma3", "gemma"), ("phi3", "phi3"), ("granite", "llama3")])
 def test_tokenizer_from_gguf_metadata(tmp_path, arch, kind):
     """Each family's tokenizer metadata builds a tokenizer that round-trips text (bytes outside the
     vocabulary too), uses the merges, keeps special tokens whole, adds BOS as the file says and
@@ -285,7 +304,7 @@ def test_gemma_27b_attention_scale(tmp_path, arch, layers):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("hf")
-    return {n: make_random_hf_folder(base / n, dict(CONFIGS[n], vocab_size=64)) for n in ("llama-gqa", "phi3")}
+    return {n: make_random_hf_folder(base / n, dict(CONFIGS[n], vocab_size=64)) for n in ("llama-gqa", "phi3", "granite")}
 
 
 def _drop(name):
@@ -313,6 +332,10 @@ BAD = {  # name -> (folder, edit, error)
     "partial rotary on llama": ("llama-gqa", lambda t, w: w.add_rope_dimension_count(4),
                                 r"partial rotary embeddings \(llama.rope.dimension_count=4, head_dim 8\) are "
                                 "supported for phi3 only"),
+    "granite without a multiplier": ("granite", lambda t, w: w.kv_data[0].pop("granite.logit_scale"),
+                                     "lacks the metadata key granite.logit_scale"),
+    "granite without rope": ("granite", lambda t, w: w.add_rope_scaling_finetuned(False),
+                             r"granite without rotary embeddings \(granite.rope.scaling.finetuned false\)"),
     "rope_freqs with yarn": ("llama-gqa", lambda t, w: (t.update({"rope_freqs.weight": torch.ones(4)}),
                                                         w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
                                                         w.add_rope_scaling_factor(2.0)),

@@ -3,12 +3,12 @@ checkpoint names, dequantized, with what llama.cpp's convert_hf_to_gguf.py chang
 
 general.architecture: llama (Llama 2/3/3.x, Mistral; with routed experts Mixtral), qwen2, qwen3,
 qwen2moe, qwen3moe, gemma, gemma2, gemma3 (the text decoder), phi3 (LongRoPE and partial rotary
-too). What the converter changes: llama's Q/K rows are permuted (interleaved rope), Gemma's norm
-weights hold 1 + w, experts are fused into [E, out, in] tensors, Llama 3.1's rope scaling becomes a
-rope_freqs tensor, Phi-3's LongRoPE factors become rope_factors_long / _short tensors, the rest of
-the rope_scaling dict becomes rope.scaling.* keys (read back into HF's dict), and some constants
-(Gemma's attention scale, sliding pattern, local rope base) are left to llama.cpp's
-per-architecture rules, which are followed here.
+too), granite. What the converter changes: llama's and granite's Q/K rows are permuted (interleaved
+rope), Gemma's norm weights hold 1 + w, experts are fused into [E, out, in] tensors, Llama 3.1's rope
+scaling becomes a rope_freqs tensor, Phi-3's LongRoPE factors become rope_factors_long / _short
+tensors, the rest of the rope_scaling dict becomes rope.scaling.* keys (read back into HF's dict),
+Granite's multipliers become *_scale keys, and some constants (Gemma's attention scale, sliding
+pattern, local rope base) are left to llama.cpp's per-architecture rules, which are followed here.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from pageflash.layers.rotary import rope_attention_factor
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                  "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
 # with routed experts: Mixtral
 _LLAMAS = ("llama", "mistral")
-# the converter's LlamaModel: Q/K rows permuted (the others keep HF's)
-_PERMUTED = ("llama", "mistral")
+# the converter's LlamaModel and its subclass GraniteModel: Q/K rows permuted (the others keep HF's)
+_PERMUTED = ("llama", "mistral", "granite")
 _GEMMAS = ("gemma", "gemma2", "gemma3")
 # llama.cpp's end-of-generation tokens besides EOS / EOT / EOM: these texts (llama-vocab.cpp)
 _EOG_TEXTS = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
@@ -137,7 +137,7 @@ def gguf_config(reader, path: str) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names, architecture=hf_arch,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"), eos_token_ids=_eog_ids(reader),
         **_rope(reader, key, arch, head_dim, path), **moe, **_window(reader, arch, layers),
-        **_gemma(reader, arch, hidden, heads, head_dim, layers))
+        **_gemma(reader, arch, hidden, heads, head_dim, layers), **_granite(key, arch, path))
     try:
         cfg = ModelConfig(**fields)
     except ValueError as e:  # a value of the file the model config refuses
@@ -290,6 +290,20 @@ def _gemma(reader, arch: str, hidden: int, heads: int, head_dim: int, layers: in
         d.update(final_logit_softcapping=float(final) if final else None,
                  rope_local_theta=float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0)))
     return d
+
+
+def _granite(key: Callable[..., Any], arch: str, path: str) -> dict[str, Any]:
+    """Granite's multipliers from the keys GraniteModel writes (llama.cpp requires all four): the
+    embeddings times embedding_scale, each block's output times residual_scale, attention.scale the
+    softmax scale, the logits divided by logit_scale. llama.cpp rotates Granite only while
+    rope.scaling.finetuned is true (its default; transformers always does)."""
+    if arch != "granite":
+        return {}
+    if not key("rope.scaling.finetuned", True):
+        raise ValueError(f"GGUF file {path!r}: granite without rotary embeddings (granite.rope.scaling.finetuned "
+                         "false) is not supported")
+    return dict(embedding_multiplier=float(key("embedding_scale")), residual_multiplier=float(key("residual_scale")),
+                attention_multiplier=float(key("attention.scale")), logits_scaling=float(key("logit_scale")))
 
 
 def _eog_ids(reader) -> tuple[int, ...]:
