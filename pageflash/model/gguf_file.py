@@ -81,8 +81,9 @@ def field(reader, key: str, default: Any = None) -> Any:
 
 
 def hf_name(name: str, arch: str) -> Optional[str]:
-    """The HF checkpoint name of GGUF tensor `name`: "" for one read into the config (rope_freqs), a
-    template with "{e}" for a fused expert tensor (one name per expert), None for a tensor we do not know."""
+    """The HF checkpoint name of GGUF tensor `name`: "" for one read into the config (rope_freqs,
+    rope_factors_*), a template with "{e}" for a fused expert tensor (one name per expert), None for a
+    tensor we do not know."""
     if name in _TOP:
         return _TOP[name]
     m = _BLOCK_RE.fullmatch(name)
