@@ -40,7 +40,8 @@ _EOG_TEXTS = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", 
 
 # tensor names: GGUF -> HF checkpoint (blocks: blk.N.<key>.weight|bias -> model.layers.N.<value>.weight|bias)
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",  # "": read into the config
+        "output.weight": "lm_head.weight",
+        # "": read into the config
         "rope_freqs.weight": "", "rope_factors_long.weight": "", "rope_factors_short.weight": ""}
 _BLOCK = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
