@@ -364,6 +364,18 @@ def test_longrope_attn_factor_of_the_file(tmp_path, folders):
     assert cfg.rope_scaling["attention_factor"] == 1.5 and rope_attention_factor(cfg) == 1.5
 
 
+def test_partial_rotary_dims_of_the_file(tmp_path):
+    """phi3.rope.dimension_count is the rotary dim exactly, also where rope_dims / head_dim x head_dim
+    falls an ulp short of it (30 of 44 dims: a factor of 30 / 44 would truncate to 29)."""
+    from test_engine_hf import CONFIGS as HF
+
+    assert int(44 * (30 / 44)) == 29
+    folder = make_random_hf_folder(tmp_path / "hf", dict(HF["phi3"], hidden_size=176, vocab_size=64))
+    path = write_gguf(folder, str(tmp_path / "p.gguf"), edit=lambda t, w: w.add_rope_dimension_count(30))
+    cfg = load_config(resolve_model(path))
+    assert (cfg.head_dim, cfg.rotary_dim) == (44, 30)
+
+
 def test_unknown_architecture_and_quant_type(tmp_path, folders):
     path = str(tmp_path / "rwkv.gguf")
     w = gguf.GGUFWriter(path, "rwkv6")
