@@ -143,6 +143,10 @@ class ModelConfig:
                 len(self.rope_freq_factors) != self.rotary_dim // 2 or not all(f > 0 for f in self.rope_freq_factors)):
             raise ValueError(f"model config: rope_freq_factors must be rotary_dim // 2 = {self.rotary_dim // 2} "
                              f"positive numbers, got {len(self.rope_freq_factors)}")
+        if self.rope_freq_factors is not None and self.rope_type in ("yarn", "longrope"):
+            # (rope_inv_freq computes these types' frequencies from their own parameters alone)
+            raise ValueError(f"model config: rope_freq_factors with rope_scaling type {self.rope_type!r} are not "
+                             "supported")
 
     def _check_rope(self) -> None:
         """partial_rotary_factor and rope_scaling: the type and the fields its computation reads."""

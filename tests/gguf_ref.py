@@ -1,9 +1,11 @@
 """GGUF files for tests, written the way llama.cpp's convert_hf_to_gguf.py writes them: a HF folder's
-tensors renamed through gguf's own TensorNameMap (the converter's map_tensor_name), llama's Q/K rows
-permuted, Gemma's norms shifted by 1, experts stacked into [E, out, in], Llama 3.1's rope scaling as a
-rope_freqs tensor, and the metadata keys each converter class writes; tokenizer metadata (byte-level
-BPE as Llama 3 and Qwen files carry, SentencePiece as Gemma, Phi-3 and Mistral files do); and K-quant
-blocks, which gguf.quants cannot make (Q4_K / Q5_K / Q6_K encoders after ggml's block layouts)."""
+tensors renamed through gguf's own TensorNameMap (the converter's map_tensor_name), llama's and
+Granite's Q/K rows permuted, Gemma's norms shifted by 1, experts stacked into [E, out, in], Llama 3.1's
+rope scaling as a rope_freqs tensor, Phi-3's LongRoPE as rope_factors tensors, and the metadata keys
+each converter class writes (YaRN's rope.scaling.* keys, Phi-3's rotary dims and attn_factor,
+Granite's *_scale keys); tokenizer metadata (byte-level BPE as Llama 3 and Qwen files carry,
+SentencePiece as Gemma, Phi-3 and Mistral files do); and K-quant blocks, which gguf.quants cannot
+make (Q4_K / Q5_K / Q6_K encoders after ggml's block layouts)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 # HF model_type -> GGUF general.architecture (the converter class registered for it)
 ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma": "gemma", "gemma2": "gemma2",
-        "gemma3_text": "gemma3", "phi3": "phi3"}
+        "gemma3_text": "gemma3", "phi3": "phi3", "granite": "granite"}
 
 
 def _folder_tensors(folder: str) -> dict[str, torch.Tensor]:
@@ -77,9 +79,26 @@ def _metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rp: dict) -> None:
             w.add_final_logit_softcapping(hp["final_logit_softcapping"])
             w.add_sliding_window(hp["sliding_window"])
         return
-    if rp.get("rope_type") == "linear":
+    rope_type = rp.get("rope_type", rp.get("type"))
+    if arch == "phi3":
+        pass  # Phi3MiniModel writes no scaling type: its LongRoPE is the rope_factors tensors (_phi3_longrope)
+    elif rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rp["factor"])
+    elif rope_type == "yarn" and rp.get("factor") is not None:  # TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        if rp.get("extrapolation_factor") is not None:
+            w.add_rope_scaling_yarn_ext_factor(rp["extrapolation_factor"])
+        if rp.get("attention_factor", rp.get("attn_factor")) is not None:
+            w.add_rope_scaling_yarn_attn_factor(rp.get("attention_factor", rp.get("attn_factor")))
+        if rp.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rp["beta_fast"])
+        if rp.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rp["beta_slow"])
+    elif rope_type in ("su", "longrope"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
     w.add_rope_freq_base(rp["rope_theta"])
     if hp.get("num_local_experts"):
         w.add_expert_count(hp["num_local_experts"])
@@ -88,9 +107,15 @@ def _metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rp: dict) -> None:
     if hp.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if arch == "llama":
+    if arch in ("llama", "granite"):  # LlamaModel
         w.add_vocab_size(hp["vocab_size"])
         w.add_rope_dimension_count(head_dim)
+        if arch == "granite":  # GraniteModel: HF's multipliers under llama.cpp's names (those set and nonzero)
+            for hf, add in (("attention_multiplier", w.add_attention_scale),
+                            ("embedding_multiplier", w.add_embedding_scale),
+                            ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)):
+                if hp.get(hf):
+                    add(hp[hf])
     elif arch in ("qwen2moe", "qwen3moe"):
         if hp.get("num_experts"):  # (Qwen2MoeModel: the name transformers 4 saved)
             w.add_expert_count(hp["num_experts"])
@@ -102,10 +127,27 @@ def _metadata(w: gguf.GGUFWriter, arch: str, hp: dict, rp: dict) -> None:
             w.add_final_logit_softcapping(hp["final_logit_softcapping"])
         if hp.get("sliding_window_pattern") != 1:
             w.add_sliding_window(hp["sliding_window"])
-    elif arch == "phi3":
-        w.add_rope_scaling_orig_ctx_len(hp.get("original_max_position_embeddings", hp["max_position_embeddings"]))
-        w.add_rope_dimension_count(head_dim)
+    elif arch == "phi3":  # Phi3MiniModel: the rotary dims from hidden / heads, not head_dim
+        w.add_rope_scaling_orig_ctx_len(hp["original_max_position_embeddings"])
+        w.add_rope_dimension_count(int(hp.get("partial_rotary_factor", 1.0) * hp["hidden_size"]) // heads)
         w.add_sliding_window(hp.get("sliding_window") or 0)
+
+
+def _phi3_longrope(w: gguf.GGUFWriter, hp: dict, rp: dict) -> dict[str, torch.Tensor]:
+    """Phi3MiniModel.generate_extra_tensors: LongRoPE's factors as tensors, and the cos / sin factor
+    (rope.scaling.attn_factor) from max_position_embeddings / original_max_position_embeddings."""
+    kind = rp.get("rope_type", rp.get("type", "")).lower()
+    if kind not in ("su", "longrope", "yarn"):
+        return {}
+    scale, orig = hp["max_position_embeddings"] / hp["original_max_position_embeddings"], \
+        hp["original_max_position_embeddings"]
+    if kind == "yarn":
+        attn = 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
+    else:
+        attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+    w.add_rope_scaling_attn_factors(attn)
+    return {"rope_factors_long.weight": torch.tensor(rp["long_factor"], dtype=torch.float32),
+            "rope_factors_short.weight": torch.tensor(rp["short_factor"], dtype=torch.float32)}
 
 
 def write_gguf(folder: str, path: str, quant: Optional[Callable[[str], Optional[Q]]] = None,
@@ -118,6 +160,8 @@ def write_gguf(folder: str, path: str, quant: Optional[Callable[[str], Optional[
     with open(os.path.join(folder, "config.json")) as f:
         hp = json.load(f)
     arch = ARCH[hp["model_type"]]
+    if arch == "granite":
+        hp.pop("head_dim", None)  # GraniteModel ignores it (llama.cpp: hidden / heads)
     rp = hp.get("rope_parameters") or dict(hp.get("rope_scaling") or {}, rope_theta=hp.get("rope_theta", 10000.0))
     rp = rp.get("full_attention", rp)  # (per layer type: Gemma 3)
     heads, layers = hp["num_attention_heads"], hp["num_hidden_layers"]
@@ -132,9 +176,9 @@ def write_gguf(folder: str, path: str, quant: Optional[Callable[[str], Optional[
             continue  # the Gemma converters skip it (tied)
         if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + 1  # Gemma's norms scale by 1 + w; llama.cpp's by the stored weight
-        if arch == "llama" and name.endswith("q_proj.weight"):
+        if arch in ("llama", "granite") and name.endswith("q_proj.weight"):  # (GraniteModel is a LlamaModel)
             t = permute(t, heads)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
+        elif arch in ("llama", "granite") and name.endswith("k_proj.weight"):
             t = permute(t, kv_heads)
         parts = name.split(".")
         if ".experts." in name and parts[-2] in ("w1", "w2", "w3", "gate_proj", "up_proj", "down_proj"):
@@ -150,6 +194,8 @@ def write_gguf(folder: str, path: str, quant: Optional[Callable[[str], Optional[
 
     w = gguf.GGUFWriter(path, arch)
     _metadata(w, arch, hp, rp)
+    if arch == "phi3":
+        out.update(_phi3_longrope(w, hp, rp))
     if tokenizer is not None:
         add_tokenizer(w, tokenizer)
     if edit is not None:

@@ -2,7 +2,8 @@
 them (tests/gguf_ref.py), against HF transformers on the folder they were converted from: greedy
 tokens equal (a text prompt through the tokenizer built from the file's metadata too), the writer's
 conventions read back by transformers' own GGUF loader where it reads the architecture, Llama 3.1's
-rope_freqs, K-quants and Q8_0, tokenizers, and bad files."""
+rope_freqs, LongRoPE / partial rotary / YaRN read back as the HF config's rope scaling, Granite's
+multipliers, K-quants and Q8_0, tokenizers, and bad files."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from test_engine_hf import CONFIGS
 
 from pageflash import LLM, SamplingParams
 from pageflash.config import ModelConfig
-from pageflash.layers.rotary import rope_inv_freq
+from pageflash.layers.rotary import rope_attention_factor, rope_inv_freq
 from pageflash.model.loader import iter_weights, load_config, load_tokenizer, resolve_model
 
 
@@ -49,6 +50,7 @@ EOG = {"llama3": {"<|end_of_text|>", "<|eot_id|>"}, "qwen": {"<|endoftext|>", "<
 # (the converter reads that length from the config's top level)
 LLAMA31 = dict(CONFIGS["llama-mha-rope-scaling"], num_key_value_heads=2, original_max_position_embeddings=64)
 GEMMA3 = {k: v for k, v in CONFIGS["gemma3"].items() if k != "layer_types"}
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=16.0, beta_slow=2.0)
 # name -> (HF config, tokenizer kind): test_engine_hf's configs as a converted file keeps them. llama.cpp
 # scales Gemma 2/3 attention by head_dim (hidden / heads at 27B) as the real configs' query_pre_attn_scalar
 # does, slides 5 of every 6 Gemma 3 layers, and has no dense layer in qwen3moe.
@@ -64,10 +66,22 @@ CASES = {
     "gemma2": (dict(CONFIGS["gemma2"], query_pre_attn_scalar=32), "gemma"),
     "gemma3": (dict(GEMMA3, num_hidden_layers=6, query_pre_attn_scalar=32), "gemma"),
     "phi3": (CONFIGS["phi3"], "phi3"),
+    # the rope types the converter writes: Phi-3.5's LongRoPE (rope_factors tensors, from a 32-token
+    # original context: these prompts cross it), Phi-4-mini's with partial rotary, YaRN with the extras
+    # the converter copies (attention_factor, beta_fast / beta_slow)
+    "phi3-longrope": (CONFIGS["phi3-longrope"], "phi3"),
+    "phi4-mini": (CONFIGS["phi4-mini-like"], "phi3"),
+    "qwen2-yarn": (CONFIGS["qwen2-yarn"], "qwen"),
+    "qwen3-yarn": (dict(CONFIGS["qwen3-qk-norm"], rope_scaling=YARN), "qwen"),
+    "llama-yarn": (dict(CONFIGS["llama-gqa"], rope_scaling=dict(YARN, attention_factor=1.25)), "llama3"),
+    # Granite's embedding / residual / attention multipliers and logits scaling (a byte-level BPE vocabulary)
+    "granite": (CONFIGS["granite"], "llama3"),
 }
+ROPE_CASES = ("phi3-longrope", "phi4-mini", "qwen2-yarn", "qwen3-yarn", "llama-yarn")
 # architectures whose every config key transformers' GGUF reader reads (not Gemma 1, Mixtral, nor the
 # Qwen MoE's expert sizes or Qwen3's head_dim)
-TRANSFORMERS_READS = ("llama3.1", "mistral", "qwen2", "gemma2", "gemma3", "phi3")
+TRANSFORMERS_READS = ("llama3.1", "mistral", "qwen2", "gemma2", "gemma3", "phi3", "phi3-longrope", "phi4-mini",
+                      "qwen2-yarn", "llama-yarn")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 ENGINE = dict(dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64, max_num_batched_tokens=24)
 
@@ -121,6 +135,52 @@ def test_llama31_rope_freqs_are_its_rope_scaling(tmp_path):
     outs = LLM(path, **ENGINE).generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(scaled, p, 16) for p in prompts]
     assert [o.outputs[0].token_ids for o in outs] != [hf_greedy(plain, p, 16) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ROPE_CASES)
+def test_rope_scaling_read_as_the_hf_config(tmp_path, name):
+    """A file's LongRoPE factors, partial rotary dims and YaRN keys give the rope_scaling of the HF
+    config it was converted from (its fields the converter keeps), hence the same tables: inverse
+    frequencies (short and long), the cos / sin factor, the context and LongRoPE's switch. And the
+    scaling matters on these prompts: HF with the default rope on the same weights decodes otherwise."""
+    cfg_dict, kind = CASES[name]
+    hf_cfg = ModelConfig.from_hf_dict(dict(cfg_dict, vocab_size=211))
+    folder = make_random_hf_folder(tmp_path / "hf", dict(cfg_dict, vocab_size=211))
+    cfg = load_config(resolve_model(write_gguf(folder, str(tmp_path / f"{name}.gguf"))))
+    keep = ("rope_type", "factor", "original_max_position_embeddings", "short_factor", "long_factor",
+            "attention_factor", "beta_fast", "beta_slow")
+    # (the file holds the factors as float32, the precision the tables are computed in)
+    assert cfg.rope_scaling == {k: np.float32(v).tolist() if isinstance(v, list) else v
+                                for k, v in hf_cfg.rope_scaling.items() if k in keep}
+    assert (cfg.rotary_dim, cfg.max_context_len, cfg.rope_long_after) == \
+        (hf_cfg.rotary_dim, hf_cfg.max_context_len, hf_cfg.rope_long_after)
+    assert np.float32(rope_attention_factor(cfg)) == np.float32(rope_attention_factor(hf_cfg))
+    for long in (False, True):
+        assert torch.equal(rope_inv_freq(cfg, long=long), rope_inv_freq(hf_cfg, long=long))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (20, 40)]
+    plain = _hf(folder, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+    outs = LLM(str(tmp_path / f"{name}.gguf"), **ENGINE).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(_hf(folder), p, 16) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] != [hf_greedy(plain, p, 16) for p in prompts]
+
+
+def test_granite_multipliers_and_weights_read_as_the_hf_folder(tmp_path):
+    """A Granite file's *_scale keys are the HF config's multipliers, and its tensors (Q/K rows
+    permuted as for llama) read back as the folder's (transformers' GGUF loader reads no granite)."""
+    folder = make_random_hf_folder(tmp_path / "hf", dict(CONFIGS["granite"], vocab_size=211))
+    src = resolve_model(write_gguf(folder, str(tmp_path / "granite.gguf")))
+    cfg, want = load_config(src), ModelConfig.from_hf_dict(dict(CONFIGS["granite"], vocab_size=211))
+    names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    # (the file holds float32 values: the multipliers as the float32 arithmetic applies them anyway)
+    assert [np.float32(getattr(cfg, n)) for n in names] == [np.float32(getattr(want, n)) for n in names]
+    assert (cfg.architecture, cfg.head_dim, cfg.rope_theta) == ("GraniteForCausalLM", want.head_dim, want.rope_theta)
+    ref = _hf(folder).state_dict()
+    weights = dict(iter_weights(src, cfg))
+    assert weights.keys() == ref.keys()
+    for name, w in weights.items():
+        torch.testing.assert_close(w, ref[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_early_mixtral_files_with_one_tensor_per_expert(tmp_path):
@@ -190,7 +250,7 @@ def _tokenizer_file(path: str, arch: str, tok: dict) -> str:
 
 
 @pytest.mark.parametrize("arch,kind", [("llama", "llama3"), ("qwen2", "qwen"), ("llama", "llama"), ("gemma", "gemma"),
-                                       ("gemma3", "gemma"), ("phi3", "phi3")])
+                                       ("gemma3", "gemma"), ("phi3", "phi3"), ("granite", "llama3")])
 def test_tokenizer_from_gguf_metadata(tmp_path, arch, kind):
     """Each family's tokenizer metadata builds a tokenizer that round-trips text (bytes outside the
     vocabulary too), uses the merges, keeps special tokens whole, adds BOS as the file says and
@@ -244,17 +304,17 @@ def test_gemma_27b_attention_scale(tmp_path, arch, layers):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("hf")
-    return {n: make_random_hf_folder(base / n, dict(CONFIGS[n], vocab_size=64)) for n in ("llama-gqa", "phi3")}
+    return {n: make_random_hf_folder(base / n, dict(CONFIGS[n], vocab_size=64)) for n in ("llama-gqa", "phi3", "granite")}
 
 
 def _drop(name):
     return lambda t, w: t.pop(name)
 
 
-def _longrope(t, w):
-    t["rope_factors_long.weight"] = torch.ones(8)
-    t["rope_factors_short.weight"] = torch.ones(8)
-    w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+def _rope_factors(*which):
+    def edit(t, w):
+        t.update({f"rope_factors_{k}.weight": torch.ones(4) for k in which})
+    return edit
 
 
 BAD = {  # name -> (folder, edit, error)
@@ -263,11 +323,23 @@ BAD = {  # name -> (folder, edit, error)
                        r"does not know: \['blk.0.attn_sinks.weight'\]"),
     "missing key": ("llama-gqa", lambda t, w: w.kv_data[0].pop("llama.block_count"),
                     "lacks the metadata key llama.block_count"),
-    "yarn": ("llama-gqa", lambda t, w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
-             r"rope scaling 'yarn' \(llama.rope.scaling.type\) is not supported"),
-    "longrope": ("phi3", _longrope, "LongRoPE"),
-    "partial rotary": ("phi3", lambda t, w: w.add_rope_dimension_count(12),
-                       r"partial rotary embeddings \(phi3.rope.dimension_count=12"),
+    "yarn without its factor": ("llama-gqa", lambda t, w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
+                                "lacks the metadata key llama.rope.scaling.factor"),
+    "unknown rope scaling": ("llama-gqa", lambda t, w: w.add_string("llama.rope.scaling.type", "ntk"),
+                             r"rope scaling 'ntk' \(llama.rope.scaling.type\) is not supported"),
+    "longrope half": ("phi3", _rope_factors("long"), r"LongRoPE lacks the tensor\(s\) \['rope_factors_short'\]"),
+    "longrope on llama": ("llama-gqa", _rope_factors("long", "short"), "LongRoPE .* is supported for phi3 only"),
+    "partial rotary on llama": ("llama-gqa", lambda t, w: w.add_rope_dimension_count(4),
+                                r"partial rotary embeddings \(llama.rope.dimension_count=4, head_dim 8\) are "
+                                "supported for phi3 only"),
+    "granite without a multiplier": ("granite", lambda t, w: w.kv_data[0].pop("granite.logit_scale"),
+                                     "lacks the metadata key granite.logit_scale"),
+    "granite without rope": ("granite", lambda t, w: w.add_rope_scaling_finetuned(False),
+                             r"granite without rotary embeddings \(granite.rope.scaling.finetuned false\)"),
+    "rope_freqs with yarn": ("llama-gqa", lambda t, w: (t.update({"rope_freqs.weight": torch.ones(4)}),
+                                                        w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
+                                                        w.add_rope_scaling_factor(2.0)),
+                             "rope_freq_factors with rope_scaling type 'yarn' are not supported"),
 }
 
 
@@ -277,6 +349,31 @@ def test_bad_gguf_is_refused_by_name(tmp_path, folders, case):
     path = write_gguf(folders[folder], str(tmp_path / "bad.gguf"), edit=edit)
     with pytest.raises(ValueError, match=error):
         load_config(resolve_model(path))
+
+
+def test_longrope_attn_factor_of_the_file(tmp_path, folders):
+    """A LongRoPE file whose rope.scaling.attn_factor is not the one the converter computes from HF's
+    formula keeps its own (llama.cpp multiplies cos / sin by it); the converter's gives HF's dict."""
+    from test_engine_hf import CONFIGS as HF
+
+    folder = make_random_hf_folder(tmp_path / "hf", dict(HF["phi3-longrope"], vocab_size=64))
+    cfg = load_config(resolve_model(write_gguf(folder, str(tmp_path / "a.gguf"))))
+    assert "attention_factor" not in cfg.rope_scaling
+    odd = write_gguf(folder, str(tmp_path / "b.gguf"), edit=lambda t, w: w.add_rope_scaling_attn_factors(1.5))
+    cfg = load_config(resolve_model(odd))
+    assert cfg.rope_scaling["attention_factor"] == 1.5 and rope_attention_factor(cfg) == 1.5
+
+
+def test_partial_rotary_dims_of_the_file(tmp_path):
+    """phi3.rope.dimension_count is the rotary dim exactly, also where rope_dims / head_dim x head_dim
+    falls an ulp short of it (30 of 44 dims: a factor of 30 / 44 would truncate to 29)."""
+    from test_engine_hf import CONFIGS as HF
+
+    assert int(44 * (30 / 44)) == 29
+    folder = make_random_hf_folder(tmp_path / "hf", dict(HF["phi3"], hidden_size=176, vocab_size=64))
+    path = write_gguf(folder, str(tmp_path / "p.gguf"), edit=lambda t, w: w.add_rope_dimension_count(30))
+    cfg = load_config(resolve_model(path))
+    assert (cfg.head_dim, cfg.rotary_dim) == (44, 30)
 
 
 def test_unknown_architecture_and_quant_type(tmp_path, folders):

@@ -2,6 +2,7 @@
 architecture: tests/test_gguf.py)."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -123,3 +124,99 @@ def test_quantized_checkpoint_is_refused_by_name():
     d = dict(NAMED_CONFIGS["smollm2-135m"], quantization_config={"quant_method": "awq", "bits": 4})
     with pytest.raises(ValueError, match=r"quantized checkpoints \(awq\) are not supported"):
         ModelConfig.from_hf_dict(d)
+
+
+# ---- checkpoints missing a part of a merged parameter ------------------------------------------
+
+def _fused_experts(state: dict) -> dict:
+    """transformers >= 5's fused expert names: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]."""
+    out, experts = {}, {}  # experts: (layer's mlp prefix, part) -> expert -> tensor
+    for k, v in state.items():
+        parts = k.split(".")
+        if ".mlp.experts." in k and parts[-2] in ("gate_proj", "up_proj", "down_proj"):
+            experts.setdefault((".".join(parts[:5]), parts[-2]), {})[int(parts[5])] = v
+        else:
+            out[k] = v
+    stacked = {key: torch.stack([by_e[e] for e in sorted(by_e)]) for key, by_e in experts.items()}
+    for prefix in {p for p, _ in experts}:
+        out[f"{prefix}.gate_up_proj"] = torch.cat([stacked[prefix, "gate_proj"], stacked[prefix, "up_proj"]], dim=1)
+        out[f"{prefix}.down_proj"] = stacked[prefix, "down_proj"]
+    return out
+
+
+# name -> (config, checkpoint layout, the tensors dropped, the names the error gives); every case
+# leaves the parameter's other parts loaded (or, for Phi-3, its fused tensor absent)
+MISSING_PART = {
+    "k_proj": ("llama-gqa", None, ["model.layers.1.self_attn.k_proj.weight"],
+               ["model.layers.1.self_attn.k_proj.weight"]),
+    "up_proj": ("llama-gqa", None, ["model.layers.0.mlp.up_proj.weight"], ["model.layers.0.mlp.up_proj.weight"]),
+    "v bias": ("qwen2-bias", None, ["model.layers.0.self_attn.v_proj.bias"], ["model.layers.0.self_attn.v_proj.bias"]),
+    "phi3 qkv_proj": ("phi3", None, ["model.layers.1.self_attn.qkv_proj.weight"],
+                      ["model.layers.1.self_attn.qkv_proj.weight"]),
+    "phi3 gate_up_proj": ("phi3", None, ["model.layers.0.mlp.gate_up_proj.weight"],
+                          ["model.layers.0.mlp.gate_up_proj.weight"]),
+    "mixtral expert": ("mixtral", None, ["model.layers.1.block_sparse_moe.experts.2.w3.weight"],
+                       ["model.layers.1.block_sparse_moe.experts.2.w3.weight"]),
+    "qwen2-moe expert and shared expert": (
+        "qwen2-moe", None, ["model.layers.0.mlp.experts.1.down_proj.weight", "model.layers.1.mlp.shared_expert.up_proj.weight"],
+        ["model.layers.0.mlp.experts.1.down_proj.weight", "model.layers.1.mlp.shared_expert.up_proj.weight"]),
+    "fused experts' down_proj": ("qwen2-moe", "fused", ["model.layers.1.mlp.experts.down_proj"],
+                                 [f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4)]),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from hf_ref import make_random_hf_folder
+    from test_engine_hf import CONFIGS
+
+    base = tmp_path_factory.mktemp("hf")
+    return {n: make_random_hf_folder(base / n, dict(CONFIGS[n], num_hidden_layers=2))
+            for n in {c for c, *_ in MISSING_PART.values()}}
+
+
+@pytest.mark.parametrize("case", sorted(MISSING_PART))
+@pytest.mark.parametrize("tp", [(0, 1), (1, 2)])
+def test_checkpoint_missing_a_part_is_refused_by_name(checkpoints, case, tp):
+    """A checkpoint missing one part of a merged parameter (k_proj of q/k/v, up_proj of gate/up, a bias,
+    Phi-3's fused tensors, one expert's matrix, a shared expert's, the fused experts' down_proj) is an
+    error naming the missing tensors -- one rank of two as well -- while the whole checkpoint loads."""
+    from pageflash.model.llama import LlamaForCausalLM
+    from pageflash.model.loader import iter_weights
+
+    name, layout, dropped, named = MISSING_PART[case]
+    src = resolve_model(checkpoints[name])
+    cfg = load_config(src)
+    state = dict(iter_weights(src, cfg))
+    if layout == "fused":
+        state = _fused_experts(state)
+    assert set(dropped) <= set(state)
+    rank, size = tp
+
+    def model():
+        return LlamaForCausalLM(cfg.shard(size), max_positions=16, tp_rank=rank, tp_size=size)
+
+    assert model().load_weights(state.items()) == {n for n, _ in model().named_parameters()}
+    with pytest.raises(ValueError) as err:
+        model().load_weights((k, v) for k, v in state.items() if k not in dropped)
+    assert f"checkpoint lacks {len(named)} tensor(s) the model needs: {named}" in str(err.value)
+
+
+def test_missing_part_names_the_folder(tmp_path):
+    """Through the engine: the error names the folder and the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_ref import make_random_hf_folder
+    from pageflash import LLM
+    from test_engine_hf import CONFIGS
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
+    gone = "model.layers.1.self_attn.k_proj.weight"
+    for fn in os.listdir(folder):
+        if fn.endswith(".safetensors"):
+            state = load_file(os.path.join(folder, fn))
+            if gone in state:
+                del state[gone]
+                save_file(state, os.path.join(folder, fn), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"checkpoint '{folder}' lacks 1 tensor\(s\) the model needs: \['{gone}'\]"):
+        LLM(folder, max_model_len=32, num_kv_blocks=16)

@@ -2,30 +2,37 @@
 checkpoint names, dequantized, with what llama.cpp's convert_hf_to_gguf.py changed undone.
 
 general.architecture: llama (Llama 2/3/3.x, Mistral; with routed experts Mixtral), qwen2, qwen3,
-qwen2moe, qwen3moe, gemma, gemma2, gemma3 (the text decoder), phi3. What the converter changes:
-llama's Q/K rows are permuted (interleaved rope), Gemma's norm weights hold 1 + w, experts are
-fused into [E, out, in] tensors, Llama 3.1's rope scaling becomes a rope_freqs tensor, and some
-constants (Gemma's attention scale, sliding pattern, local rope base) are left to llama.cpp's
-per-architecture rules, which are followed here.
+qwen2moe, qwen3moe, gemma, gemma2, gemma3 (the text decoder), phi3 (LongRoPE and partial rotary
+too), granite. What the converter changes: llama's and granite's Q/K rows are permuted (interleaved
+rope), Gemma's norm weights hold 1 + w, experts are fused into [E, out, in] tensors, Llama 3.1's rope
+scaling becomes a rope_freqs tensor, Phi-3's LongRoPE factors become rope_factors_long / _short
+tensors, the rest of the rope_scaling dict becomes rope.scaling.* keys (read back into HF's dict),
+Granite's multipliers become *_scale keys, and some constants (Gemma's attention scale, sliding
+pattern, local rope base) are left to llama.cpp's per-architecture rules, which are followed here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import re
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from pageflash.config import MOE_ARCHITECTURES, ModelConfig
+from pageflash.layers.rotary import rope_attention_factor
 
 # GGUF general.architecture -> ours ("llama" with routed experts: Mixtral)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                  "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
-# the converter's LlamaModel: Q/K rows permuted (the others keep HF's); with routed experts, Mixtral
+                 "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
+# with routed experts: Mixtral
 _LLAMAS = ("llama", "mistral")
+# the converter's LlamaModel and its subclass GraniteModel: Q/K rows permuted (the others keep HF's)
+_PERMUTED = ("llama", "mistral", "granite")
 _GEMMAS = ("gemma", "gemma2", "gemma3")
 # llama.cpp's end-of-generation tokens besides EOS / EOT / EOM: these texts (llama-vocab.cpp)
 _EOG_TEXTS = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
@@ -33,7 +40,9 @@ _EOG_TEXTS = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", 
 
 # tensor names: GGUF -> HF checkpoint (blocks: blk.N.<key>.weight|bias -> model.layers.N.<value>.weight|bias)
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight", "rope_freqs.weight": ""}  # "": read into the config
+        "output.weight": "lm_head.weight",
+        # "": read into the config
+        "rope_freqs.weight": "", "rope_factors_long.weight": "", "rope_factors_short.weight": ""}
 _BLOCK = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
@@ -73,8 +82,9 @@ def field(reader, key: str, default: Any = None) -> Any:
 
 
 def hf_name(name: str, arch: str) -> Optional[str]:
-    """The HF checkpoint name of GGUF tensor `name`: "" for one read into the config (rope_freqs), a
-    template with "{e}" for a fused expert tensor (one name per expert), None for a tensor we do not know."""
+    """The HF checkpoint name of GGUF tensor `name`: "" for one read into the config (rope_freqs,
+    rope_factors_*), a template with "{e}" for a fused expert tensor (one name per expert), None for a
+    tensor we do not know."""
     if name in _TOP:
         return _TOP[name]
     m = _BLOCK_RE.fullmatch(name)
@@ -101,10 +111,6 @@ def gguf_config(reader, path: str) -> ModelConfig:
                          f"(supported: {', '.join(ARCHITECTURES)})")
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}  # numpy (row-major) order
     key = _keys(reader, arch, path)
-    if {"rope_factors_long.weight", "rope_factors_short.weight"} & set(shapes) or \
-            key("rope.scaling.type", None) == "longrope":
-        raise ValueError(f"GGUF file {path!r}: LongRoPE (Phi-3's 128k-context variants: rope_factors_long / "
-                         "rope_factors_short) is not supported")
     unknown = sorted(n for n in shapes if hf_name(n, arch) is None)
     if unknown:
         raise ValueError(f"GGUF file {path!r}: tensors of {arch} that pageflash does not know: {unknown[:5]}")
@@ -122,7 +128,7 @@ def gguf_config(reader, path: str) -> ModelConfig:
         raise ValueError(f"GGUF file {path!r}: value heads of another size than key heads are not supported")
     hf_arch, moe = _moe(key, arch, layers, shapes, path)
     names = set(shapes)
-    cfg = ModelConfig(
+    fields = dict(
         vocab_size=vocab, hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length", None) or moe.get("moe_intermediate_size") or 0),
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=int(kv_heads), head_dim=head_dim,
@@ -133,7 +139,17 @@ def gguf_config(reader, path: str) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names, architecture=hf_arch,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"), eos_token_ids=_eog_ids(reader),
         **_rope(reader, key, arch, head_dim, path), **moe, **_window(reader, arch, layers),
-        **_gemma(reader, arch, hidden, heads, head_dim, layers))
+        **_gemma(reader, arch, hidden, heads, head_dim, layers), **_granite(key, arch, path))
+    try:
+        cfg = ModelConfig(**fields)
+    except ValueError as e:  # a value of the file the model config refuses
+        raise ValueError(f"GGUF file {path!r}: {e}") from None
+    attn = key("rope.scaling.attn_factor", None)
+    if cfg.rope_type == "longrope" and attn is not None and \
+            not math.isclose(float(attn), rope_attention_factor(cfg), rel_tol=1e-6):
+        # the converter writes LongRoPE's factor from HF's formula; a file whose factor differs from
+        # it (to float32 rounding) keeps its own, as llama.cpp multiplies cos / sin by the file's value
+        cfg = dataclasses.replace(cfg, rope_scaling={**cfg.rope_scaling, "attention_factor": float(attn)})
     need = [n for n in _required_tensors(cfg, arch, names) if n not in names]
     if need:
         raise ValueError(f"GGUF file {path!r} lacks tensors the {arch} model needs: {need[:5]}")
@@ -155,22 +171,59 @@ def _keys(reader, arch: str, path: str) -> Callable[..., Any]:
 
 
 def _rope(reader, key: Callable[..., Any], arch: str, head_dim: int, path: str) -> dict[str, Any]:
-    """The rope base, linear scaling, and Llama 3.1's scaling as the rope_freqs factors."""
+    """The rope base and scaling, as the HF config the file was converted from has them: linear, YaRN
+    (its factor, pretraining context and the extras the converter copies: attention_factor,
+    beta_fast, beta_slow), Phi-3's LongRoPE (the rope_factors_long / _short tensors, the context
+    before them: rope.scaling.original_context_length), partial rotary (phi3.rope.dimension_count <
+    head_dim: Phi-4-mini), and Llama 3.1's scaling as the rope_freqs factors."""
     rope_dims = int(key("rope.dimension_count", head_dim))
+    prf = 1.0
     if rope_dims != head_dim:
-        raise ValueError(f"GGUF file {path!r}: partial rotary embeddings ({arch}.rope.dimension_count={rope_dims}, "
-                         f"head_dim {head_dim}) are not supported")
-    scaling = None
+        if arch != "phi3" or not 2 <= rope_dims < head_dim:
+            raise ValueError(f"GGUF file {path!r}: partial rotary embeddings ({arch}.rope.dimension_count="
+                             f"{rope_dims}, head_dim {head_dim}) are supported for phi3 only")
+        prf = rope_dims / head_dim
+        if int(head_dim * prf) != rope_dims:  # (ModelConfig.rotary_dim truncates head_dim x factor)
+            prf = math.nextafter(prf, 1.0)
+    tensors = {t.name: t for t in reader.tensors if t.name.startswith("rope_")}
+
+    def factors(name: str) -> Optional[list[float]]:
+        t = tensors.get(name)
+        return None if t is None else [float(f) for f in _dequantize(t).reshape(-1)]
+
     kind = key("rope.scaling.type", None)
-    if kind == "linear" or (kind is None and float(key("rope.scale_linear", 1.0)) != 1.0):  # (older files)
+    # (llama.cpp's pretraining context where the key is missing: the context length)
+    orig = int(key("rope.scaling.original_context_length", None) or key("context_length", 4096))
+    long, short = factors("rope_factors_long.weight"), factors("rope_factors_short.weight")
+    scaling = None
+    if long is not None or short is not None or kind == "longrope":
+        if arch != "phi3":
+            raise ValueError(f"GGUF file {path!r}: LongRoPE (rope_factors_long / rope_factors_short) is "
+                             f"supported for phi3 only, not {arch}")
+        lacking = [n for n, f in (("rope_factors_long", long), ("rope_factors_short", short)) if f is None]
+        if lacking:
+            raise ValueError(f"GGUF file {path!r}: LongRoPE lacks the tensor(s) {lacking}")
+        scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                   "original_max_position_embeddings": orig}
+    elif kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
+                   "original_max_position_embeddings": orig}
+        # (llama.cpp's yarn_ext_factor and yarn_log_multiplier: no transformers field, not written
+        # for these architectures)
+        for name, hf in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                         ("yarn_beta_slow", "beta_slow")):
+            v = key(f"rope.scaling.{name}", None)
+            if v is not None:
+                scaling[hf] = float(v)
+    elif kind == "linear" or (kind is None and float(key("rope.scale_linear", 1.0)) != 1.0):  # (older files)
         scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", None) or key("rope.scale_linear"))}
     elif kind not in (None, "none"):
         raise ValueError(f"GGUF file {path!r}: rope scaling {kind!r} ({arch}.rope.scaling.type) is not supported "
-                         "(linear, and Llama 3.1's rope_freqs)")
-    factors = next((tuple(float(f) for f in _dequantize(t).reshape(-1))
-                    for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+                         "(linear, yarn, longrope, and Llama 3.1's rope_freqs)")
+    freqs = factors("rope_freqs.weight")
     # (llama.cpp's default base where the key is missing: Gemma 1 / 2 files have none)
-    return dict(rope_theta=float(key("rope.freq_base", 10000.0)), rope_scaling=scaling, rope_freq_factors=factors)
+    return dict(rope_theta=float(key("rope.freq_base", 10000.0)), rope_scaling=scaling, partial_rotary_factor=prf,
+                rope_freq_factors=None if freqs is None else tuple(freqs))
 
 
 def _moe(key: Callable[..., Any], arch: str, layers: int, shapes: dict[str, tuple[int, ...]],
@@ -239,6 +292,20 @@ def _gemma(reader, arch: str, hidden: int, heads: int, head_dim: int, layers: in
         d.update(final_logit_softcapping=float(final) if final else None,
                  rope_local_theta=float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0)))
     return d
+
+
+def _granite(key: Callable[..., Any], arch: str, path: str) -> dict[str, Any]:
+    """Granite's multipliers from the keys GraniteModel writes (llama.cpp requires all four): the
+    embeddings times embedding_scale, each block's output times residual_scale, attention.scale the
+    softmax scale, the logits divided by logit_scale. llama.cpp rotates Granite only while
+    rope.scaling.finetuned is true (its default; transformers always does)."""
+    if arch != "granite":
+        return {}
+    if not key("rope.scaling.finetuned", True):
+        raise ValueError(f"GGUF file {path!r}: granite without rotary embeddings (granite.rope.scaling.finetuned "
+                         "false) is not supported")
+    return dict(embedding_multiplier=float(key("embedding_scale")), residual_multiplier=float(key("residual_scale")),
+                attention_multiplier=float(key("attention.scale")), logits_scaling=float(key("logit_scale")))
 
 
 def _eog_ids(reader) -> tuple[int, ...]:
@@ -329,9 +396,9 @@ def iter_gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.
         w = torch.from_numpy(_dequantize(t))
         if arch in _GEMMAS and t.name.endswith("norm.weight"):
             w = w - 1.0  # the converter stored the 1 + w that Gemma's norms scale by
-        if arch in _LLAMAS and ".attn_q." in t.name:
+        if arch in _PERMUTED and ".attn_q." in t.name:
             w = unpermute_rope_rows(w, cfg.num_attention_heads)
-        elif arch in _LLAMAS and ".attn_k." in t.name:
+        elif arch in _PERMUTED and ".attn_k." in t.name:
             w = unpermute_rope_rows(w, cfg.num_key_value_heads)
         elif t.name.endswith("ffn_gate_inp_shexp.weight"):
             w = w.reshape(1, -1)  # HF's [1, H] (files may store it as [H])

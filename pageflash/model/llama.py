@@ -380,12 +380,14 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
             else:
                 yield name, t
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load (HF name, tensor) pairs; returns the parameter names that were filled."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], origin: str = "checkpoint") -> set[str]:
+        """Load (HF name, tensor) pairs; returns the parameter names that were filled. Raises ValueError
+        naming the checkpoint tensors it lacks (origin: how the message names the checkpoint): every
+        parameter must be filled, a merged one (q/k/v, gate/up, each expert's gate / up / down) by all
+        of its parts -- one arriving does not fill the others' rows."""
         weights = self._split_fused(weights)
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        expert_shards: dict[str, set[str]] = {}  # fused expert parameter -> the per-expert shards loaded
+        parts: dict[str, set[Optional[str]]] = {}  # parameter -> the parts loaded (None: the whole tensor)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -407,8 +409,6 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
                 part = self._EXPERT_PARTS[e.group(3) or e.group(4)]
                 name = f"{e.group(1)}.{'w2' if part == 'down' else 'w13'}"
                 shard = f"{e.group(2)}:{part}" if e.group(2) is not None else None
-                if shard is not None:
-                    expert_shards.setdefault(name, set()).add(shard)
             elif m:
                 target, shard = self._MERGED[m.group(1)]
                 name = name.replace(f".{m.group(1)}.", f".{target}.")
@@ -419,10 +419,44 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
             param = params[name]
             owner = self.get_submodule(name.rsplit(".", 1)[0])
             owner.weight_loader(param, tensor.to(param.dtype), shard)
-            loaded.add(name)
-        for name, shards in expert_shards.items():  # a fused parameter is loaded once every expert's part is
+            parts.setdefault(name, set()).add(shard)
+        missing = self._missing_tensors(parts)
+        if missing:
+            raise ValueError(f"{origin} lacks {len(missing)} tensor(s) the model needs: {missing[:8]}"
+                             + (" ..." if len(missing) > 8 else ""))
+        return set(parts)
+
+    def _missing_tensors(self, parts: dict[str, set[Optional[str]]]) -> list[str]:
+        """The checkpoint names (HF's layout for this architecture) of what `parts` leaves unset: whole
+        parameters, and the parts of merged ones -- a Phi-3 projection none of whose parts came as its
+        fused tensor (qkv_proj, gate_up_proj), Mixtral's experts as w1 / w3 / w2."""
+        out: dict[str, None] = {}  # (ordered, without repeats: Phi-3's q, k, v name one fused tensor)
+        for name, _ in self.named_parameters():
+            got = parts.get(name, set())
+            if None in got:
+                continue
             owner = self.get_submodule(name.rsplit(".", 1)[0])
-            parts = ("gate", "up") if name.endswith("w13") else ("down",)
-            if len(shards) < owner.num_experts * len(parts):
-                loaded.discard(name)
-        return loaded
+            if isinstance(owner, SparseMoE):
+                need = [f"{e}:{p}" for e in range(owner.num_experts)
+                        for p in (("down",) if name.endswith(".w2") else ("gate", "up"))]
+            else:
+                need = list(getattr(owner, "shard_offsets", None) or [None])
+            for shard in need:
+                if shard not in got:
+                    out[self._checkpoint_name(name, shard, fused=not got)] = None
+        return list(out)
+
+    def _checkpoint_name(self, name: str, shard: Optional[str], fused: bool) -> str:
+        """HF's checkpoint name of part `shard` of our parameter `name` (fused: none of its parts came)."""
+        if shard is None:
+            return name if name == "lm_head.weight" else "model." + name
+        if ":" in shard:  # an expert's part
+            e, part = shard.split(":")
+            mixtral = self.cfg.architecture == "MixtralForCausalLM"
+            names = {p: n for n, p in self._EXPERT_PARTS.items() if n.startswith("w") == mixtral}
+            block = ".block_sparse_moe." if mixtral else ".mlp."
+            return f"model.{name.rsplit('.mlp.', 1)[0]}{block}experts.{e}.{names[part]}.weight"
+        if fused and self.cfg.architecture == "Phi3ForCausalLM":
+            return "model." + name  # Phi-3's checkpoints hold qkv_proj and gate_up_proj whole
+        part = next(n for n, (_, s) in self._MERGED.items() if s == shard)
+        return "model." + name.replace(f".{self._MERGED[part][0]}.", f".{part}.")

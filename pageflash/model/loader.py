@@ -232,8 +232,9 @@ def load_tokenizer(src: Optional[ModelSource]):
     if model is None:
         return None  # weights only: prompts must come as token ids
     # AutoTokenizer picks its class from the config transformers reads from the file, a reader that
-    # lacks Gemma 1: name the class for it
-    kw = {"tokenizer_type": "gemma"} if field(reader, "general.architecture") == "gemma" else {}
+    # lacks Gemma 1 and Granite: name their model type for them
+    arch = field(reader, "general.architecture")
+    kw = {"tokenizer_type": arch} if arch in ("gemma", "granite") else {}
     folder, fname = os.path.split(src.path)
     try:
         tok = AutoTokenizer.from_pretrained(folder or ".", gguf_file=fname, **kw)
