@@ -37,7 +37,7 @@ class FakeEngine:
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams, lora_request=None) -> None:
         self._touch()
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else [ord(c) for c in prompt]
         if not ids:
