@@ -208,3 +208,25 @@ def test_dynamic_ntk_runs_to_max_position_embeddings_only(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(ValueError, match="max_model_len=128 exceeds the model's context of 64 tokens; dynamic NTK"):
         LLM(str(tmp_path), load_format="dummy", max_model_len=128, num_kv_blocks=16)
+
+
+def test_medusa_features_rotate_each_sequence_by_its_own_length(tmp_path):
+    """train-medusa's forward_hidden runs several sequences in one forward: with LongRoPE each rotates
+    by its own length (a 20-token sequence batched with a 40-token one stays short), so its hidden
+    states equal HF's over it alone (they rotated the whole batch with the long factors)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_ref import make_random_hf_folder
+    from pageflash.spec.train_medusa import forward_hidden
+    from test_engine_hf import CONFIGS
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["phi3-longrope"])  # long past 32 tokens
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(folder, block_size=4, max_model_len=64, num_kv_blocks=64)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (20, 32, 40)]
+    hidden = forward_hidden(llm.llm_engine, seqs)
+    for s, h in zip(seqs, hidden):
+        with torch.no_grad():
+            ref = hf(torch.tensor([s]), output_hidden_states=True).hidden_states[-1][0]
+        assert torch.allclose(h, ref, atol=1e-4), f"{len(s)} tokens"
