@@ -230,3 +230,46 @@ def test_medusa_features_rotate_each_sequence_by_its_own_length(tmp_path):
         with torch.no_grad():
             ref = hf(torch.tensor([s]), output_hidden_states=True).hidden_states[-1][0]
         assert torch.allclose(h, ref, atol=1e-4), f"{len(s)} tokens"
+
+
+def _step(sched, sampled=()):
+    """One scheduler step as the engine applies it, without a model: every scheduled token computed,
+    a token appended to each request that samples (its id from `sampled`, else 7)."""
+    out = sched.schedule()
+    toks = iter(sampled)
+    for s in out.seqs:
+        r = s.request
+        r.num_computed_tokens += s.num_new_tokens
+        if s.samples:
+            r.token_ids.append(next(toks, 7))
+        sched.kv.cache_full_blocks(r.request_id, r.token_ids, r.num_computed_tokens)
+    return out
+
+
+def test_longrope_restart_that_preempts_itself_counts_its_prefix_query_once():
+    """A request that crosses the original context (8 tokens) starts over; when the pool cannot hold
+    its recompute it preempts itself (the most recent request) and is recomputed when readmitted:
+    the prefix-cache statistics count that one recompute once, like a preemption's (they counted
+    the failed restart too), and nothing leaks."""
+    from pageflash.engine.kv_cache import KVCacheManager
+    from pageflash.engine.scheduler import Scheduler
+    from pageflash.engine.sequence import Request
+    from pageflash.sampling_params import SamplingParams
+
+    kv = KVCacheManager(4, 4, locality_tokens=0)
+    sched = Scheduler(kv, 8, 64, 64, long_rope_after=8)
+    a = Request("a", None, list(range(100, 105)), SamplingParams(max_tokens=2), 0.0)  # 2 blocks
+    b = Request("b", None, list(range(8)), SamplingParams(max_tokens=4), 0.0)  # 2 blocks, short
+    sched.add(a)
+    sched.add(b)
+    _step(sched)  # both prefilled; b now has 9 tokens: long
+    assert kv.prefix_queries == 13 and b.num_tokens == 9
+    out = _step(sched)  # b's recompute needs 3 blocks: a holds 2 of the 4, so b preempts itself
+    assert out.preempted == [b] and b in sched.waiting and [s.request for s in out.seqs] == [a]
+    assert kv.prefix_queries == 13
+    sched.finish(a)
+    out = _step(sched)  # b readmitted: its 9 tokens recomputed with the long factors
+    assert [(s.request, s.num_new_tokens) for s in out.seqs] == [(b, 9)] and kv.salt("b") == (None, True)
+    assert kv.prefix_queries == 13 + 9 and kv.prefix_hits == 0
+    sched.finish(b)
+    assert kv.num_free_blocks == 4
