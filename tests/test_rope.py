@@ -196,6 +196,17 @@ def test_rope_errors_name_the_field():
         ModelConfig.from_hf_dict(dict(llama, rope_scaling=dict(type="linear")))
     with pytest.raises(ValueError, match="beta_fast of yarn"):
         ModelConfig.from_hf_dict(dict(llama, rope_scaling=dict(type="yarn", factor=2.0, beta_fast="32")))
+    # infinite factors (tables of zero angles) and a base that is no positive number (NaN tables)
+    with pytest.raises(ValueError, match="factor of linear must be a number >= 1.0 and finite"):
+        ModelConfig.from_hf_dict(dict(llama, rope_scaling=dict(type="linear", factor=float("inf"))))
+    with pytest.raises(ValueError, match="long_factor of longrope must be a list of 16 positive finite numbers"):
+        ModelConfig.from_hf_dict(dict(CASES["phi3-longrope"], rope_scaling=dict(
+            type="longrope", short_factor=[1.0] * 16, long_factor=[1.0] * 15 + [float("inf")])))
+    for theta in (0, -1.0, "1e4", float("nan")):
+        with pytest.raises(ValueError, match="rope_theta must be a positive number"):
+            ModelConfig.from_hf_dict(dict(llama, rope_theta=theta))
+    with pytest.raises(ValueError, match="rope_theta must be a positive number"):
+        ModelConfig.from_hf_dict(dict(llama, rope_parameters=dict(rope_type="default", rope_theta=0)))
 
 
 def test_dynamic_ntk_runs_to_max_position_embeddings_only(tmp_path):
