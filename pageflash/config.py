@@ -176,8 +176,8 @@ class ModelConfig:
             if v is None and not required:
                 return
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not minimum <= v < math.inf:
-                raise ValueError(f"model config: rope_scaling {name} of {kind} must be a number >= {minimum} and finite, "
-                                 f"got {v!r}")
+                raise ValueError(f"model config: rope_scaling {name} of {kind} must be a number >= {minimum} and "
+                                 f"finite, got {v!r}")
 
         number("factor", 1.0, required=kind in ("linear", "llama3", "dynamic"))
         number("original_max_position_embeddings", 1, required=False)

@@ -79,12 +79,13 @@ class Scheduler:
         long_rope_after: Optional[int] = None,
     ) -> None:
         """lora_slots: a lora.manager.AdapterSlots when LoRA is on (the running requests' adapters hold
-        slots; a waiting one is admitted when its adapter has or can get one). long_rope_after: LongRoPE models' ModelConfig.rope_long_after. A request longer than that
-        many tokens has its KV computed with the long factors, a shorter one with the short ones: the
-        two live in separate prefix-cache chains (salts), a request that grows past it is recomputed
-        from its first token (from the long chain's cached blocks) in the step that crosses, and a
-        shorter request's draft tokens stop before that position (their logits would be the long
-        factors')."""
+        slots; a waiting one is admitted when its adapter has or can get one).
+
+        long_rope_after: LongRoPE models' ModelConfig.rope_long_after. A request longer than that many
+        tokens has its KV computed with the long factors, a shorter one with the short ones: the two
+        live in separate prefix-cache chains (salts), a request that grows past it is recomputed from
+        its first token (from the long chain's cached blocks) in the step that crosses, and a shorter
+        request's draft tokens stop before that position (their logits would be the long factors')."""
         self.kv = kv
         self.lora_slots = lora_slots
         self.long_rope_after = long_rope_after
