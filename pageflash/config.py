@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -150,6 +151,9 @@ class ModelConfig:
 
     def _check_rope(self) -> None:
         """partial_rotary_factor and rope_scaling: the type and the fields its computation reads."""
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+            raise ValueError(f"model config: rope_theta must be a positive number, got {theta!r}")
         prf = self.partial_rotary_factor
         if isinstance(prf, bool) or not isinstance(prf, (int, float)) or not 0 < prf <= 1:
             raise ValueError(f"model config: partial_rotary_factor must be a number in (0, 1], got {prf!r}")
@@ -175,9 +179,9 @@ class ModelConfig:
             v = rs.get(name)
             if v is None and not required:
                 return
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= minimum:
-                raise ValueError(f"model config: rope_scaling {name} of {kind} must be a number >= {minimum}, "
-                                 f"got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not minimum <= v < math.inf:
+                raise ValueError(f"model config: rope_scaling {name} of {kind} must be a number >= {minimum} and "
+                                 f"finite, got {v!r}")
 
         number("factor", 1.0, required=kind in ("linear", "llama3", "dynamic"))
         number("original_max_position_embeddings", 1, required=False)
@@ -194,10 +198,10 @@ class ModelConfig:
             for name in ("short_factor", "long_factor"):
                 v = rs.get(name)
                 if not (isinstance(v, (list, tuple)) and len(v) == rot // 2 and all(
-                        not isinstance(x, bool) and isinstance(x, (int, float)) and x > 0 for x in v)):
+                        not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < math.inf for x in v)):
                     got = f"{len(v)} items" if isinstance(v, (list, tuple)) else repr(v)
                     raise ValueError(f"model config: rope_scaling {name} of longrope must be a list of "
-                                     f"{rot // 2} positive numbers (rotary dim / 2), got {got}")
+                                     f"{rot // 2} positive finite numbers (rotary dim / 2), got {got}")
 
     @property
     def rope_type(self) -> str:
@@ -413,7 +417,9 @@ class ModelConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            # (a number as float; anything else as given, for __post_init__ to name)
+            rope_theta=float(rope_theta) if isinstance(rope_theta, (int, float)) and not isinstance(rope_theta, bool)
+            else 10000.0 if rope_theta is None else rope_theta,
             rope_scaling=rope_scaling,
             partial_rotary_factor=1.0 if prf is None else prf,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),

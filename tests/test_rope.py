@@ -196,6 +196,17 @@ def test_rope_errors_name_the_field():
         ModelConfig.from_hf_dict(dict(llama, rope_scaling=dict(type="linear")))
     with pytest.raises(ValueError, match="beta_fast of yarn"):
         ModelConfig.from_hf_dict(dict(llama, rope_scaling=dict(type="yarn", factor=2.0, beta_fast="32")))
+    # infinite factors (tables of zero angles) and a base that is no positive number (NaN tables)
+    with pytest.raises(ValueError, match="factor of linear must be a number >= 1.0 and finite"):
+        ModelConfig.from_hf_dict(dict(llama, rope_scaling=dict(type="linear", factor=float("inf"))))
+    with pytest.raises(ValueError, match="long_factor of longrope must be a list of 16 positive finite numbers"):
+        ModelConfig.from_hf_dict(dict(CASES["phi3-longrope"], rope_scaling=dict(
+            type="longrope", short_factor=[1.0] * 16, long_factor=[1.0] * 15 + [float("inf")])))
+    for theta in (0, -1.0, "1e4", float("nan")):
+        with pytest.raises(ValueError, match="rope_theta must be a positive number"):
+            ModelConfig.from_hf_dict(dict(llama, rope_theta=theta))
+    with pytest.raises(ValueError, match="rope_theta must be a positive number"):
+        ModelConfig.from_hf_dict(dict(llama, rope_parameters=dict(rope_type="default", rope_theta=0)))
 
 
 def test_dynamic_ntk_runs_to_max_position_embeddings_only(tmp_path):
@@ -208,3 +219,68 @@ def test_dynamic_ntk_runs_to_max_position_embeddings_only(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(ValueError, match="max_model_len=128 exceeds the model's context of 64 tokens; dynamic NTK"):
         LLM(str(tmp_path), load_format="dummy", max_model_len=128, num_kv_blocks=16)
+
+
+def test_medusa_features_rotate_each_sequence_by_its_own_length(tmp_path):
+    """train-medusa's forward_hidden runs several sequences in one forward: with LongRoPE each rotates
+    by its own length (a 20-token sequence batched with a 40-token one stays short), so its hidden
+    states equal HF's over it alone (they rotated the whole batch with the long factors)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_ref import make_random_hf_folder
+    from pageflash.spec.train_medusa import forward_hidden
+    from test_engine_hf import CONFIGS
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["phi3-longrope"])  # long past 32 tokens
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(folder, block_size=4, max_model_len=64, num_kv_blocks=64)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (20, 32, 40)]
+    hidden = forward_hidden(llm.llm_engine, seqs)
+    for s, h in zip(seqs, hidden):
+        with torch.no_grad():
+            ref = hf(torch.tensor([s]), output_hidden_states=True).hidden_states[-1][0]
+        assert torch.allclose(h, ref, atol=1e-4), f"{len(s)} tokens"
+
+
+def _step(sched, sampled=()):
+    """One scheduler step as the engine applies it, without a model: every scheduled token computed,
+    a token appended to each request that samples (its id from `sampled`, else 7)."""
+    out = sched.schedule()
+    toks = iter(sampled)
+    for s in out.seqs:
+        r = s.request
+        r.num_computed_tokens += s.num_new_tokens
+        if s.samples:
+            r.token_ids.append(next(toks, 7))
+        sched.kv.cache_full_blocks(r.request_id, r.token_ids, r.num_computed_tokens)
+    return out
+
+
+def test_longrope_restart_that_preempts_itself_counts_its_prefix_query_once():
+    """A request that crosses the original context (8 tokens) starts over; when the pool cannot hold
+    its recompute it preempts itself (the most recent request) and is recomputed when readmitted:
+    the prefix-cache statistics count that one recompute once, like a preemption's (they counted
+    the failed restart too), and nothing leaks."""
+    from pageflash.engine.kv_cache import KVCacheManager
+    from pageflash.engine.scheduler import Scheduler
+    from pageflash.engine.sequence import Request
+    from pageflash.sampling_params import SamplingParams
+
+    kv = KVCacheManager(4, 4, locality_tokens=0)
+    sched = Scheduler(kv, 8, 64, 64, long_rope_after=8)
+    a = Request("a", None, list(range(100, 105)), SamplingParams(max_tokens=2), 0.0)  # 2 blocks
+    b = Request("b", None, list(range(8)), SamplingParams(max_tokens=4), 0.0)  # 2 blocks, short
+    sched.add(a)
+    sched.add(b)
+    _step(sched)  # both prefilled; b now has 9 tokens: long
+    assert kv.prefix_queries == 13 and b.num_tokens == 9
+    out = _step(sched)  # b's recompute needs 3 blocks: a holds 2 of the 4, so b preempts itself
+    assert out.preempted == [b] and b in sched.waiting and [s.request for s in out.seqs] == [a]
+    assert kv.prefix_queries == 13
+    sched.finish(a)
+    out = _step(sched)  # b readmitted: its 9 tokens recomputed with the long factors
+    assert [(s.request, s.num_new_tokens) for s in out.seqs] == [(b, 9)] and kv.salt("b") == (None, True)
+    assert kv.prefix_queries == 13 + 9 and kv.prefix_hits == 0
+    sched.finish(b)
+    assert kv.num_free_blocks == 4

@@ -79,12 +79,13 @@ class Scheduler:
         long_rope_after: Optional[int] = None,
     ) -> None:
         """lora_slots: a lora.manager.AdapterSlots when LoRA is on (the running requests' adapters hold
-        slots; a waiting one is admitted when its adapter has or can get one). long_rope_after: LongRoPE models' ModelConfig.rope_long_after. A request longer than that
-        many tokens has its KV computed with the long factors, a shorter one with the short ones: the
-        two live in separate prefix-cache chains (salts), a request that grows past it is recomputed
-        from its first token (from the long chain's cached blocks) in the step that crosses, and a
-        shorter request's draft tokens stop before that position (their logits would be the long
-        factors')."""
+        slots; a waiting one is admitted when its adapter has or can get one).
+
+        long_rope_after: LongRoPE models' ModelConfig.rope_long_after. A request longer than that many
+        tokens has its KV computed with the long factors, a shorter one with the short ones: the two
+        live in separate prefix-cache chains (salts), a request that grows past it is recomputed from
+        its first token (from the long chain's cached blocks) in the step that crosses, and a shorter
+        request's draft tokens stop before that position (their logits would be the long factors')."""
         self.kv = kv
         self.lora_slots = lora_slots
         self.long_rope_after = long_rope_after
@@ -153,17 +154,16 @@ class Scheduler:
         long = None if self.long_rope_after is None else req.num_tokens > self.long_rope_after
         return None if long is None and req.prefix_salt is None else (req.prefix_salt, long)
 
-    def _restart_long(self, req: Request) -> list[int]:
+    def _restart_long(self, req: Request, salt: Hashable) -> list[int]:
         """LongRoPE: a running request computed with the short factors that is now longer than the
         original context starts over (its blocks freed, its drafts dropped) from its longest
-        prefix-cache hit among long KV, as transformers' Phi-3 recomputes its cache there. Returns
-        the hits (for allocate)."""
+        prefix-cache hit among long KV (salt: its chain), as transformers' Phi-3 recomputes its
+        cache there. Returns the hits (for allocate; the prefix-cache statistics count them once
+        it is scheduled, as an admission's)."""
         self.kv.free(req.request_id)
         req.spec_token_ids = []
-        hits = [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.token_ids, self._salt(req))
+        hits = [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.token_ids, salt)
         req.num_computed_tokens = len(hits) * self.kv.block_size
-        self.kv.prefix_queries += req.num_tokens
-        self.kv.prefix_hits += req.num_computed_tokens
         return hits
 
     def schedule(self) -> SchedulerOutput:
@@ -177,14 +177,17 @@ class Scheduler:
             if req.num_pending and self._ends_by_length(req):
                 i += 1  # its token in flight is its last: nothing more to compute
                 continue
-            salt, hits = self._salt(req), []
-            if self.long_rope_after is not None and salt != self.kv.salt(req.request_id):
-                hits = self._restart_long(req)
+            # (a running request's chain is its blocks'; only LongRoPE may change it, restarting it)
+            salt, hits, restarted = None, [], False
+            if self.long_rope_after is not None:
+                salt = self._salt(req)
+                if salt != self.kv.salt(req.request_id):
+                    hits, restarted = self._restart_long(req, salt), True
             num_spec = len(req.spec_token_ids)
             want = req.num_tokens + num_spec - req.num_computed_tokens
             # Never past the context: draft tokens beyond max_model_len are dropped.
             want = min(want, self.max_model_len - req.num_computed_tokens)
-            if self.long_rope_after is not None and not salt[1]:  # (LongRoPE, short: drafts stop before the long factors)
+            if salt is not None and not salt[1]:  # (LongRoPE, short: drafts stop before the long factors)
                 want = min(want, self.long_rope_after - req.num_computed_tokens)
             n = min(want, budget)
             spec = max(0, n - (req.num_tokens - req.num_computed_tokens))
@@ -206,6 +209,9 @@ class Scheduler:
                     break
             if not scheduled:
                 break
+            if restarted:
+                self.kv.prefix_queries += req.num_tokens
+                self.kv.prefix_hits += req.num_computed_tokens
             out.seqs.append(ScheduledSeq(req, n, spec))
             budget -= n
             i += 1

@@ -58,15 +58,20 @@ def forward_hidden(engine, seqs: Sequence[Sequence[int]], max_tokens: int = 8192
             for rid, j in zip(ids, group):
                 if not kv.allocate(rid, 0, len(seqs[j])):
                     raise RuntimeError("the KV pool is too small for forward_hidden; lower max_tokens")
-            feeds = [Feed(0, list(seqs[j]), logits=False) for j in group]
+            # (whole sequences: their num_tokens is their length, which LongRoPE's rows follow)
+            feeds = [Feed(0, list(seqs[j])) for j in group]
             sched = SchedulerOutput([ScheduledSeq(f, len(f.tokens), 0) for f in feeds])  # type: ignore[arg-type]
             tables = [kv.block_ids(r) for r in ids]
             tok, pos, slots, qlens, seq_lens, _, _ = runner.prepare(sched, tables)
             dev = runner.device
             meta = runner.metadata(qlens, seq_lens, slots, tables)
+            # each sequence's rows of the rotary tables (LongRoPE: short or long by its own length;
+            # the model's default reads the whole batch as one sequence)
+            rows = runner.rope_rows(sched, pos)
             with torch.inference_mode():
                 h = runner.model(torch.tensor(tok, device=dev), torch.tensor(pos, device=dev), runner.kv_caches,
-                                 runner.backend, runner.backend.plan(meta))
+                                 runner.backend, runner.backend.plan(meta),
+                                 rope_rows=None if rows is None else torch.tensor(rows, device=dev))
             o = 0
             for j, q in zip(group, qlens):
                 out[j] = h[o : o + q].clone()
