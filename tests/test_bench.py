@@ -215,6 +215,48 @@ def test_throughput_smoke(tmp_path, capsys):
         assert (tmp_path / "tp.png").stat().st_size > 1000
 
 
+@pytest.mark.parametrize("bench", ["latency", "throughput"])
+def test_lora_rank_runs_requests_under_random_adapters(tmp_path, capsys, bench):
+    """--lora-rank R --num-loras K: K random rank-R adapters, requests under them in turn (the table's
+    dtype reads float32/lora4x2); a bad rank exits 2 naming the flag."""
+    out = tmp_path / "b.json"
+    common = ["--input-len", "8", "--output-len", "3", "--lora-rank", "4", "--num-loras", "2", "--json", str(out),
+              *TINY_ENGINE]
+    if bench == "latency":
+        argv = ["--batch-size", "2", "--num-iters-warmup", "0", "--num-iters", "1", "--copy-bandwidth", "100", *common]
+        assert latency_main(argv) == 0
+    else:
+        assert throughput_main(["--num-prompts", "3", "--no-warmup", *common]) == 0
+    assert "float32/lora4x2" in capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert d["lora"] == {"enabled": True, "rank": 4, "adapters": 2}
+    assert d["engine_kwargs"]["enable_lora"] and d["engine_kwargs"]["max_lora_rank"] == 4
+    assert d["engine_kwargs"]["max_loras"] == 2
+    main = latency_main if bench == "latency" else throughput_main
+    assert main(["--lora-rank", "0", *TINY_ENGINE]) == 2
+    assert "--lora-rank" in capsys.readouterr().err
+
+
+def test_write_random_adapter_is_read_by_the_engine(tmp_path):
+    """lora.adapter.write_random_adapter's folder (the benchmarks' adapters) loads for its config and moves
+    the outputs."""
+    from pageflash import LLM, SamplingParams
+    from pageflash.lora import LoRARequest
+    from pageflash.lora.adapter import load_adapter, write_random_adapter
+
+    cfg = ModelConfig.from_hf_dict(NAMED_CONFIGS["smollm2-135m"])
+    path = write_random_adapter(str(tmp_path / "a"), cfg, 4, seed=1)
+    ad = load_adapter(LoRARequest("a", 1, path), cfg, 4)
+    assert ad.rank == 4 and len(ad.weights) == 4 * cfg.num_hidden_layers
+    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=64, num_kv_blocks=16, enable_lora=True,
+              max_lora_rank=4)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    p = {"prompt_token_ids": list(range(3, 19))}
+    base = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+    under = llm.generate([p], sp, use_tqdm=False, lora_request=LoRARequest("a", 1, path))[0].outputs[0].token_ids
+    assert base != under
+
+
 def test_throughput_dataset_and_model_folder(tmp_path):
     """A HF folder holding only config.json (random weights of its shape) and requests from a JSONL file."""
     cfg = tiny_cfg(False).to_hf_dict()

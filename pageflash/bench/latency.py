@@ -28,6 +28,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from typing import Any, Optional, Sequence
@@ -69,6 +70,17 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str, copy_bandwid
                    help="overlap host work with the device (default: the engine's, on for CUDA)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="split the model over this many GPUs (default: 1)")
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--enable-lora", action="store_const", const=True, default=None,
+                   help="LoRA slots in the engine (decode graphs with the LoRA kernels); requests under "
+                        "adapters only with --lora-rank")
+    g.add_argument("--max-loras", type=int, default=None, help="device slots (default: --num-loras)")
+    g.add_argument("--max-lora-rank", type=int, default=None, help="default: --lora-rank")
+    g.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="run the requests under random adapters of rank R on every q/k/v/o and gate/up/down "
+                        "projection (implies --enable-lora)")
+    g.add_argument("--num-loras", type=int, default=1, metavar="K",
+                   help="with --lora-rank: K different adapters, requests assigned in turn (default: 1)")
     g = p.add_argument_group("ceilings")
     if copy_bandwidth:
         g.add_argument("--copy-bandwidth", type=float, default=None, metavar="GBPS",
@@ -85,8 +97,31 @@ ENGINE_KEYS = (
     "model", "tokenizer", "load_format", "dtype", "device", "block_size", "num_kv_blocks",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "enable_prefix_caching", "seed", "attention_backend", "quantization", "kv_cache_dtype", "enforce_eager", "async_scheduling",
-    "tensor_parallel_size",
+    "tensor_parallel_size", "enable_lora", "max_loras", "max_lora_rank",
 )
+
+
+def lora_overrides(a: argparse.Namespace) -> dict[str, Any]:
+    """LLM(...) arguments --lora-rank implies: LoRA on, room for --num-loras adapters of that rank."""
+    if a.lora_rank is None:
+        return {}
+    if a.lora_rank < 1 or a.num_loras < 1:
+        raise ValueError(f"--lora-rank and --num-loras must be >= 1, got {a.lora_rank} and {a.num_loras}")
+    return {"enable_lora": True, "max_lora_rank": max(a.lora_rank, a.max_lora_rank or 0),
+            "max_loras": a.max_loras or a.num_loras}
+
+
+def bench_loras(a: argparse.Namespace, cfg: Any, folder: str) -> list[Any]:
+    """--num-loras random adapters of rank --lora-rank for the model of config cfg, written under folder
+    (lora.adapter.write_random_adapter), as LoRARequests; [] without --lora-rank."""
+    if a.lora_rank is None:
+        return []
+    from pageflash.lora import LoRARequest
+    from pageflash.lora.adapter import write_random_adapter
+
+    return [LoRARequest(f"bench{k}", k + 1, write_random_adapter(os.path.join(folder, f"bench{k}"), cfg,
+                                                                 a.lora_rank, seed=a.seed + k))
+            for k in range(a.num_loras)]
 
 
 def resolve_load_format(model: str, load_format: Optional[str]) -> str:
@@ -181,7 +216,8 @@ def dtype_name(dtype: Any) -> str:
 
 def dtype_label(result: dict[str, Any]) -> str:
     """The model's dtype, "+int8" for quantized weights, "/kv:int8" for a quantized KV cache, "/tp2" for
-    two tensor-parallel ranks."""
+    two tensor-parallel ranks, "/lora" with LoRA slots and no adapter, "/lora16x2" under two rank-16
+    adapters."""
     label = result["dtype"]
     if result.get("quantization"):
         label += f"+{result['quantization']}"
@@ -189,6 +225,9 @@ def dtype_label(result: dict[str, Any]) -> str:
         label += f"/kv:{result['kv_cache_dtype']}"
     if (result.get("tensor_parallel_size") or 1) > 1:
         label += f"/tp{result['tensor_parallel_size']}"
+    lora = result.get("lora") or {}
+    if lora.get("enabled"):
+        label += f"/lora{lora['rank']}x{lora['adapters']}" if lora.get("adapters") else "/lora"
     return label
 
 
@@ -249,10 +288,12 @@ def random_prompts(rng: random.Random, batch: int, input_len: int, vocab_size: i
     return [[rng.randrange(hi) for _ in range(input_len)] for _ in range(batch)]
 
 
-def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: dict[str, Any]) -> dict[str, Any]:
+def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: dict[str, Any],
+                  loras: Sequence[Any] = ()) -> dict[str, Any]:
     """Submit the prompts at once, step until all finish, time every step.
 
-    roof: {"cfg": ModelConfig, "weight_bytes_per_param": int, "kv_bytes_per_elem": int}.
+    roof: {"cfg": ModelConfig, "weight_bytes_per_param": int, "kv_bytes_per_elem": int}. loras:
+    LoRARequests the prompts run under in turn (none: the base model).
     Returns per-iteration figures (times in ms or s as named; None where there was no decode step).
     """
     from pageflash.bench.roofline import decode_step_bytes, decode_step_flops
@@ -262,7 +303,8 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
     dev = eng.device
     sync(dev)
     t0 = time.perf_counter()
-    rids = [eng.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+    rids = [eng.add_request(None, {"prompt_token_ids": p}, params,
+                            lora_request=loras[i % len(loras)] if loras else None) for i, p in enumerate(prompts)]
     n_prompt = {rid: len(p) for rid, p in zip(rids, prompts)}
     count = {rid: 0 for rid in rids}
     first: dict[str, float] = {}
@@ -467,7 +509,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     max_b = max(a.batch_size)
     if a.max_num_seqs is None and max_b > llm_default("max_num_seqs"):
         overrides["max_num_seqs"] = max_b
-    kwargs = llm_kwargs(a, overrides)
+    kwargs = llm_kwargs(a, {**overrides, **lora_overrides(a)})
 
     # Cold start: engine construction (CUDA init, weights, KV cache, any graph capture) + first token.
     t0 = time.perf_counter()
@@ -481,6 +523,8 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     wpp = roofline.step_weight_bytes(eng.runner.model) / roofline.matmul_params(cfg)
     roof = {"cfg": cfg, "weight_bytes_per_param": wpp, "kv_bytes_per_elem": kv_elem_bytes(eng)}
     rng = random.Random(a.seed)
+    lora_dir = tempfile.TemporaryDirectory(prefix="pageflash-bench-lora-")
+    loras = bench_loras(a, cfg, lora_dir.name)
 
     results = []
     first_token_s: Optional[float] = None
@@ -488,12 +532,12 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     for b in a.batch_size:
         warm = tqdm(range(a.num_iters_warmup), desc=f"Warmup (batch {b})", disable=a.disable_tqdm, leave=False)
         for _ in warm:
-            r = run_iteration(eng, random_prompts(rng, b, a.input_len, cfg.vocab_size), a.output_len, roof=roof)
+            r = run_iteration(eng, random_prompts(rng, b, a.input_len, cfg.vocab_size), a.output_len, roof=roof, loras=loras)
             if first_token_s is None:
                 first_token_s, first_iter_s = r["_first_ttft_ms"] / 1e3, r["latency_s"]
         iters = []
         for _ in tqdm(range(a.num_iters), desc=f"Profiling iterations (batch {b})", disable=a.disable_tqdm):
-            r = run_iteration(eng, random_prompts(rng, b, a.input_len, cfg.vocab_size), a.output_len, roof=roof)
+            r = run_iteration(eng, random_prompts(rng, b, a.input_len, cfg.vocab_size), a.output_len, roof=roof, loras=loras)
             if first_token_s is None:
                 first_token_s, first_iter_s = r["_first_ttft_ms"] / 1e3, r["latency_s"]
             iters.append(r)
@@ -516,6 +560,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         "quantization": kwargs.get("quantization"),
         "kv_cache_dtype": kwargs.get("kv_cache_dtype") or "auto",
         "tensor_parallel_size": kwargs.get("tensor_parallel_size") or 1,
+        "lora": {"enabled": bool(kwargs.get("enable_lora")), "rank": a.lora_rank, "adapters": len(loras)},
         "device": eng.device.type,
         "input_len": a.input_len,
         "output_len": a.output_len,

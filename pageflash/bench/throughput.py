@@ -17,11 +17,13 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Optional, Sequence
 
 from pageflash.bench.latency import (
     add_engine_args,
+    bench_loras,
     check_plot_available,
     dtype_label,
     dtype_name,
@@ -29,6 +31,7 @@ from pageflash.bench.latency import (
     fmt,
     format_table,
     llm_kwargs,
+    lora_overrides,
     percentile,
     sync,
     write_json,
@@ -212,12 +215,14 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     from pageflash.llm import LLM
     from pageflash.sampling_params import SamplingParams
 
-    kwargs = llm_kwargs(a)
+    kwargs = llm_kwargs(a, lora_overrides(a))
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     engine_init_s = time.perf_counter() - t0
     eng = llm.llm_engine
     cfg = eng.runner.cfg  # one rank's shard under tensor parallelism: FLOP/s per GPU
+    lora_dir = tempfile.TemporaryDirectory(prefix="pageflash-bench-lora-")
+    loras = bench_loras(a, cfg, lora_dir.name)
 
     if a.dataset:
         reqs = load_dataset(a.dataset, a.output_len, a.num_prompts)
@@ -246,14 +251,16 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         wl = lens[:k]
         hi = min(a.max_token_id, cfg.vocab_size)
         wp = [{"prompt_token_ids": [rng.randrange(hi) for _ in range(n)]} for n in wl]
-        llm.generate(wp, [params(min(4, m)) for _, m in reqs[:k]], use_tqdm=False)
+        llm.generate(wp, [params(min(4, m)) for _, m in reqs[:k]], use_tqdm=False,
+                     lora_request=[loras[i % len(loras)] for i in range(k)] if loras else None)
 
     stats_before = eng.get_stats()
     prompts = [p for p, _ in reqs]
     plist = [params(m) for _, m in reqs]
     sync(eng.device)
     t_start = time.perf_counter()
-    outs = llm.generate(prompts, plist, use_tqdm=not a.disable_tqdm)
+    outs = llm.generate(prompts, plist, use_tqdm=not a.disable_tqdm,
+                        lora_request=[loras[i % len(loras)] for i in range(len(prompts))] if loras else None)
     sync(eng.device)
     wall = time.perf_counter() - t_start
 
@@ -288,6 +295,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         "quantization": kwargs.get("quantization"),
         "kv_cache_dtype": kwargs.get("kv_cache_dtype") or "auto",
         "tensor_parallel_size": kwargs.get("tensor_parallel_size") or 1,
+        "lora": {"enabled": bool(kwargs.get("enable_lora")), "rank": a.lora_rank, "adapters": len(loras)},
         "kv_cache_blocks": kv_blocks(eng),
         "device": eng.device.type,
         "workload": workload,

@@ -26,7 +26,7 @@ import torch
 from pageflash.config import ModelConfig
 from pageflash.lora.request import LoRARequest
 
-__all__ = ["LoRAAdapter", "load_adapter", "module_shapes"]
+__all__ = ["LoRAAdapter", "load_adapter", "module_shapes", "write_random_adapter"]
 
 # PEFT module name -> (our merged projection, its slice; None: Phi-3's fused projection, every slice)
 _TARGETS = {
@@ -235,3 +235,31 @@ def load_adapter(req: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAAdapt
         rank = max(rank, r)
     return LoRAAdapter(req.lora_name, req.lora_int_id, path, rank, weights,
                        base_model_name=req.base_model_name, modules=sorted(found))
+
+
+def write_random_adapter(path: str, cfg: ModelConfig, rank: int, seed: int = 0, std_b: float = 0.1) -> str:
+    """Write a random PEFT adapter folder of this rank for every q/k/v/o and gate/up/down projection of
+    a dense model of config cfg (benchmarks and GPU tests over named configs, which have no HF folder
+    for peft to build from). A ~ N(0, 1/in), B ~ N(0, std_b^2), lora_alpha 2 x rank. Returns path."""
+    from safetensors.torch import save_file
+
+    if cfg.num_experts:
+        raise ValueError("write_random_adapter: mixture-of-experts models take adapters on attention only")
+    os.makedirs(path, exist_ok=True)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, bias="none", target_modules=targets,
+                       fan_in_fan_out=False), f)
+    g = torch.Generator().manual_seed(seed)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"self_attn.q_proj": (h, cfg.q_size), "self_attn.k_proj": (h, cfg.kv_size),
+              "self_attn.v_proj": (h, cfg.kv_size), "self_attn.o_proj": (cfg.q_size, h),
+              "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
+    t = {}
+    for layer in range(cfg.num_hidden_layers):
+        for name, (fan_in, fan_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{name}"
+            t[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in ** 0.5
+            t[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std_b
+    save_file(t, os.path.join(path, "adapter_model.safetensors"))
+    return path

@@ -1,11 +1,10 @@
 """LoRA on CUDA: the shrink / expand kernels against their references at model sizes, and the engine's
 decode CUDA graphs (with async scheduling) giving the tokens of eager steps with several adapters and
 the base model in one batch -- float32 equal to HF + peft too; one slot shared by two adapters (slot
-reloads queued behind steps in flight); bf16 on SmolLM2's shapes with a hand-written PEFT adapter."""
+reloads queued behind steps in flight); bf16 on SmolLM2's shapes with random adapters written by lora.adapter.write_random_adapter."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from pageflash import LLM, SamplingParams  # noqa: E402
 from pageflash.kernels.lora_expand import lora_expand, lora_expand_ref  # noqa: E402
 from pageflash.kernels.lora_shrink import lora_shrink, lora_shrink_ref  # noqa: E402
 from pageflash.lora import LoRARequest  # noqa: E402
+from pageflash.lora.adapter import write_random_adapter  # noqa: E402
 from pageflash.lora.layers import group_by_slot  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -91,37 +91,14 @@ def test_graphs_equal_eager_and_hf_fp32(tiny, max_loras):
     assert graphs == [hf_greedy(refs[n], p, NEW) for p, n in zip(prompts, names)]
 
 
-def _hand_written_adapter(path, cfg, r, seed):
-    """A PEFT folder written by hand (adapter_config.json + safetensors in PEFT's names) for a model
-    config without an HF folder (dummy weights)."""
-    from safetensors.torch import save_file
-
-    path.mkdir()
-    (path / "adapter_config.json").write_text(json.dumps(dict(peft_type="LORA", r=r, lora_alpha=2 * r, bias="none",
-                                                              target_modules=ALL, fan_in_fan_out=False)))
-    g = torch.Generator().manual_seed(seed)
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"self_attn.q_proj": (h, cfg.q_size), "self_attn.k_proj": (h, cfg.kv_size),
-              "self_attn.v_proj": (h, cfg.kv_size), "self_attn.o_proj": (cfg.q_size, h),
-              "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
-    t = {}
-    for layer in range(cfg.num_hidden_layers):
-        for name, (fan_in, fan_out) in shapes.items():
-            key = f"base_model.model.model.layers.{layer}.{name}"
-            t[f"{key}.lora_A.weight"] = torch.randn(r, fan_in, generator=g) / fan_in ** 0.5
-            t[f"{key}.lora_B.weight"] = torch.randn(fan_out, r, generator=g) * 0.1
-    save_file(t, str(path / "adapter_model.safetensors"))
-    return str(path)
-
-
 def test_graphs_equal_eager_bf16_smollm2(tmp_path):
     """bf16 on SmolLM2's shapes (dummy weights), two adapters of ranks 16 and 8 and the base: graphs ==
     eager; the base rows are those of a run without adapters, and the adapters change the others."""
     from pageflash.model.loader import load_config, resolve_model
 
     cfg = load_config(resolve_model("smollm2-135m", "dummy"))
-    loras = {None: None, "a": LoRARequest("a", 1, _hand_written_adapter(tmp_path / "a", cfg, 16, 1)),
-             "b": LoRARequest("b", 2, _hand_written_adapter(tmp_path / "b", cfg, 8, 2))}
+    loras = {None: None, "a": LoRARequest("a", 1, write_random_adapter(str(tmp_path / "a"), cfg, 16, 1)),
+             "b": LoRARequest("b", 2, write_random_adapter(str(tmp_path / "b"), cfg, 8, 2))}
     names = ["a", "b", None, "b", "a", None, "a", "b"]
     prompts = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 17, 33, 64, 100, 1, 250, 16))]
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# LoRA on the GPU, logs under $OUT (written before any GPU run: the first session with device time runs it).
+#   scripts/gpu_lora.sh tests   # tests/gpu/test_lora_gpu.py (kernels at model sizes, decode graphs == eager ==
+#                               # HF + peft, bf16), then the engine / kernel suites the LoRA hooks touch
+#   scripts/gpu_lora.sh bench   # llama-3-8b decode at batch 1 / 16 / 64: no LoRA, LoRA slots with base
+#                               # requests (the LoRA kernels' cost in the decode graphs), one rank-16
+#                               # adapter, four rank-16 adapters in turn
+set -o pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
+for what in "$@"; do
+  if [[ $what == tests ]]; then
+    python3 -m pytest -q -ra -x tests/gpu/test_lora_gpu.py 2>&1 | tee "$OUT/lora_tests.log" | tail -8
+    python3 -m pytest -q -ra tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+  fi
+  if [[ $what == bench ]]; then
+    i=0
+    for flags in "" "--enable-lora" "--lora-rank 16" "--lora-rank 16 --num-loras 4"; do
+      i=$((i + 1))
+      python3 -m pageflash.cli bench latency --model ${MODEL:-llama-3-8b} --input-len 128 --output-len 256 \
+        --batch-size ${BATCHES:-1 16 64} --num-iters 2 --disable-tqdm $flags \
+        --json "$OUT/lat_lora$i.json" 2>&1 | tee "$OUT/lat_lora$i.log" | tail -5
+    done
+  fi
+done
