@@ -420,12 +420,12 @@ class AsyncLLMEngine:
         except Exception as e:
             logger.exception("engine.step() failed; failing %d requests", len(self._streams))
             ids = list(self._streams)
-            self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
-            if ids:
+            if ids:  # released before the callers hear of it: a caller that sees the error finds them gone
                 try:
                     self.engine.abort_request(ids)
                 except Exception:
                     logger.exception("abort after failed step failed")
+            self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
             if self.engine_has_unfinished_safe():
                 time.sleep(0.05)  # a persistently failing engine must not spin the CPU
             return
