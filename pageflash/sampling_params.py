@@ -104,9 +104,9 @@ class StructuredOutputsParams:
                 raise TypeError(f"structured_outputs choice must be a non-empty list of non-empty str, got {self.choice!r}")
             self.choice = list(self.choice)
         if self.json_object is not None:
-            _check_bool("json_object", self.json_object)
-        _check_bool("disable_any_whitespace", self.disable_any_whitespace)
-        _check_bool("disable_additional_properties", self.disable_additional_properties)
+            _check_bool("structured_outputs json_object", self.json_object)
+        _check_bool("structured_outputs disable_any_whitespace", self.disable_any_whitespace)
+        _check_bool("structured_outputs disable_additional_properties", self.disable_additional_properties)
 
     def _asked(self) -> list[str]:
         """The kinds set (json_object: False asks for nothing; json: False is a bad schema)."""

@@ -355,6 +355,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "max_tokens": -3}, "max_tokens", ()),
     ({"prompt": "hi", "temperature": -0.5}, "temperature", ()),
     ({"prompt": "hi", "temperature": "hot"}, "temperature", ()),
+    # OpenAI's range [0, 2] (a huge one was inf in the sampler: NaN probabilities, garbage tokens)
+    ({"prompt": "hi", "temperature": 2.5}, "temperature", ("less than or equal to 2",)),
+    ({"prompt": "hi", "temperature": 1e308, "stream": True}, "temperature", ("less than or equal to 2",)),
+    ({"prompt": "hi", "repetition_penalty": 1e39}, "repetition_penalty", ("finite",)),
     ({"prompt": "hi", "top_p": 0}, "top_p", ()),
     ({"prompt": "hi", "top_p": 1.5}, "top_p", ()),
     ({"prompt": "hi", "n": 0}, "n", ()),
@@ -391,6 +395,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "structured_outputs": {"regexp": "a"}}, "structured_outputs", ("regexp",)),
     ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format", ("json_schema.schema",)),
     ({"prompt": "hi", "response_format": {"type": "structural_tag"}}, None, ("structural_tag",)),
+    ({"prompt": "hi", "response_format": {}}, "response_format", ("needs a type",)),
+    ({"prompt": "hi", "response_format": {"json_schema": {"schema": {"type": "object"}}}}, "response_format",
+     ("needs a type",)),
+    ({"prompt": "hi", "structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}},
+     "structured_outputs", ("disable_any_whitespace", "bool")),
+    ({"prompt": "hi", "structured_outputs": {"json_object": "yes"}}, "structured_outputs", ("json_object", "bool")),
     ({"prompt": "hi", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", ("not supported",)),
     ({"prompt": "hi", "use_beam_search": True, "n": 2, "stream": True}, "stream", ("use_beam_search",)),
     ({"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 0.7}, "temperature", ("use_beam_search",)),
@@ -427,6 +437,9 @@ BAD_CHATS = [
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens", ()),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", ()),
     ({"messages": CHAT, "temperature": -1}, "temperature", ()),
+    ({"messages": CHAT, "temperature": 1e9}, "temperature", ("less than or equal to 2",)),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}, "structured_outputs": None,
+      "tools": None, "stream": True, "temperature": 3}, "temperature", ()),
     ({"messages": CHAT, "top_p": 0.0}, "top_p", ()),
     ({"messages": CHAT, "n": 0}, "n", ()),
     ({"messages": CHAT, "top_logprobs": 2}, None, ("logprobs",)),
@@ -445,6 +458,12 @@ BAD_CHATS = [
     ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None,
      ("json_schema.schema",)),
     ({"messages": CHAT, "max_tokens": 1000}, "max_tokens", ("1000", str(MAX_MODEL_LEN))),
+    # the openai SDK's max_completion_tokens: the error names the field the request set
+    ({"messages": CHAT, "max_completion_tokens": 1000}, "max_completion_tokens",
+     ("max_completion_tokens (1000)", str(MAX_MODEL_LEN))),
+    ({"messages": CHAT, "max_completion_tokens": 2, "min_tokens": 3}, "min_tokens", ("max_completion_tokens=2",)),
+    ({"messages": CHAT, "max_completion_tokens": 1000, "use_beam_search": True, "n": 2}, "max_completion_tokens",
+     ("max_completion_tokens (1000)",)),
     ({"messages": [{"role": "user", "content": "hi " * 300}]}, "messages", ("chat prompt", str(MAX_MODEL_LEN))),
     ({"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}, None, ("functions",)),
     ({"messages": CHAT, "function_call": "auto"}, None, ("function_call",)),
@@ -952,8 +971,9 @@ def test_tokenize_and_detokenize(srv: Srv) -> None:
     usage = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}).json()["usage"]
     assert usage["prompt_tokens"] == chat["count"]  # what a chat request counts
     assert srv.post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == tok.decode(r["tokens"])
-    assert_error(srv.post("/tokenize", {"prompt": "x", "messages": CHAT}), 400, contains=("exactly one",))
-    assert_error(srv.post("/tokenize", {}), 400, contains=("exactly one",))
+    assert_error(srv.post("/tokenize", {"prompt": "x", "messages": CHAT}), 400, param="prompt",
+                 contains=("exactly one", "both"))
+    assert_error(srv.post("/tokenize", {}), 400, param="prompt", contains=("exactly one", "neither"))
     assert_error(srv.post("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}), 400, param="messages[0]")
     assert_error(srv.post("/tokenize", {"prompt": "x", "model": "gpt-4"}), 404, param="model")
     assert_error(srv.post("/detokenize", {"tokens": [1, 10**9]}), 400, param="tokens", contains=("outside",))

@@ -1286,8 +1286,11 @@ class OpenAIServing:
             for name in ("echo", "logprobs", "tools"):
                 if getattr(req, name):
                     raise APIError(400, f"use_beam_search does not take {name}", param=name)
-            results, usage = await self.beam_search(request, req, [prompt_ids], req.max_new_tokens, "messages",
-                                                    lora)
+            try:
+                results, usage = await self.beam_search(request, req, [prompt_ids], req.max_new_tokens, "messages",
+                                                        lora)  # fmt: skip
+            except APIError as e:
+                raise _in_request_terms(e, req) from None
             beams = [P.ChatChoice(index=j, message=P.ChatResponseMessage(role=req.response_role, content=s.output_text),
                                   finish_reason=s.finish_reason) for j, s in enumerate(results[0].sequences)]  # fmt: skip
             if self.reasoning_parser is not None:  # the thought split off, as for any chat reply
@@ -1305,10 +1308,13 @@ class OpenAIServing:
         k = req.top_logprobs or 0
         if req.logprobs:
             kw["logprobs"] = k
-        params = self.sampling_params(kw, req.structured_from)
-        await self.compile_constraint(params, req.structured_from)
-        prompt_ids = params.truncate_prompt(prompt_ids)
-        self.validate(prompt_ids, params, "messages", "the chat prompt (messages after the chat template)")
+        try:
+            params = self.sampling_params(kw, req.structured_from)
+            await self.compile_constraint(params, req.structured_from)
+            prompt_ids = params.truncate_prompt(prompt_ids)
+            self.validate(prompt_ids, params, "messages", "the chat prompt (messages after the chat template)")
+        except APIError as e:
+            raise _in_request_terms(e, req) from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
         gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "messages", lora),
@@ -1396,6 +1402,16 @@ class OpenAIServing:
         body = P.ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage(),
                                         prompt_logprobs=plp)  # fmt: skip
         return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _in_request_terms(e: APIError, req: P.ChatCompletionRequest) -> APIError:
+    """An error about the engine's max_tokens, in the terms of a chat request that set the length
+    limit as max_completion_tokens (OpenAI's newer name, which the openai SDK sends)."""
+    if req.max_completion_tokens is not None:
+        e.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", e.message)
+        if e.param == "max_tokens":
+            e.param = "max_completion_tokens"
+    return e
 
 
 def _call_deltas(calls: list[tuple[str, str]]) -> list[dict[str, Any]]:

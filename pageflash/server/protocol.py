@@ -70,7 +70,7 @@ class _SamplingFields(_Strict):
     NULL_IS_DEFAULT = ("n", "add_generation_prompt")
     model: StrictStr | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
-    temperature: Float | None = Field(None, ge=0.0)
+    temperature: Float | None = Field(None, ge=0.0, le=2.0)  # OpenAI's range (as /v1/responses)
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     top_k: StrictInt | None = None
     min_p: Float | None = Field(None, ge=0.0, le=1.0)
@@ -134,7 +134,9 @@ class _SamplingFields(_Strict):
         asked: dict[str, dict[str, Any]] = {}
         rf = self.response_format
         if rf is not None:
-            kind = rf.get("type", "text")
+            if "type" not in rf:  # (OpenAI and vLLM require it)
+                raise ValueError("response_format needs a type: 'text', 'json_object' or 'json_schema'")
+            kind = rf["type"]
             if kind == "json_object":
                 asked["response_format"] = {"json_object": True}
             elif kind == "json_schema":
@@ -814,7 +816,8 @@ class TokenizeRequest(_Strict):
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
+            got = "neither" if self.prompt is None else "both"
+            raise ValueError(f"prompt or messages: give exactly one of them (got {got})")
         return self
 
     def chat_fields(self) -> dict[str, Any]:
