@@ -365,6 +365,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: give at least one token")
+            check_text(prompt, "prompt")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (dummy weights): pass prompt_token_ids")
             return prompt, list(self.tokenizer.encode(prompt))
@@ -894,6 +895,17 @@ class LLMEngine:
         if self.spec is not None:
             s["spec"] = self.spec.stats()
         return s
+
+
+def check_text(text: str, what: str) -> None:
+    """ValueError naming `what` for text the tokenizer cannot take: a lone surrogate (from a JSON
+    "\\ud800" or a bad decode) has no UTF-8 encoding, and HF's tokenizers refuse it with a TypeError
+    that says nothing of where it came from."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text: {e.reason} at character {e.start} "
+                         f"({text[e.start:e.end]!a})") from None
 
 
 def is_array(x: Any) -> bool:
