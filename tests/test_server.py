@@ -872,6 +872,24 @@ def test_responses_api_through_the_openai_client(srv: Srv) -> None:
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 
+def test_responses_echoed_fields_are_json(srv: Srv) -> None:
+    """/v1/responses echoes text and metadata back: a NaN or an overflowing number (1e400 parses as
+    inf) there was a 500 (and a dropped connection); OpenAI's metadata holds strings."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for stream in (False, True):
+        raw = ('{"input": "hi", "max_output_tokens": 2, "stream": %s, "text": {"format": {"type": "json_schema", '
+               '"name": "x", "schema": {"type": "object", "default": 1e400}}}}' % json.dumps(stream))
+        assert_error(srv.post("/v1/responses", raw), 400, param="text", contains=("finite",))
+        raw = '{"input": "hi", "max_output_tokens": 2, "stream": %s, "metadata": {"a": NaN}}' % json.dumps(stream)
+        assert_error(srv.post("/v1/responses", raw), 400, param="metadata.a")
+    assert_error(srv.post("/v1/responses", {"input": "hi", "metadata": {"a": 1}}), 400, param="metadata.a")
+    assert_error(srv.post("/v1/responses", {"input": "hi", "metadata": ["a"]}), 400, param="metadata")
+    r = srv.client.responses.create(model=MODEL, input="hi", max_output_tokens=2, metadata={"user": "u1"},
+                                    text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
+    assert r.metadata == {"user": "u1"} and r.text.format.type == "json_schema"
+    srv.wait_idle()
+
+
 def test_embeddings_through_the_openai_client(srv: Srv) -> None:
     """/v1/embeddings: the openai SDK (base64 by default) and float JSON agree; unit vectors; text and
     its token ids give the same vector; dimensions truncates; bad input is a 400 naming the field."""
@@ -1273,6 +1291,44 @@ def test_api_key_and_body_limit() -> None:
             assert "POST" in pre.headers["access-control-allow-methods"]
             r = http.get("/v1/models", headers={**auth, "Origin": "http://ui.example"})
             assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    finally:
+        aeng.shutdown()
+
+
+def test_internal_error_is_a_500_that_keeps_the_connection() -> None:
+    """A bug in an endpoint is an OpenAI-shaped 500, and the client's keep-alive connection stays
+    open for its next request (Starlette answers the 500 and re-raises: uvicorn then closed the
+    connection, and a client's next request on it failed with a reset)."""
+    stub = SimpleNamespace(tokenizer=None, model_name="stub", max_model_len=64, get_stats=lambda: {},
+                           has_unfinished_requests=lambda: False)
+    aeng = AsyncLLMEngine(stub)  # type: ignore[arg-type]
+    app = build_app(aeng, "stub")
+
+    def broken() -> None:
+        raise RuntimeError("a bug")
+
+    app.state.serving.model_cards = broken
+    try:
+        with serve(app) as base:
+            host, port = base.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                f = sock.makefile("rb")
+
+                def get(path: str) -> tuple[int, bytes]:
+                    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                    status = int(f.readline().split()[1])
+                    length = 0
+                    while (line := f.readline()) not in (b"\r\n", b""):
+                        name, _, value = line.decode().partition(":")
+                        if name.lower() == "content-length":
+                            length = int(value)
+                    return status, f.read(length)
+
+                status, body = get("/v1/models")
+                assert status == 500
+                err = json.loads(body)["error"]
+                assert err["type"] == "server_error" and "RuntimeError: a bug" in err["message"]
+                assert get("/health") == (200, b"")  # the same connection
     finally:
         aeng.shutdown()
 

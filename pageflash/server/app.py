@@ -1593,6 +1593,38 @@ class _Reasoning:
             c.message.reasoning = c.message.reasoning_content = split.reasoning
 
 
+class _InternalErrors:
+    """ASGI middleware: an unexpected exception in an endpoint is answered with the OpenAI-shaped 500
+    here and the connection is kept. (Starlette's own catch-all answers it too, then re-raises, and
+    uvicorn closes the client's keep-alive connection: the client's next request on it fails with a
+    connection reset.) An exception once a response has started (a stream) is re-raised."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_watched(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watched)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("internal error on %s", scope.get("path"))
+            self.metrics.count_error(500)
+            await APIError(500, f"Internal server error: {type(exc).__name__}: {exc}").response()(scope, receive, send)
+
+
 async def _run_request(request: Request, work: Awaitable[Any]) -> Any:
     try:
         return await _until_disconnect(request, work)
@@ -1656,6 +1688,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
             serving.tokenizer.close()
 
     app = FastAPI(title="pageflash OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app.add_middleware(_InternalErrors, metrics=metrics)  # (inside CORS: its 500s carry CORS headers too)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)  # fmt: skip
     app.state.engine = engine
@@ -1677,7 +1710,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
         metrics.count_error(400)
         return APIError(400, f"Invalid request: {exc.errors()}").response()
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # (what escapes _InternalErrors: a failure in the CORS middleware)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error on %s", request.url.path)
         metrics.count_error(500)

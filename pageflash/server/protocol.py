@@ -11,6 +11,7 @@ the error names the field. Everything else is checked by SamplingParams and the 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any, ClassVar, Literal, Union
 
@@ -673,7 +674,7 @@ class ResponsesRequest(_Strict):
     text: dict[str, Any] | None = None
     stream: StrictBool | None = False
     store: StrictBool = True  # accepted; responses are never stored here
-    metadata: dict[str, Any] | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None  # OpenAI's: string keys and values (echoed back)
     user: StrictStr | None = None
     parallel_tool_calls: StrictBool = True
     truncation: Literal["disabled", "auto"] = "disabled"
@@ -701,6 +702,16 @@ class ResponsesRequest(_Strict):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+
+    @field_validator("text")
+    @classmethod
+    def _json_compliant(cls, v: Any) -> Any:
+        # echoed back in the response: a NaN or an overflowing 1e400 (inf) there could not be sent as JSON
+        try:
+            json.dumps(v, allow_nan=False)
+        except ValueError:
+            raise ValueError("must hold only finite numbers (no NaN, Infinity or out-of-range values like 1e400)") from None
+        return v
 
     @field_validator("tools", "include")
     @classmethod
