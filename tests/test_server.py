@@ -1387,6 +1387,27 @@ def test_chat_stream_disconnect_through_openai_client(srv: Srv) -> None:
     srv.wait_idle(timeout=5)
 
 
+def test_disconnect_while_sending_the_body_is_no_server_error(srv: Srv) -> None:
+    """A client gone before its body is whole is counted as a 499 (client closed), not as a 500
+    internal error with a traceback."""
+    def errors(status: str) -> float:
+        line = f'pageflash:request_errors_total{{model_name="{MODEL}",status="{status}"}}'
+        return next((float(x.rsplit(" ", 1)[1]) for x in srv.http.get("/metrics").text.splitlines()
+                     if x.startswith(line)), 0.0)
+
+    before = errors("499"), errors("500")
+    host, port = srv.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while errors("499") == before[0]:
+        assert time.monotonic() < deadline, "the disconnect was not counted as a 499"
+        time.sleep(0.05)
+    assert errors("500") == before[1]
+
+
 def test_non_stream_disconnect_frees_blocks(srv: Srv) -> None:
     srv.wait_idle()
     body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}

@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from pageflash.engine.async_engine import AsyncLLMEngine, EngineError, RequestStream
@@ -475,11 +476,14 @@ class OpenAIServing:
             raise APIError(413, f"Request body of {declared} bytes is over the limit of {limit} bytes",
                            code="request_too_large")  # fmt: skip
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"Request body is over the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"Request body is over the limit of {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body was whole: not a server error
+            raise APIError(499, "client disconnected", code="client_disconnected") from None
         try:
             return cls.model_validate_json(b"".join(chunks))
         except pydantic.ValidationError as e:
