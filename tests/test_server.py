@@ -450,6 +450,8 @@ BAD_CHATS = [
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, None, ("constrains the output already",)),
     ({"messages": CHAT, "tools": [{"type": "retrieval"}]}, "tools[0].type", ()),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}],
+      "tool_choice": "required"}, "tools", ("$defs", "'f'")),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "no spaces"}}], "tool_choice": "none"},
      "tools[0].function.name", ()),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"type": "function", "function": {"name": "f",

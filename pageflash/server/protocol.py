@@ -537,7 +537,11 @@ class ChatCompletionRequest(_SamplingFields):
         items = []
         for name, params in tools.items():
             params = dict(params)
-            for key, value in (params.pop("$defs", None) or {}).items():
+            own = params.pop("$defs", None) or {}
+            if not isinstance(own, dict):
+                raise ValueError(f"tools: function {name!r}: parameters.$defs must be an object (a schema per "
+                                 f"name), got {type(own).__name__}")
+            for key, value in own.items():
                 if key in defs and defs[key] != value:
                     raise ValueError(f"tools: the definition {key!r} has different schemas in different tools")
                 defs[key] = value
