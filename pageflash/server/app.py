@@ -564,11 +564,15 @@ class OpenAIServing:
 
     async def compile_constraint(self, params: Any, field: str) -> None:
         """Compile a request's output constraint on the worker thread (a large schema or choice list
-        takes the worker's time, not the engine thread's); the engine then copies the cached matcher."""
+        takes the worker's time, not the engine thread's); the engine then copies the cached matcher.
+        Its bad_words are tokenized there too (cached by the engine for add_request)."""
+        eng = self.engine.engine
+        if params.bad_words:
+            words = params.bad_words
+            await self.tokenizer.run(lambda tok: eng.bad_word_ids(words, tok), "Cannot tokenize bad_words", "bad_words")
         so = params.structured_outputs
         if so is None:
             return
-        eng = self.engine.engine
 
         def compile_it(_tok: Any) -> str | None:
             try:
