@@ -6,13 +6,19 @@ import json
 from collections.abc import Iterable
 from typing import Any, Optional, Sequence, Union
 
-from pageflash.engine.engine import EngineConfig, LLMEngine, PromptType, is_array
+import jinja2
+
+from pageflash.engine.engine import EngineConfig, LLMEngine, PromptType, check_text, is_array
 from pageflash.lora.request import LoRARequest
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import RequestOutput
 from pageflash.sampling_params import PoolingParams, SamplingParams
 
 Conversation = list[dict[str, Any]]
+
+# apply_chat_template's own arguments: chat_template_kwargs cannot set them (as the server's)
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs")
 
 # vLLM options with no effect here, and the values that are accepted (None: any)
 VLLM_COMPAT_OPTIONS: dict[str, Optional[tuple]] = {
@@ -209,6 +215,17 @@ class LLM:
         chat_template_kwargs go to the template."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
+        if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
+            raise TypeError(f"tools must be a list of tool dicts ({{'type': 'function', 'function': {{...}}}}) or None, "
+                            f"got {tools!r:.80}")  # fmt: skip
+        if chat_template_kwargs is not None:
+            if not isinstance(chat_template_kwargs, dict):
+                raise TypeError(f"chat_template_kwargs must be a dict or None, got {type(chat_template_kwargs).__name__}")
+            reserved = sorted(set(chat_template_kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+            if reserved:
+                raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)} (chat()'s own arguments)")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a str (a Jinja template) or None, got {type(chat_template).__name__}")
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("this model has no tokenizer, so no chat template")
@@ -226,14 +243,23 @@ class LLM:
                 # (an assistant turn that only calls tools may leave its content out, as OpenAI's API allows)
                 if not isinstance(m, dict) or "role" not in m or ("content" not in m and m["role"] != "assistant"):
                     raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+                if not isinstance(m["role"], str) or not m["role"]:
+                    raise ValueError(f"a message's role must be a non-empty str, got {m['role']!r}")
             conv = [_template_message(m) for m in conv]
             if continue_final_message and conv[-1].get("role") != "assistant":
                 raise ValueError("continue_final_message continues an assistant message, but the last message "
                                  f"is a {conv[-1].get('role')!r} one")  # fmt: skip
-            text = tok.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}),
-            )
+            try:
+                text = tok.apply_chat_template(
+                    conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                    continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}),
+                )
+            except jinja2.TemplateSyntaxError as e:  # (a TemplateError too: first)
+                raise ValueError(f"chat_template is not a valid Jinja template: {e}") from e
+            except jinja2.TemplateError as e:  # the template refused the conversation (raise_exception), or failed on it
+                raise ValueError(f"messages: the chat template cannot render this conversation: "
+                                 f"{type(e).__name__}: {e}") from e
+            check_text(text, "messages")
             # The template already holds any BOS: tokenize without adding special tokens again.
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
@@ -258,6 +284,8 @@ class LLM:
         for pp in pooling_params:
             if not isinstance(pp, PoolingParams):
                 raise TypeError(f"pooling_params must be a PoolingParams or a list of them, got {type(pp).__name__}")
+        if len(pooling_params) != n:
+            raise ValueError(f"got {len(pooling_params)} pooling_params for {n} prompts; they must match")
         outs = self.generate(prompts, pooling_params, use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids) for o in outs]
 

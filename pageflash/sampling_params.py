@@ -20,6 +20,10 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# The sampler holds temperatures and penalties in float32: a larger value becomes inf there, and
+# logits / inf (-inf / inf, 0 * inf) are NaN, which samples garbage, even tokens that
+# allowed_token_ids or a grammar forbid.
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _check_int(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -100,9 +104,9 @@ class StructuredOutputsParams:
                 raise TypeError(f"structured_outputs choice must be a non-empty list of non-empty str, got {self.choice!r}")
             self.choice = list(self.choice)
         if self.json_object is not None:
-            _check_bool("json_object", self.json_object)
-        _check_bool("disable_any_whitespace", self.disable_any_whitespace)
-        _check_bool("disable_additional_properties", self.disable_additional_properties)
+            _check_bool("structured_outputs json_object", self.json_object)
+        _check_bool("structured_outputs disable_any_whitespace", self.disable_any_whitespace)
+        _check_bool("structured_outputs disable_additional_properties", self.disable_additional_properties)
 
     def _asked(self) -> list[str]:
         """The kinds set (json_object: False asks for nothing; json: False is a bad schema)."""
@@ -235,8 +239,9 @@ class SamplingParams:
 
         # ---- floats -----------------------------------------------------------------------
         self.temperature = _check_float("temperature", self.temperature)
-        if self.temperature < 0.0 or math.isinf(self.temperature):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= _FLOAT32_MAX:
+            raise ValueError(f"temperature must be finite and >= 0 (at most {_FLOAT32_MAX:.4g}, float32's largest), "
+                             f"got {self.temperature}")
         self.top_p = _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -249,9 +254,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty < math.inf:
+        if not 0.0 < self.repetition_penalty <= _FLOAT32_MAX:
             raise ValueError(
-                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
+                f"repetition_penalty must be finite and > 0 (at most {_FLOAT32_MAX:.4g}, float32's largest), "
+                f"got {self.repetition_penalty}"
             )
 
         # ---- bools ------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pageflash import LLM, SamplingParams
+from pageflash.sampling_params import PoolingParams
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +259,35 @@ def test_chat_content_parts_and_none(llm):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], sp, use_tqdm=False)
     with pytest.raises(TypeError, match="content"):
         llm.chat([{"role": "user", "content": 5}], sp, use_tqdm=False)
+
+
+def test_chat_bad_input_is_a_value_or_type_error_naming_it(llm):
+    """What a template or the tokenizer would fail on with their own exceptions (jinja2's, a
+    tokenizers TypeError) is a ValueError / TypeError naming the argument, and nothing is queued."""
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    hi = [{"role": "user", "content": "Hi"}]
+    for bad, exc, words in (
+        (dict(messages=[{"role": None, "content": "x"}]), ValueError, "role"),
+        (dict(messages=[{"role": 5, "content": "x"}]), ValueError, "role"),
+        (dict(messages=hi, chat_template="{% if %}"), ValueError, "chat_template"),
+        (dict(messages=hi, chat_template="{{ raise_exception('roles must alternate') }}"), ValueError,
+         "messages.*roles must alternate"),
+        (dict(messages=hi, chat_template="{{ messages[5].content }}"), ValueError, "messages"),
+        (dict(messages=hi, chat_template=5), TypeError, "chat_template"),
+        (dict(messages=hi, tools=5), TypeError, "tools"),
+        (dict(messages=hi, tools=["f"]), TypeError, "tools"),
+        (dict(messages=hi, chat_template_kwargs=5), TypeError, "chat_template_kwargs"),
+        (dict(messages=hi, chat_template_kwargs={"tokenize": True}), ValueError, "chat_template_kwargs.*tokenize"),
+        (dict(messages=[{"role": "user", "content": "a \ud800 b"}]), ValueError, "messages.*not valid Unicode"),
+    ):
+        with pytest.raises(exc, match=words):
+            llm.chat(bad.pop("messages"), sp, use_tqdm=False, **bad)
+    with pytest.raises(ValueError, match="prompt 1: prompt is not valid Unicode.*ud800"):
+        llm.generate(["fine", "bad \ud800"], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="2 pooling_params for 1 prompts"):
+        llm.embed("one", [PoolingParams(), PoolingParams()], use_tqdm=False)
+    assert free_all(llm)
+    assert llm.chat(hi, sp, use_tqdm=False)[0].outputs[0].token_ids  # and the engine goes on
 
 
 def test_seed_wraps_for_n_copies(llm):

@@ -48,6 +48,7 @@ def test_valid_edges_are_accepted():
     SamplingParams(min_tokens=16, max_tokens=16, logprobs=0, seed=0)
     SamplingParams(logprobs=MAX_LOGPROBS, seed=2**64 - 1, min_tokens=100, max_tokens=None)
     SamplingParams(seed=-(2**63))
+    SamplingParams(temperature=3.0e38, repetition_penalty=3.0e38)  # still finite in float32
 
 
 BAD = [
@@ -56,6 +57,9 @@ BAD = [
     (dict(temperature=math.nan), ValueError, ["temperature", "NaN"]),
     (dict(temperature=math.inf), ValueError, ["temperature", "finite"]),
     (dict(temperature="1"), TypeError, ["temperature", "number"]),
+    # past float32's range: inf in the sampler, NaN probabilities, garbage (even forbidden) tokens
+    (dict(temperature=1e39), ValueError, ["temperature", "finite", "float32"]),
+    (dict(temperature=1e308), ValueError, ["temperature", "finite"]),
     (dict(top_p=0.0), ValueError, ["top_p", "(0, 1]"]),
     (dict(top_p=1.01), ValueError, ["top_p", "(0, 1]"]),
     (dict(top_p=math.nan), ValueError, ["top_p", "NaN"]),
@@ -76,6 +80,7 @@ BAD = [
     (dict(repetition_penalty=0.0), ValueError, ["repetition_penalty", "> 0"]),
     (dict(repetition_penalty=-1.0), ValueError, ["repetition_penalty", "> 0"]),
     (dict(repetition_penalty=math.nan), ValueError, ["repetition_penalty", "NaN"]),
+    (dict(repetition_penalty=1e39), ValueError, ["repetition_penalty", "finite", "float32"]),
     (dict(logprobs=-1), ValueError, ["logprobs", f"[0, {MAX_LOGPROBS}]"]),
     (dict(logprobs=MAX_LOGPROBS + 1), ValueError, ["logprobs", f"[0, {MAX_LOGPROBS}]"]),
     (dict(logprobs=True), TypeError, ["logprobs", "int"]),

@@ -355,6 +355,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "max_tokens": -3}, "max_tokens", ()),
     ({"prompt": "hi", "temperature": -0.5}, "temperature", ()),
     ({"prompt": "hi", "temperature": "hot"}, "temperature", ()),
+    # OpenAI's range [0, 2] (a huge one was inf in the sampler: NaN probabilities, garbage tokens)
+    ({"prompt": "hi", "temperature": 2.5}, "temperature", ("less than or equal to 2",)),
+    ({"prompt": "hi", "temperature": 1e308, "stream": True}, "temperature", ("less than or equal to 2",)),
+    ({"prompt": "hi", "repetition_penalty": 1e39}, "repetition_penalty", ("finite",)),
     ({"prompt": "hi", "top_p": 0}, "top_p", ()),
     ({"prompt": "hi", "top_p": 1.5}, "top_p", ()),
     ({"prompt": "hi", "n": 0}, "n", ()),
@@ -391,6 +395,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "structured_outputs": {"regexp": "a"}}, "structured_outputs", ("regexp",)),
     ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format", ("json_schema.schema",)),
     ({"prompt": "hi", "response_format": {"type": "structural_tag"}}, None, ("structural_tag",)),
+    ({"prompt": "hi", "response_format": {}}, "response_format", ("needs a type",)),
+    ({"prompt": "hi", "response_format": {"json_schema": {"schema": {"type": "object"}}}}, "response_format",
+     ("needs a type",)),
+    ({"prompt": "hi", "structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}},
+     "structured_outputs", ("disable_any_whitespace", "bool")),
+    ({"prompt": "hi", "structured_outputs": {"json_object": "yes"}}, "structured_outputs", ("json_object", "bool")),
     ({"prompt": "hi", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", ("not supported",)),
     ({"prompt": "hi", "use_beam_search": True, "n": 2, "stream": True}, "stream", ("use_beam_search",)),
     ({"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 0.7}, "temperature", ("use_beam_search",)),
@@ -427,6 +437,9 @@ BAD_CHATS = [
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens", ()),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", ()),
     ({"messages": CHAT, "temperature": -1}, "temperature", ()),
+    ({"messages": CHAT, "temperature": 1e9}, "temperature", ("less than or equal to 2",)),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}, "structured_outputs": None,
+      "tools": None, "stream": True, "temperature": 3}, "temperature", ()),
     ({"messages": CHAT, "top_p": 0.0}, "top_p", ()),
     ({"messages": CHAT, "n": 0}, "n", ()),
     ({"messages": CHAT, "top_logprobs": 2}, None, ("logprobs",)),
@@ -437,6 +450,8 @@ BAD_CHATS = [
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, None, ("constrains the output already",)),
     ({"messages": CHAT, "tools": [{"type": "retrieval"}]}, "tools[0].type", ()),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}],
+      "tool_choice": "required"}, "tools", ("$defs", "'f'")),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "no spaces"}}], "tool_choice": "none"},
      "tools[0].function.name", ()),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"type": "function", "function": {"name": "f",
@@ -445,6 +460,12 @@ BAD_CHATS = [
     ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None,
      ("json_schema.schema",)),
     ({"messages": CHAT, "max_tokens": 1000}, "max_tokens", ("1000", str(MAX_MODEL_LEN))),
+    # the openai SDK's max_completion_tokens: the error names the field the request set
+    ({"messages": CHAT, "max_completion_tokens": 1000}, "max_completion_tokens",
+     ("max_completion_tokens (1000)", str(MAX_MODEL_LEN))),
+    ({"messages": CHAT, "max_completion_tokens": 2, "min_tokens": 3}, "min_tokens", ("max_completion_tokens=2",)),
+    ({"messages": CHAT, "max_completion_tokens": 1000, "use_beam_search": True, "n": 2}, "max_completion_tokens",
+     ("max_completion_tokens (1000)",)),
     ({"messages": [{"role": "user", "content": "hi " * 300}]}, "messages", ("chat prompt", str(MAX_MODEL_LEN))),
     ({"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}, None, ("functions",)),
     ({"messages": CHAT, "function_call": "auto"}, None, ("function_call",)),
@@ -672,6 +693,27 @@ def test_constraints_compile_off_the_engine_thread(srv: Srv, monkeypatch: pytest
     assert threads and "pageflash-engine" not in threads
 
 
+def test_bad_words_are_tokenized_off_the_engine_thread(srv: Srv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's bad_words are tokenized on the server's worker thread (300k words took the engine
+    thread 13 s, stalling every other stream); the engine finds them in its cache."""
+    from pageflash.engine import engine as engine_mod
+
+    threads: list[str] = []
+    orig = engine_mod._tokenize_bad_words
+    monkeypatch.setattr(engine_mod, "_tokenize_bad_words",
+                        lambda tok, words: threads.append(threading.current_thread().name) or orig(tok, words))
+    ref = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).json()["choices"][0]["text"]
+    word = ref.split()[0]
+    for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})):
+        words = [word, f"zq{path}"] + [f"w{i}" for i in range(2000)]
+        r = srv.post(path, {**body, "max_tokens": 8, "temperature": 0, "bad_words": words})
+        assert r.status_code == 200, r.text
+    assert len(threads) == 2 and "pageflash-engine" not in threads, threads
+    text = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                        "bad_words": [word]}).json()["choices"][0]["text"]
+    assert word not in text
+
+
 def test_tool_calls_named_and_required_through_the_openai_client(srv: Srv) -> None:
     """tool_choice naming a function, and "required", streamed and not: the calls' arguments satisfy the
     tools' schemas, the streamed deltas add up to the same calls, and an earlier call plus a tool result
@@ -853,6 +895,24 @@ def test_responses_api_through_the_openai_client(srv: Srv) -> None:
     assert srv.aeng.engine.kv.num_free_blocks == srv.aeng.engine.kv.pool.num_blocks
 
 
+def test_responses_echoed_fields_are_json(srv: Srv) -> None:
+    """/v1/responses echoes text and metadata back: a NaN or an overflowing number (1e400 parses as
+    inf) there was a 500 (and a dropped connection); OpenAI's metadata holds strings."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for stream in (False, True):
+        raw = ('{"input": "hi", "max_output_tokens": 2, "stream": %s, "text": {"format": {"type": "json_schema", '
+               '"name": "x", "schema": {"type": "object", "default": 1e400}}}}' % json.dumps(stream))
+        assert_error(srv.post("/v1/responses", raw), 400, param="text", contains=("finite",))
+        raw = '{"input": "hi", "max_output_tokens": 2, "stream": %s, "metadata": {"a": NaN}}' % json.dumps(stream)
+        assert_error(srv.post("/v1/responses", raw), 400, param="metadata.a")
+    assert_error(srv.post("/v1/responses", {"input": "hi", "metadata": {"a": 1}}), 400, param="metadata.a")
+    assert_error(srv.post("/v1/responses", {"input": "hi", "metadata": ["a"]}), 400, param="metadata")
+    r = srv.client.responses.create(model=MODEL, input="hi", max_output_tokens=2, metadata={"user": "u1"},
+                                    text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
+    assert r.metadata == {"user": "u1"} and r.text.format.type == "json_schema"
+    srv.wait_idle()
+
+
 def test_embeddings_through_the_openai_client(srv: Srv) -> None:
     """/v1/embeddings: the openai SDK (base64 by default) and float JSON agree; unit vectors; text and
     its token ids give the same vector; dimensions truncates; bad input is a 400 naming the field."""
@@ -952,8 +1012,9 @@ def test_tokenize_and_detokenize(srv: Srv) -> None:
     usage = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}).json()["usage"]
     assert usage["prompt_tokens"] == chat["count"]  # what a chat request counts
     assert srv.post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == tok.decode(r["tokens"])
-    assert_error(srv.post("/tokenize", {"prompt": "x", "messages": CHAT}), 400, contains=("exactly one",))
-    assert_error(srv.post("/tokenize", {}), 400, contains=("exactly one",))
+    assert_error(srv.post("/tokenize", {"prompt": "x", "messages": CHAT}), 400, param="prompt",
+                 contains=("exactly one", "both"))
+    assert_error(srv.post("/tokenize", {}), 400, param="prompt", contains=("exactly one", "neither"))
     assert_error(srv.post("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}), 400, param="messages[0]")
     assert_error(srv.post("/tokenize", {"prompt": "x", "model": "gpt-4"}), 404, param="model")
     assert_error(srv.post("/detokenize", {"tokens": [1, 10**9]}), 400, param="tokens", contains=("outside",))
@@ -1257,6 +1318,44 @@ def test_api_key_and_body_limit() -> None:
         aeng.shutdown()
 
 
+def test_internal_error_is_a_500_that_keeps_the_connection() -> None:
+    """A bug in an endpoint is an OpenAI-shaped 500, and the client's keep-alive connection stays
+    open for its next request (Starlette answers the 500 and re-raises: uvicorn then closed the
+    connection, and a client's next request on it failed with a reset)."""
+    stub = SimpleNamespace(tokenizer=None, model_name="stub", max_model_len=64, get_stats=lambda: {},
+                           has_unfinished_requests=lambda: False)
+    aeng = AsyncLLMEngine(stub)  # type: ignore[arg-type]
+    app = build_app(aeng, "stub")
+
+    def broken() -> None:
+        raise RuntimeError("a bug")
+
+    app.state.serving.model_cards = broken
+    try:
+        with serve(app) as base:
+            host, port = base.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                f = sock.makefile("rb")
+
+                def get(path: str) -> tuple[int, bytes]:
+                    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                    status = int(f.readline().split()[1])
+                    length = 0
+                    while (line := f.readline()) not in (b"\r\n", b""):
+                        name, _, value = line.decode().partition(":")
+                        if name.lower() == "content-length":
+                            length = int(value)
+                    return status, f.read(length)
+
+                status, body = get("/v1/models")
+                assert status == 500
+                err = json.loads(body)["error"]
+                assert err["type"] == "server_error" and "RuntimeError: a bug" in err["message"]
+                assert get("/health") == (200, b"")  # the same connection
+    finally:
+        aeng.shutdown()
+
+
 def test_cors_flags() -> None:
     from pageflash.server.app import make_arg_parser
 
@@ -1309,6 +1408,27 @@ def test_chat_stream_disconnect_through_openai_client(srv: Srv) -> None:
             break
     stream.close()
     srv.wait_idle(timeout=5)
+
+
+def test_disconnect_while_sending_the_body_is_no_server_error(srv: Srv) -> None:
+    """A client gone before its body is whole is counted as a 499 (client closed), not as a 500
+    internal error with a traceback."""
+    def errors(status: str) -> float:
+        line = f'pageflash:request_errors_total{{model_name="{MODEL}",status="{status}"}}'
+        return next((float(x.rsplit(" ", 1)[1]) for x in srv.http.get("/metrics").text.splitlines()
+                     if x.startswith(line)), 0.0)
+
+    before = errors("499"), errors("500")
+    host, port = srv.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while errors("499") == before[0]:
+        assert time.monotonic() < deadline, "the disconnect was not counted as a 499"
+        time.sleep(0.05)
+    assert errors("500") == before[1]
 
 
 def test_non_stream_disconnect_frees_blocks(srv: Srv) -> None:

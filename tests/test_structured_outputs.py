@@ -261,7 +261,7 @@ def test_bad_words_never_come_out(llm):
     words = free.text.split()[:3]  # words greedy decoding does produce
     sp = SamplingParams(temperature=0, max_tokens=30, bad_words=words)
     got = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
-    seqs = eng._bad_word_ids(words)
+    seqs = eng.bad_word_ids(words)
     out = got.token_ids
     for seq in seqs:  # no bad word's token sequence occurs in the output
         assert not any(tuple(out[i:i + len(seq)]) == seq for i in range(len(out) - len(seq) + 1)), (seq, got.text)

@@ -7,6 +7,7 @@ Not thread-safe: one thread owns an engine (the server's AsyncLLMEngine runs it 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import operator
@@ -315,6 +316,9 @@ class LLMEngine:
         self._pooled: list[tuple[Request, int]] = []  # embedding requests _launch found complete: (req, hidden row)
         self._structured: Optional[StructuredOutputs] = None  # built at the first structured request
         self._structured_lock = threading.Lock()  # (the server compiles constraints on another thread)
+        self._bad_words_cache: collections.OrderedDict[tuple[str, ...], tuple[tuple[int, ...], ...]] = \
+            collections.OrderedDict()
+        self._bad_words_lock = threading.Lock()  # (the server tokenizes bad_words on another thread)
         self.groups: dict[str, list[Request]] = {}  # user request id -> its sequences (n of them)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -365,6 +369,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: give at least one token")
+            check_text(prompt, "prompt")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (dummy weights): pass prompt_token_ids")
             return prompt, list(self.tokenizer.encode(prompt))
@@ -431,7 +436,7 @@ class LLMEngine:
         if compile_constraints and params.structured_outputs is not None:
             self.structured_outputs().matcher(params.structured_outputs)
         if compile_constraints and params.bad_words:
-            self._bad_word_ids(params.bad_words)
+            self.bad_word_ids(params.bad_words)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:
@@ -480,7 +485,7 @@ class LLMEngine:
         req.pooling = pooling
         req.lora = adapter
         req.grammar = grammar
-        req.bad_words = self._bad_word_ids(params.bad_words)
+        req.bad_words = self.bad_word_ids(params.bad_words)
         self._attach_detokenizer(req)
         self.groups[request_id] = [req]
         self.scheduler.add(req)
@@ -515,21 +520,31 @@ class LLMEngine:
         """The int ids of the adapters this engine knows."""
         return self.lora_cache.ids() if self.lora_cache is not None else set()
 
-    def _bad_word_ids(self, words: Optional[list[str]]) -> tuple[tuple[int, ...], ...]:
+    BAD_WORDS_CACHE_SIZE = 64  # tokenized bad_words lists kept (the server tokenizes them ahead, see below)
+
+    def bad_word_ids(self, words: Optional[list[str]], tokenizer: Any = None) -> tuple[tuple[int, ...], ...]:
         """A request's bad_words as token sequences, as vLLM tokenizes them: each word (left-stripped)
-        as written, and with a leading space where that gives another first token of the same length."""
+        as written, and with a leading space where that gives another first token of the same length.
+        Cached by the list: the server calls this on its tokenizer worker (tokenizer: that thread's
+        own copy of this engine's tokenizer) before it adds the request, so that a long list (300k
+        words take seconds) is not tokenized on the engine thread while every other stream waits."""
         if not words:
             return ()
-        if self.tokenizer is None:
+        tok = self.tokenizer if tokenizer is None else tokenizer
+        if tok is None:
             raise ValueError("bad_words need the model's tokenizer; this model has none (dummy weights)")
-        seqs: list[tuple[int, ...]] = []
-        for w in words:
-            plain = tuple(self.tokenizer.encode(w.lstrip(), add_special_tokens=False))
-            spaced = tuple(self.tokenizer.encode(" " + w.lstrip(), add_special_tokens=False))
-            seqs.append(plain)
-            if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
-                seqs.append(spaced)
-        return tuple(s for s in dict.fromkeys(seqs) if s)
+        key = tuple(words)
+        with self._bad_words_lock:
+            hit = self._bad_words_cache.get(key)
+            if hit is not None:
+                self._bad_words_cache.move_to_end(key)
+                return hit
+        seqs = _tokenize_bad_words(tok, words)
+        with self._bad_words_lock:
+            self._bad_words_cache[key] = seqs
+            while len(self._bad_words_cache) > self.BAD_WORDS_CACHE_SIZE:
+                self._bad_words_cache.popitem(last=False)
+        return seqs
 
     def structured_outputs(self) -> StructuredOutputs:
         """The grammar compiler over this engine's tokenizer (built once, ~0.5 s); ValueError when
@@ -894,6 +909,36 @@ class LLMEngine:
         if self.spec is not None:
             s["spec"] = self.spec.stats()
         return s
+
+
+def _tokenize_bad_words(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """bad_words as token sequences (LLMEngine.bad_word_ids): each word left-stripped, and with a
+    leading space where that gives another first token of the same length; empty ones dropped."""
+    texts = [w.lstrip() for w in words]
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None:  # (HF's batch call builds a Python dict per word: seconds for 300k words)
+        plain = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+        spaced = [e.ids for e in backend.encode_batch([" " + t for t in texts], add_special_tokens=False)]
+    else:
+        plain = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        spaced = tokenizer([" " + t for t in texts], add_special_tokens=False)["input_ids"]
+    seqs: list[tuple[int, ...]] = []
+    for a, b in zip(plain, spaced):
+        seqs.append(tuple(a))
+        if b and len(b) == len(a) and b[0] != a[0]:
+            seqs.append(tuple(b))
+    return tuple(s for s in dict.fromkeys(seqs) if s)
+
+
+def check_text(text: str, what: str) -> None:
+    """ValueError naming `what` for text the tokenizer cannot take: a lone surrogate (from a JSON
+    "\\ud800" or a bad decode) has no UTF-8 encoding, and HF's tokenizers refuse it with a TypeError
+    that says nothing of where it came from."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text: {e.reason} at character {e.start} "
+                         f"({text[e.start:e.end]!a})") from None
 
 
 def is_array(x: Any) -> bool:

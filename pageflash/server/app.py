@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from pageflash.engine.async_engine import AsyncLLMEngine, EngineError, RequestStream
@@ -475,11 +476,14 @@ class OpenAIServing:
             raise APIError(413, f"Request body of {declared} bytes is over the limit of {limit} bytes",
                            code="request_too_large")  # fmt: skip
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"Request body is over the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"Request body is over the limit of {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body was whole: not a server error
+            raise APIError(499, "client disconnected", code="client_disconnected") from None
         try:
             return cls.model_validate_json(b"".join(chunks))
         except pydantic.ValidationError as e:
@@ -560,11 +564,15 @@ class OpenAIServing:
 
     async def compile_constraint(self, params: Any, field: str) -> None:
         """Compile a request's output constraint on the worker thread (a large schema or choice list
-        takes the worker's time, not the engine thread's); the engine then copies the cached matcher."""
+        takes the worker's time, not the engine thread's); the engine then copies the cached matcher.
+        Its bad_words are tokenized there too (cached by the engine for add_request)."""
+        eng = self.engine.engine
+        if params.bad_words:
+            words = params.bad_words
+            await self.tokenizer.run(lambda tok: eng.bad_word_ids(words, tok), "Cannot tokenize bad_words", "bad_words")
         so = params.structured_outputs
         if so is None:
             return
-        eng = self.engine.engine
 
         def compile_it(_tok: Any) -> str | None:
             try:
@@ -1286,8 +1294,11 @@ class OpenAIServing:
             for name in ("echo", "logprobs", "tools"):
                 if getattr(req, name):
                     raise APIError(400, f"use_beam_search does not take {name}", param=name)
-            results, usage = await self.beam_search(request, req, [prompt_ids], req.max_new_tokens, "messages",
-                                                    lora)
+            try:
+                results, usage = await self.beam_search(request, req, [prompt_ids], req.max_new_tokens, "messages",
+                                                        lora)  # fmt: skip
+            except APIError as e:
+                raise _in_request_terms(e, req) from None
             beams = [P.ChatChoice(index=j, message=P.ChatResponseMessage(role=req.response_role, content=s.output_text),
                                   finish_reason=s.finish_reason) for j, s in enumerate(results[0].sequences)]  # fmt: skip
             if self.reasoning_parser is not None:  # the thought split off, as for any chat reply
@@ -1305,10 +1316,13 @@ class OpenAIServing:
         k = req.top_logprobs or 0
         if req.logprobs:
             kw["logprobs"] = k
-        params = self.sampling_params(kw, req.structured_from)
-        await self.compile_constraint(params, req.structured_from)
-        prompt_ids = params.truncate_prompt(prompt_ids)
-        self.validate(prompt_ids, params, "messages", "the chat prompt (messages after the chat template)")
+        try:
+            params = self.sampling_params(kw, req.structured_from)
+            await self.compile_constraint(params, req.structured_from)
+            prompt_ids = params.truncate_prompt(prompt_ids)
+            self.validate(prompt_ids, params, "messages", "the chat prompt (messages after the chat template)")
+        except APIError as e:
+            raise _in_request_terms(e, req) from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
         gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "messages", lora),
@@ -1396,6 +1410,16 @@ class OpenAIServing:
         body = P.ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage(),
                                         prompt_logprobs=plp)  # fmt: skip
         return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _in_request_terms(e: APIError, req: P.ChatCompletionRequest) -> APIError:
+    """An error about the engine's max_tokens, in the terms of a chat request that set the length
+    limit as max_completion_tokens (OpenAI's newer name, which the openai SDK sends)."""
+    if req.max_completion_tokens is not None:
+        e.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", e.message)
+        if e.param == "max_tokens":
+            e.param = "max_completion_tokens"
+    return e
 
 
 def _call_deltas(calls: list[tuple[str, str]]) -> list[dict[str, Any]]:
@@ -1577,6 +1601,38 @@ class _Reasoning:
             c.message.reasoning = c.message.reasoning_content = split.reasoning
 
 
+class _InternalErrors:
+    """ASGI middleware: an unexpected exception in an endpoint is answered with the OpenAI-shaped 500
+    here and the connection is kept. (Starlette's own catch-all answers it too, then re-raises, and
+    uvicorn closes the client's keep-alive connection: the client's next request on it fails with a
+    connection reset.) An exception once a response has started (a stream) is re-raised."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_watched(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watched)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("internal error on %s", scope.get("path"))
+            self.metrics.count_error(500)
+            await APIError(500, f"Internal server error: {type(exc).__name__}: {exc}").response()(scope, receive, send)
+
+
 async def _run_request(request: Request, work: Awaitable[Any]) -> Any:
     try:
         return await _until_disconnect(request, work)
@@ -1640,6 +1696,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
             serving.tokenizer.close()
 
     app = FastAPI(title="pageflash OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app.add_middleware(_InternalErrors, metrics=metrics)  # (inside CORS: its 500s carry CORS headers too)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)  # fmt: skip
     app.state.engine = engine
@@ -1661,7 +1718,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
         metrics.count_error(400)
         return APIError(400, f"Invalid request: {exc.errors()}").response()
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # (what escapes _InternalErrors: a failure in the CORS middleware)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error on %s", request.url.path)
         metrics.count_error(500)

@@ -11,6 +11,7 @@ the error names the field. Everything else is checked by SamplingParams and the 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any, ClassVar, Literal, Union
 
@@ -70,7 +71,7 @@ class _SamplingFields(_Strict):
     NULL_IS_DEFAULT = ("n", "add_generation_prompt")
     model: StrictStr | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
-    temperature: Float | None = Field(None, ge=0.0)
+    temperature: Float | None = Field(None, ge=0.0, le=2.0)  # OpenAI's range (as /v1/responses)
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     top_k: StrictInt | None = None
     min_p: Float | None = Field(None, ge=0.0, le=1.0)
@@ -134,7 +135,9 @@ class _SamplingFields(_Strict):
         asked: dict[str, dict[str, Any]] = {}
         rf = self.response_format
         if rf is not None:
-            kind = rf.get("type", "text")
+            if "type" not in rf:  # (OpenAI and vLLM require it)
+                raise ValueError("response_format needs a type: 'text', 'json_object' or 'json_schema'")
+            kind = rf["type"]
             if kind == "json_object":
                 asked["response_format"] = {"json_object": True}
             elif kind == "json_schema":
@@ -534,7 +537,11 @@ class ChatCompletionRequest(_SamplingFields):
         items = []
         for name, params in tools.items():
             params = dict(params)
-            for key, value in (params.pop("$defs", None) or {}).items():
+            own = params.pop("$defs", None) or {}
+            if not isinstance(own, dict):
+                raise ValueError(f"tools: function {name!r}: parameters.$defs must be an object (a schema per "
+                                 f"name), got {type(own).__name__}")
+            for key, value in own.items():
                 if key in defs and defs[key] != value:
                     raise ValueError(f"tools: the definition {key!r} has different schemas in different tools")
                 defs[key] = value
@@ -671,7 +678,7 @@ class ResponsesRequest(_Strict):
     text: dict[str, Any] | None = None
     stream: StrictBool | None = False
     store: StrictBool = True  # accepted; responses are never stored here
-    metadata: dict[str, Any] | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None  # OpenAI's: string keys and values (echoed back)
     user: StrictStr | None = None
     parallel_tool_calls: StrictBool = True
     truncation: Literal["disabled", "auto"] = "disabled"
@@ -699,6 +706,16 @@ class ResponsesRequest(_Strict):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+
+    @field_validator("text")
+    @classmethod
+    def _json_compliant(cls, v: Any) -> Any:
+        # echoed back in the response: a NaN or an overflowing 1e400 (inf) there could not be sent as JSON
+        try:
+            json.dumps(v, allow_nan=False)
+        except ValueError:
+            raise ValueError("must hold only finite numbers (no NaN, Infinity or out-of-range values like 1e400)") from None
+        return v
 
     @field_validator("tools", "include")
     @classmethod
@@ -814,7 +831,8 @@ class TokenizeRequest(_Strict):
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
+            got = "neither" if self.prompt is None else "both"
+            raise ValueError(f"prompt or messages: give exactly one of them (got {got})")
         return self
 
     def chat_fields(self) -> dict[str, Any]:
