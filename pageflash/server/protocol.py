@@ -71,7 +71,9 @@ class _SamplingFields(_Strict):
     NULL_IS_DEFAULT = ("n", "add_generation_prompt")
     model: StrictStr | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
-    temperature: Float | None = Field(None, ge=0.0, le=2.0)  # OpenAI's range (as /v1/responses)
+    # no upper bound, as vLLM's (OpenAI's is 2; /v1/responses keeps it): SamplingParams refuses what
+    # float32 cannot hold
+    temperature: Float | None = Field(None, ge=0.0)
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     top_k: StrictInt | None = None
     min_p: Float | None = Field(None, ge=0.0, le=1.0)
