@@ -92,8 +92,12 @@ def test_graphs_equal_eager_and_hf_fp32(tiny, max_loras):
 
 
 def test_graphs_equal_eager_bf16_smollm2(tmp_path):
-    """bf16 on SmolLM2's shapes (dummy weights), two adapters of ranks 16 and 8 and the base: graphs ==
-    eager; the base rows are those of a run without adapters, and the adapters change the others."""
+    """bf16 on SmolLM2's shapes (dummy weights), two adapters of ranks 16 and 8 and the base: graphs and
+    eager steps give the same tokens up to bf16 near-ties (the decode graphs are planned for the longest
+    context, eager steps for the step's: their attention splits, so their roundings, differ -- the
+    base model's qwen3-0.6b parts from eager the same way, tests/gpu/test_engine_gpu.py): where a row
+    parts, both tokens are within 0.15 nats of each other in the eager run's logprobs; the base rows
+    are those of a run without adapters, and the adapters change the others."""
     from pageflash.model.loader import load_config, resolve_model
 
     cfg = load_config(resolve_model("smollm2-135m", "dummy"))
@@ -106,13 +110,23 @@ def test_graphs_equal_eager_bf16_smollm2(tmp_path):
         llm = LLM("smollm2-135m", load_format="dummy", max_model_len=512, num_kv_blocks=512, enable_lora=True,
                   max_loras=2, **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=NEW,
-                            ignore_eos=True), use_tqdm=False, lora_request=[loras[n] for n in names])  # fmt: skip
-        return [o.outputs[0].token_ids for o in outs], llm
+                            ignore_eos=True, logprobs=5), use_tqdm=False, lora_request=[loras[n] for n in names])  # fmt: skip
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], llm
 
-    eager, _ = run(names, enforce_eager=True)
-    graphs, llm = run(names)
+    eager, lps, _ = run(names, enforce_eager=True)
+    graphs, _, llm = run(names)
     assert llm.llm_engine.runner.graphs is not None
-    assert graphs == eager
-    plain, _ = run([None] * len(names), enforce_eager=True)
+    parted = 0
+    for i, (g, e) in enumerate(zip(graphs, eager)):
+        if g == e:
+            continue
+        parted += 1
+        j = next(j for j, (x, y) in enumerate(zip(g, e)) if x != y)
+        top = lps[i][j]
+        print(f"row {i} ({names[i]}) parts at token {j}: eager {e[j]} {top[e[j]].logprob:.4f}, graphs {g[j]} "
+              f"{top[g[j]].logprob if g[j] in top else None}")
+        assert g[j] in top and abs(top[e[j]].logprob - top[g[j]].logprob) < 0.15, (i, j, top)
+    assert parted <= 2, f"{parted} of {len(names)} rows part between graphs and eager"
+    plain, _, _ = run([None] * len(names), enforce_eager=True)
     assert all(plain[i] == eager[i] for i, n in enumerate(names) if n is None)
     assert sum(plain[i] != eager[i] for i, n in enumerate(names) if n is not None) >= 4
