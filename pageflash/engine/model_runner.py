@@ -199,6 +199,18 @@ class ModelRunner:
             copy_to(ctx.token_slots[:num_tokens], torch.from_numpy(h))
         ctx.begin_step(num_tokens, active)
 
+    def release_graphs(self) -> None:
+        """Drop every captured CUDA graph (and wait for the device). A tensor-parallel rank does this
+        before leaving its NCCL group: NCCL's communicator teardown waits until no graph holding its
+        collectives is alive, so destroying the group with the graphs still held never returns."""
+        self.graphs = None
+        self.step_graphs = None
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+
     def capture_decode_graphs(self, max_batch: int) -> None:
         """Capture decode-step CUDA graphs for batch sizes up to max_batch (CUDA + graph-safe backend)."""
         if self.device.type != "cuda" or self.backend.name != "triton":

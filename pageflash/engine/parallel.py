@@ -224,10 +224,25 @@ def _worker_main(rank: int, world: int, backend: str, init_method: str, runner_k
         except BaseException:
             conn.send(("error", traceback.format_exc()))
             return
+    runner.release_graphs()
+    _leave_group()
+
+
+def _leave_group(wait: float = 20.0) -> None:
+    """destroy_process_group, given at most `wait` seconds: a teardown that blocks (NCCL waiting on a
+    peer that is gone) is left behind with a warning instead of hanging the process at exit."""
+    import threading
+
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    t = threading.Thread(target=dist.destroy_process_group, name="pageflash-tp-teardown", daemon=True)
+    t.start()
+    t.join(wait)
+    if t.is_alive():
+        logger.warning("tensor parallel: leaving the process group did not finish in %.0f s; exiting without it",
+                       wait)
 
 
 class TensorParallelRunner:
@@ -275,11 +290,13 @@ class TensorParallelRunner:
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
-        self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._procs)
+        self._local: list = []  # rank 0's runner once built (the finalizer drops its graphs first)
+        self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._procs, self._local)
         try:
             self._await_start()
             _init_group(backend, init_method, 0, tp_size)
             self.local = ModelRunner(**runner_kwargs, tp_rank=0, tp_size=tp_size)
+            self._local.append(self.local)
             self._gather()  # the workers' runners are built
         except BaseException:
             self.close()
@@ -440,7 +457,13 @@ class TensorParallelRunner:
         self._finalizer()
 
 
-def _shutdown(conns: list, procs: list) -> None:
+def _shutdown(conns: list, procs: list, local: list) -> None:
+    for runner in local:  # (before the group goes: see ModelRunner.release_graphs)
+        try:
+            runner.release_graphs()
+        except Exception:  # a device already failing: still stop the workers
+            logger.exception("tensor parallel: releasing rank 0's CUDA graphs failed")
+    local.clear()
     for c in conns:
         try:
             c.send(None)
@@ -453,7 +476,4 @@ def _shutdown(conns: list, procs: list) -> None:
             p.join(timeout=5)
     for c in conns:
         c.close()
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    _leave_group()
