@@ -416,3 +416,45 @@ def test_a_failed_step_stops_the_ranks_instead_of_running_them_out_of_step(tmp_p
     del llm
     gc.collect()
     assert not torch.distributed.is_initialized()
+
+
+def test_shutdown_drops_rank_zeros_graphs_before_leaving_the_group(monkeypatch):
+    """NCCL's teardown waits while a CUDA graph holding its collectives is alive (two H100s: rank 0 hung at
+    exit in destroy_process_group): _shutdown releases rank 0's graphs first, then stops the workers, then
+    leaves the group."""
+    from pageflash.engine import parallel
+
+    calls = []
+
+    class Runner:
+        def release_graphs(self):
+            calls.append("release")
+
+    class Conn:
+        def send(self, msg):
+            calls.append(("send", msg))
+
+        def close(self):
+            calls.append("close")
+
+    monkeypatch.setattr(parallel, "_leave_group", lambda: calls.append("leave"))
+    local = [Runner()]
+    parallel._shutdown([Conn()], [], local)
+    assert calls == ["release", ("send", None), "close", "leave"] and local == []
+
+
+def test_leaving_a_group_that_blocks_gives_up_with_a_warning(monkeypatch, caplog):
+    """A destroy_process_group that never returns costs `wait` seconds and a warning, not a hung process."""
+    import threading
+
+    import torch.distributed as dist
+
+    from pageflash.engine import parallel
+
+    release = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(30))
+    with caplog.at_level("WARNING", logger=parallel.logger.name):
+        parallel._leave_group(wait=0.2)
+    release.set()
+    assert "leaving the process group did not finish" in caplog.text
