@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the 2-GPU machine (nvidia-h200-x2): tensor parallelism, logs under $OUT.
-#   scripts/gpu_tp.sh tests   # tests/gpu/test_tp_gpu.py: two ranks on one GPU (any machine), NCCL on two
+#   scripts/gpu_tp.sh tests   # tests/gpu/test_tp_gpu.py's NCCL tests on two GPUs (9; 7 took 270 s on two H100s)
+#   scripts/gpu_tp.sh shared  # its tests of two ranks sharing one GPU over gloo (any machine; 6 + 3)
 #   scripts/gpu_tp.sh engine  # pageflash bench latency at 1 and 2 GPUs on the same machine, dummy weights,
 #                             # MODELS (default llama-3-8b qwen3-30b-a3b), batch 1 / 16 / 64
 #   scripts/gpu_tp.sh big     # llama-3.1-70b (140 GB bf16: two GPUs only), batch 1 / 16 / 64
@@ -15,8 +16,13 @@ lat() {  # model tp label
     --output-len ${OUTPUT_LEN:-128} --batch-size ${BATCHES:-1 16 64} --num-iters ${ITERS:-2} --disable-tqdm \
     --max-model-len ${MAX_LEN:-4096} --json "$OUT/lat_$1_tp$2.json" ${LAT_ARGS:-} 2>&1 | tee "$OUT/lat_$1_tp$2.log" | tail -8
 }
-if [[ $what == tests ]]; then
-  python3 -m pytest -q -ra tests/gpu/test_tp_gpu.py 2>&1 | tee "$OUT/tp_tests.log" | tail -8
+if [[ $what == tests ]]; then  # -v: which tests ran, should the command's time limit cut it off
+  python3 -m pytest -ra -v tests/gpu/test_tp_gpu.py -k "gpus and not one_gpu" 2>&1 | tee "$OUT/tp_tests.log" \
+    | grep -E "PASS|FAIL|ERROR|passed|failed" | tail -12
+fi
+if [[ $what == shared ]]; then
+  python3 -m pytest -ra -v tests/gpu/test_tp_gpu.py -k "one_gpu" 2>&1 | tee "$OUT/tp_shared.log" \
+    | grep -E "PASS|FAIL|ERROR|passed|failed" | tail -12
 fi
 if [[ $what == engine ]]; then
   for m in ${MODELS:-llama-3-8b qwen3-30b-a3b}; do
