@@ -3,7 +3,8 @@
 #   scripts/gpu_lora.sh tests   # tests/gpu/test_lora_gpu.py (kernels at model sizes, decode graphs == eager ==
 #                               # HF + peft, bf16), then the engine / kernel suites the LoRA hooks touch
 #   scripts/gpu_lora.sh bench   # llama-3-8b decode at batch 1 / 16 / 64: no LoRA, LoRA slots with base
-#                               # requests (the LoRA kernels' cost in the decode graphs), one rank-16
+#                               # requests (on the graphs without the LoRA kernels, then with them:
+#                               # PAGEFLASH_LORA_FREE_GRAPHS=0), one rank-16
 #                               # adapter, four rank-16 adapters in turn
 set -o pipefail
 OUT=${OUT:-out}
@@ -17,9 +18,13 @@ for what in "$@"; do
   fi
   if [[ $what == bench ]]; then
     i=0
-    for flags in "" "--enable-lora" "--lora-rank 16" "--lora-rank 16 --num-loras 4"; do
+    # (the --enable-lora line twice: base-only steps on the graphs without the LoRA kernels, then with them)
+    for flags in "" "--enable-lora" "PAGEFLASH_LORA_FREE_GRAPHS=0 --enable-lora" "--lora-rank 16" \
+                 "--lora-rank 16 --num-loras 4"; do
       i=$((i + 1))
-      python3 -m pageflash.cli bench latency --model ${MODEL:-llama-3-8b} --input-len 128 --output-len 256 \
+      env_=""
+      [[ $flags == PAGEFLASH_* ]] && env_=${flags%% *} && flags=${flags#* }
+      env $env_ python3 -m pageflash.cli bench latency --model ${MODEL:-llama-3-8b} --input-len 128 --output-len 256 \
         --batch-size ${BATCHES:-1 16 64} --num-iters 2 --disable-tqdm $flags \
         --json "$OUT/lat_lora$i.json" 2>&1 | tee "$OUT/lat_lora$i.log" | tail -5
     done

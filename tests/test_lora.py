@@ -177,6 +177,7 @@ def test_decode_graph_path_with_lora_kernels(model, monkeypatch):
     monkeypatch.setattr(mr, "_prefetcher_from_env", lambda device: None)
     monkeypatch.setattr(mr, "_precompile_from_env", lambda: False)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setenv("PAGEFLASH_LORA_FREE_GRAPHS", "2")  # twins without the LoRA kernels: buckets 1, 2
     folder, reqs, refs = model
     prompts = _prompts(8, (3, 9, 13))
     names = ["a", None, "b"]
@@ -184,15 +185,27 @@ def test_decode_graph_path_with_lora_kernels(model, monkeypatch):
               num_kv_blocks=64, attention_backend="triton", enforce_eager=True)
     r = llm.llm_engine.runner
     r.lora.kernels = True
-    r.graphs = mr.DecodeGraphs(r, 4)  # buckets 1, 2, 4: three sequences padded to 4
-    r.graphs.capture()
+    r.graphs = g = mr.DecodeGraphs(r, 4)  # buckets 1, 2, 4: three sequences padded to 4
+    g.capture()
+    assert sorted(g.full) == [1, 2, 4] and sorted(g.full_base) == [1, 2]
     steps = []
-    run = r.graphs.run
-    monkeypatch.setattr(r.graphs, "run", lambda *a, **k: (steps.append(len(a[0].seqs)), run(*a, **k))[1])
+    run, select = g.run, g.select
+    monkeypatch.setattr(g, "run", lambda *a, **k: (steps.append(len(a[0].seqs)), run(*a, **k))[1])
+    picked = []
+    monkeypatch.setattr(g, "select", lambda *a: (picked.append(select(*a)), picked[-1])[1])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=[reqs[n] for n in names])
     assert _tokens(outs) == [hf_greedy(refs[n], p, NEW) for p, n in zip(prompts, names)]
     assert steps.count(3) >= NEW - 2  # mixed decode steps went through the graph path
+    assert picked and all(c is g.full[4] for c in picked)
+    # base requests only: the twins (buckets 1, 2); an adapter row among them: the LoRA graphs again
+    for batch, want in (([None, None], g.full_base[2]), ([None], g.full_base[1]), (["b", None], g.full[2])):
+        picked.clear()
+        ps = prompts[: len(batch)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False,
+                            lora_request=[reqs[n] for n in batch])
+        assert _tokens(outs) == [hf_greedy(refs[n], p, NEW) for p, n in zip(ps, batch)]
+        assert len(picked) >= NEW - 2 and all(c is want for c in picked), batch
 
 
 # ---- vLLM's signatures ---------------------------------------------------------------------------

@@ -447,6 +447,13 @@ class DecodeGraphs:
     it. Split programs past a sequence's last key still cost their launch (H100, llama-3-8b batch 1
     over 129-384 keys: 32 splits 8.0-8.7 us per layer, 16 splits 7.2-7.3 us; at 8000 keys 32 splits
     16.2 us, 16 splits 20.5 us).
+
+    LoRA: the graphs run every targeted projection's shrink / expand kernels (8 launches a layer,
+    whatever the rows' adapters). With LoRA on, the graphs of buckets up to
+    ``PAGEFLASH_LORA_FREE_GRAPHS`` (default 64; 0: none) get a twin captured without them (and with
+    the batch-1 GEMV's SiLU epilogue, which LoRA turns off), which a step whose requests all run the
+    base model replays. Not every bucket: each twin holds its own logits (bucket x vocab float32;
+    llama-3's vocab over buckets <= 64: 90 MB, over all 20 buckets to 256: 1.05 GiB).
     """
 
     def __init__(self, runner: ModelRunner, max_batch: int) -> None:
@@ -476,6 +483,10 @@ class DecodeGraphs:
         self.short_kv = self.short_blocks * runner.block_size
         self.full: dict[int, CapturedStep] = {}  # per bucket
         self.short: dict[int, CapturedStep] = {}  # per bucket whose short-context splits differ
+        # LoRA on: the same graphs without the LoRA kernels, for steps without adapter rows
+        self.lora_free = int_env("PAGEFLASH_LORA_FREE_GRAPHS", 64, minimum=0) if runner.lora is not None else 0
+        self.full_base: dict[int, CapturedStep] = {}
+        self.short_base: dict[int, CapturedStep] = {}
 
     def _meta(self, b: int, width: Optional[int] = None) -> AttentionMetadata:
         return AttentionMetadata(
@@ -513,6 +524,8 @@ class DecodeGraphs:
                         if pf is not None:
                             pf.active = b <= pf.max_batch
                         self._step_fn(b, plan)()
+                        if self.lora_free and b == 1:  # (the SiLU epilogue's GEMV)
+                            self._step_fn(b, plan, lora=False)()
                     for fn in also:
                         fn()
                 logger.info("decode graphs: kernels precompiled in %.2f s", time.perf_counter() - t0)
@@ -520,6 +533,8 @@ class DecodeGraphs:
                 if pf is not None:
                     pf.active = b <= pf.max_batch
                 (self.short if short else self.full)[b] = self._capture(b, plan)
+                if b <= self.lora_free:
+                    (self.short_base if short else self.full_base)[b] = self._capture(b, plan, lora=False)
         finally:
             r.model.set_prefetcher(None)
         torch.cuda.synchronize()
@@ -554,7 +569,10 @@ class DecodeGraphs:
             bt[i, : len(table)] = table
         copy_to(self._i64[: h64.shape[0]], torch.from_numpy(h64))
         copy_to(self._i32[: h32.shape[0]], torch.from_numpy(h32))
-        if self.runner.lora is not None:  # each row's adapter slot (padding rows: 0), read in the graph
+        lora = self.runner.lora is not None
+        if lora and bucket <= self.lora_free:  # no adapter row: the twin without the LoRA kernels
+            lora = any(s.request.lora_slot for s in sched.seqs)
+        if lora:  # each row's adapter slot (padding rows: 0), read in the graph
             h = np.zeros(bucket, dtype=np.int32)
             h[:b] = [s.request.lora_slot for s in sched.seqs]
             copy_to(self.runner.lora.token_slots[:bucket], torch.from_numpy(h))
@@ -564,24 +582,27 @@ class DecodeGraphs:
             copy_to(self.rope_rows[:bucket], torch.from_numpy(rr))
         if fixes:
             _fill_pending(self.input_ids, fixes, prev_tokens)
-        c = self.select(bucket, int(lens.max()))
+        c = self.select(bucket, int(lens.max()), lora)
         c.graph.replay()
         return StepResult(c.logits[:b], [(i, 1) for i in range(b)], greedy=None if c.greedy is None else c.greedy[:b])
 
-    def select(self, bucket: int, max_len: int) -> "CapturedStep":
-        """The graph a step of this bucket takes when its longest sequence has max_len keys."""
-        c = self.short.get(bucket)
-        return c if c is not None and max_len <= self.short_kv else self.full[bucket]
+    def select(self, bucket: int, max_len: int, lora: bool = True) -> "CapturedStep":
+        """The graph a step of this bucket takes when its longest sequence has max_len keys (lora=False
+        with LoRA on: the twin without the LoRA kernels, for a step without adapter rows)."""
+        full, short = (self.full, self.short) if lora or bucket > self.lora_free else (self.full_base, self.short_base)
+        c = short.get(bucket)
+        return c if c is not None and max_len <= self.short_kv else full[bucket]
 
-    def _capture(self, b: int, plan: Any) -> "CapturedStep":
+    def _capture(self, b: int, plan: Any, lora: bool = True) -> "CapturedStep":
         """The step captured: logits, and their row argmax for the greedy fast path (kernels/argmax.py:
         two launches inside the graph instead of five PyTorch reductions after it;
         PAGEFLASH_GRAPH_ARGMAX=0 turns it off)."""
-        graph, (logits, greedy) = _capture_graph(self.runner, self._step_fn(b, plan))
+        graph, (logits, greedy) = _capture_graph(self.runner, self._step_fn(b, plan, lora))
         return CapturedStep(graph, logits, greedy, plan)
 
-    def _step_fn(self, b: int, plan: Any):
-        """The decode step of bucket b under plan: () -> (logits, greedy or None)."""
+    def _step_fn(self, b: int, plan: Any, lora: bool = True):
+        """The decode step of bucket b under plan: () -> (logits, greedy or None); lora=False: without
+        the LoRA kernels (LoRAContext.begin_step(active=False))."""
         r = self.runner
         argmax = self.argmax and b <= _GRAPH_ARGMAX_MAX_BATCH
 
@@ -589,7 +610,7 @@ class DecodeGraphs:
 
         def fwd():
             if r.lora is not None:  # grouped by slot inside the graph, from the rows' slots of the step
-                r.lora.begin_step(b)
+                r.lora.begin_step(b, active=lora)
             logits = r.model.compute_logits(
                 r.model(self.input_ids[:b], self.positions[:b], r.kv_caches, r.backend, plan, rope_rows=rows))
             if not argmax:

@@ -113,9 +113,10 @@ class LlamaMLP(_Prefetching, nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # decode at batch 1: the activation in the GEMV's epilogue (not with LoRA: its delta is added
-        # to gate/up before the activation)
-        act = None if self.gate_up_proj.lora is not None else \
+        # decode at batch 1: the activation in the GEMV's epilogue (not in a step with LoRA rows: their
+        # delta is added to gate/up before the activation)
+        lora = self.gate_up_proj.lora
+        act = None if lora is not None and lora.ctx.groups is not None else \
             gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.weight_scale, self.act)
         if act is None:
             gu = self.gate_up_proj(x)
