@@ -8,6 +8,7 @@ models, and with INT8 weights it equals HF over weights quantized as the shards 
 """
 
 import gc
+import time
 
 import pytest
 import torch
@@ -419,9 +420,9 @@ def test_a_failed_step_stops_the_ranks_instead_of_running_them_out_of_step(tmp_p
 
 
 def test_shutdown_drops_rank_zeros_graphs_before_leaving_the_group(monkeypatch):
-    """NCCL's teardown waits while a CUDA graph holding its collectives is alive (two H100s: rank 0 hung at
-    exit in destroy_process_group): _shutdown releases rank 0's graphs first, then stops the workers, then
-    leaves the group."""
+    """NCCL's teardown can block while a CUDA graph holding its collectives is alive (two H100s: rank 0
+    hung at exit in destroy_process_group): _shutdown releases rank 0's graphs first, tells the workers
+    to stop, leaves the group while they leave theirs, and waits for that at most _LEAVE_WAIT_S."""
     from pageflash.engine import parallel
 
     calls = []
@@ -437,10 +438,11 @@ def test_shutdown_drops_rank_zeros_graphs_before_leaving_the_group(monkeypatch):
         def close(self):
             calls.append("close")
 
-    monkeypatch.setattr(parallel, "_leave_group", lambda: calls.append("leave"))
+    monkeypatch.setattr(parallel, "_start_leave", lambda: calls.append("leave") or "thread")
+    monkeypatch.setattr(parallel, "_await_leave", lambda t: calls.append(("await", t)))
     local = [Runner()]
     parallel._shutdown([Conn()], [], local)
-    assert calls == ["release", ("send", None), "close", "leave"] and local == []
+    assert calls == ["release", ("send", None), "leave", "close", ("await", "thread")] and local == []
 
 
 def test_leaving_a_group_that_blocks_gives_up_with_a_warning(monkeypatch, caplog):
@@ -455,6 +457,8 @@ def test_leaving_a_group_that_blocks_gives_up_with_a_warning(monkeypatch, caplog
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(30))
     with caplog.at_level("WARNING", logger=parallel.logger.name):
-        parallel._leave_group(wait=0.2)
+        t0 = time.perf_counter()
+        parallel._await_leave(parallel._start_leave(), wait=0.2)
+        assert time.perf_counter() - t0 < 5
     release.set()
     assert "leaving the process group did not finish" in caplog.text

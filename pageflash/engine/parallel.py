@@ -28,6 +28,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -225,23 +226,35 @@ def _worker_main(rank: int, world: int, backend: str, init_method: str, runner_k
             conn.send(("error", traceback.format_exc()))
             return
     runner.release_graphs()
-    _leave_group()
+    _await_leave(_start_leave())
 
 
-def _leave_group(wait: float = 20.0) -> None:
-    """destroy_process_group, given at most `wait` seconds: a teardown that blocks (NCCL waiting on a
-    peer that is gone) is left behind with a warning instead of hanging the process at exit."""
-    import threading
+# How long a rank waits for destroy_process_group at shutdown before going on without it. With NCCL
+# collectives captured in CUDA graphs the teardown can block for good (pytorch/pytorch#115388; seen
+# on two H100s, 2026-11-27, even after the graphs were dropped).
+_LEAVE_WAIT_S = 10.0
 
+
+def _start_leave() -> Optional[threading.Thread]:
+    """destroy_process_group on a daemon thread (None when there is no group): every rank leaves at
+    about the same time, as a group's teardown expects."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return
+        return None
     t = threading.Thread(target=dist.destroy_process_group, name="pageflash-tp-teardown", daemon=True)
     t.start()
+    return t
+
+
+def _await_leave(t: Optional[threading.Thread], wait: float = _LEAVE_WAIT_S) -> None:
+    """Wait up to `wait` s for _start_leave's thread: a teardown that blocks is left behind with a
+    warning instead of hanging the process (at exit: for good)."""
+    if t is None:
+        return
     t.join(wait)
     if t.is_alive():
-        logger.warning("tensor parallel: leaving the process group did not finish in %.0f s; exiting without it",
+        logger.warning("tensor parallel: leaving the process group did not finish in %.0f s; going on without it",
                        wait)
 
 
@@ -469,6 +482,7 @@ def _shutdown(conns: list, procs: list, local: list) -> None:
             c.send(None)
         except (OSError, ValueError):
             pass
+    leaving = _start_leave()  # while the workers leave theirs
     for p in procs:
         p.join(timeout=30)
         if p.is_alive():
@@ -476,4 +490,4 @@ def _shutdown(conns: list, procs: list, local: list) -> None:
             p.join(timeout=5)
     for c in conns:
         c.close()
-    _leave_group()
+    _await_leave(leaving)
