@@ -17,3 +17,6 @@ if __name__ == "__main__":
     outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40)],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     print(f"[{phase}] generated in {time.time() - t1:.1f} s: {[o.outputs[0].token_ids for o in outs]}", flush=True)
+    t2 = time.time()
+    llm.shutdown()  # (a teardown that blocks: "leaving the process group did not finish ... rankN" in the log)
+    print(f"[{phase}] shut down in {time.time() - t2:.1f} s", flush=True)

@@ -456,9 +456,10 @@ def test_leaving_a_group_that_blocks_gives_up_with_a_warning(monkeypatch, caplog
     release = threading.Event()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(30))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
     with caplog.at_level("WARNING", logger=parallel.logger.name):
         t0 = time.perf_counter()
         parallel._await_leave(parallel._start_leave(), wait=0.2)
         assert time.perf_counter() - t0 < 5
     release.set()
-    assert "leaving the process group did not finish" in caplog.text
+    assert "leaving the process group did not finish in 0 s (pageflash-tp-teardown-rank1)" in caplog.text

@@ -200,16 +200,19 @@ class ModelRunner:
         ctx.begin_step(num_tokens, active)
 
     def release_graphs(self) -> None:
-        """Drop every captured CUDA graph (and wait for the device). A tensor-parallel rank does this
-        before leaving its NCCL group: NCCL's communicator teardown waits until no graph holding its
-        collectives is alive, so destroying the group with the graphs still held never returns."""
+        """Drop every captured CUDA graph, wait for the device and hand the graphs' memory pool back. A
+        tensor-parallel rank does this before leaving its NCCL group: NCCL's communicator teardown can
+        block while a graph holding its collectives (or memory registered for them) is alive
+        (pytorch/pytorch#115388)."""
         self.graphs = None
         self.step_graphs = None
+        self.graph_pool = None
         if self.device.type == "cuda":
             import gc
 
             gc.collect()
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def capture_decode_graphs(self, max_batch: int) -> None:
         """Capture decode-step CUDA graphs for batch sizes up to max_batch (CUDA + graph-safe backend)."""

@@ -242,7 +242,8 @@ def _start_leave() -> Optional[threading.Thread]:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    t = threading.Thread(target=dist.destroy_process_group, name="pageflash-tp-teardown", daemon=True)
+    t = threading.Thread(target=dist.destroy_process_group, name=f"pageflash-tp-teardown-rank{dist.get_rank()}",
+                         daemon=True)
     t.start()
     return t
 
@@ -254,8 +255,8 @@ def _await_leave(t: Optional[threading.Thread], wait: float = _LEAVE_WAIT_S) -> 
         return
     t.join(wait)
     if t.is_alive():
-        logger.warning("tensor parallel: leaving the process group did not finish in %.0f s; going on without it",
-                       wait)
+        logger.warning("tensor parallel: leaving the process group did not finish in %.0f s (%s); going on "
+                       "without it", wait, t.name)
 
 
 class TensorParallelRunner:
