@@ -421,8 +421,8 @@ def test_a_failed_step_stops_the_ranks_instead_of_running_them_out_of_step(tmp_p
 
 def test_shutdown_drops_rank_zeros_graphs_before_leaving_the_group(monkeypatch):
     """NCCL's teardown can block while a CUDA graph holding its collectives is alive (two H100s: rank 0
-    hung at exit in destroy_process_group): _shutdown releases rank 0's graphs first, tells the workers
-    to stop, leaves the group while they leave theirs, and waits for that at most _LEAVE_WAIT_S."""
+    hung at exit in destroy_process_group): _shutdown releases rank 0's graphs first, stops the workers,
+    then leaves the group, waiting for that at most _LEAVE_WAIT_S."""
     from pageflash.engine import parallel
 
     calls = []
@@ -442,7 +442,7 @@ def test_shutdown_drops_rank_zeros_graphs_before_leaving_the_group(monkeypatch):
     monkeypatch.setattr(parallel, "_await_leave", lambda t: calls.append(("await", t)))
     local = [Runner()]
     parallel._shutdown([Conn()], [], local)
-    assert calls == ["release", ("send", None), "leave", "close", ("await", "thread")] and local == []
+    assert calls == ["release", ("send", None), "close", "leave", ("await", "thread")] and local == []
 
 
 def test_leaving_a_group_that_blocks_gives_up_with_a_warning(monkeypatch, caplog):
