@@ -4,11 +4,7 @@
 #                                # suites (the kernels and the model class changed under them)
 #   scripts/gpu_gemma.sh bench   # batch-1 / 16 decode of gemma-2-9b, gemma-3-4b, gemma-3-1b (dummy weights)
 #                                # with HF transformers' generate on the same configs; W-decode1
-set -o pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh"
 for what in "$@"; do
   if [[ $what == tests ]]; then
     python3 -m pytest -q -ra -x -s tests/gpu/test_gemma_gpu.py 2>&1 | tee "$OUT/gemma_tests.log" | grep -v "^$" | tail -12

@@ -5,12 +5,8 @@
 #   scripts/gpu_kvq.sh kernels  # pageflash bench kernels --decode (bf16, int8 and fp8 caches)
 #   scripts/gpu_kvq.sh engine   # llama-3-8b latency at a 2k-token context, B 1 / 16 / 64, auto vs int8 vs
 #                               # fp8 cache (ROUNDS alternations), then W-offline 8B auto vs int8 vs fp8
-set -o pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+source "$(dirname "$0")/gpu_env.sh"
 what=${1:-tests}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
 if [[ $what == tests ]]; then
   xdist=""
   python3 -c "import xdist" 2>/dev/null && xdist="-n 4"

@@ -6,11 +6,7 @@
 #                               # requests (on the graphs without the LoRA kernels, then with them:
 #                               # PAGEFLASH_LORA_FREE_GRAPHS=0), one rank-16
 #                               # adapter, four rank-16 adapters in turn
-set -o pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh"
 for what in "$@"; do
   if [[ $what == tests ]]; then
     python3 -m pytest -q -ra -x tests/gpu/test_lora_gpu.py 2>&1 | tee "$OUT/lora_tests.log" | tail -8

@@ -5,12 +5,8 @@
 #                               # (SWEEP=1: every candidate tile config)
 #   scripts/gpu_moe.sh engine   # pageflash bench latency, qwen3-30b-a3b and qwen1.5-moe-a2.7b (dummy
 #                               # weights), batch 1 / 16 / 64; PEER=1 adds the expert-by-expert reference
-set -o pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+source "$(dirname "$0")/gpu_env.sh"
 what=${1:-tests}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
 if [[ $what == tests ]]; then
   python3 -m pytest -q -ra tests/gpu/test_moe_gpu.py 2>&1 | tee "$OUT/moe_tests.log" | tail -6
   python3 -m pytest -q -ra tests/gpu/test_engine_gpu.py 2>&1 | tee "$OUT/engine_tests.log" | tail -4

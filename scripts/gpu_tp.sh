@@ -5,12 +5,8 @@
 #   scripts/gpu_tp.sh engine  # pageflash bench latency at 1 and 2 GPUs on the same machine, dummy weights,
 #                             # MODELS (default llama-3-8b qwen3-30b-a3b), batch 1 / 16 / 64
 #   scripts/gpu_tp.sh big     # llama-3.1-70b (140 GB bf16: two GPUs only), batch 1 / 16 / 64
-set -o pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+source "$(dirname "$0")/gpu_env.sh"
 what=${1:-tests}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
 lat() {  # model tp label
   python3 -m pageflash.cli bench latency --model $1 --load-format dummy -tp $2 --input-len ${INPUT_LEN:-128} \
     --output-len ${OUTPUT_LEN:-128} --batch-size ${BATCHES:-1 16 64} --num-iters ${ITERS:-2} --disable-tqdm \

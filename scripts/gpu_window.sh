@@ -4,11 +4,7 @@
 #                                 # engine's GPU tests (the kernels changed under them)
 #   scripts/gpu_window.sh bench   # scripts/window_probe.py; mistral-7b-v0.1 (window 4096) vs mistral-7b
 #                                 # (no window, same shapes) at a 16k context, batch 1 / 16; W-decode1
-set -o pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh"
 for what in "$@"; do
   if [[ $what == tests ]]; then
     python3 -m pytest -q -ra -x tests/gpu/test_window_gpu.py 2>&1 | tee "$OUT/window_tests.log" | tail -6
