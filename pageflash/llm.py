@@ -16,7 +16,7 @@ from pageflash.sampling_params import PoolingParams, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
-# apply_chat_template's own arguments: chat_template_kwargs cannot set them (as the server's)
+# apply_chat_template's own arguments: chat_template_kwargs cannot set them (here and in the server's requests)
 RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                             "continue_final_message", "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs")
 

@@ -438,11 +438,10 @@ def test_shutdown_drops_rank_zeros_graphs_before_leaving_the_group(monkeypatch):
         def close(self):
             calls.append("close")
 
-    monkeypatch.setattr(parallel, "_start_leave", lambda: calls.append("leave") or "thread")
-    monkeypatch.setattr(parallel, "_await_leave", lambda t: calls.append(("await", t)))
+    monkeypatch.setattr(parallel, "_leave_group", lambda: calls.append("leave"))
     local = [Runner()]
     parallel._shutdown([Conn()], [], local)
-    assert calls == ["release", ("send", None), "close", "leave", ("await", "thread")] and local == []
+    assert calls == ["release", ("send", None), "close", "leave"] and local == []
 
 
 def test_leaving_a_group_that_blocks_gives_up_with_a_warning(monkeypatch, caplog):
@@ -459,7 +458,7 @@ def test_leaving_a_group_that_blocks_gives_up_with_a_warning(monkeypatch, caplog
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     with caplog.at_level("WARNING", logger=parallel.logger.name):
         t0 = time.perf_counter()
-        parallel._await_leave(parallel._start_leave(), wait=0.2)
+        parallel._leave_group(wait=0.2)
         assert time.perf_counter() - t0 < 5
     release.set()
     assert "leaving the process group did not finish in 0 s (pageflash-tp-teardown-rank1)" in caplog.text

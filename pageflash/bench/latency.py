@@ -124,6 +124,11 @@ def bench_loras(a: argparse.Namespace, cfg: Any, folder: str) -> list[Any]:
             for k in range(a.num_loras)]
 
 
+def lora_cycle(loras: list[Any], n: int) -> Optional[list[Any]]:
+    """The LoRARequests of n prompts, bench_loras' adapters in turn; None without adapters."""
+    return [loras[i % len(loras)] for i in range(n)] if loras else None
+
+
 def resolve_load_format(model: str, load_format: Optional[str]) -> str:
     """dummy for a named config unless a format was given; auto for files and folders."""
     if load_format is not None:
@@ -303,8 +308,9 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
     dev = eng.device
     sync(dev)
     t0 = time.perf_counter()
-    rids = [eng.add_request(None, {"prompt_token_ids": p}, params,
-                            lora_request=loras[i % len(loras)] if loras else None) for i, p in enumerate(prompts)]
+    per_prompt = lora_cycle(loras, len(prompts)) or [None] * len(prompts)
+    rids = [eng.add_request(None, {"prompt_token_ids": p}, params, lora_request=lr)
+            for p, lr in zip(prompts, per_prompt)]
     n_prompt = {rid: len(p) for rid, p in zip(rids, prompts)}
     count = {rid: 0 for rid in rids}
     first: dict[str, float] = {}

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 from pageflash.bench.latency import (
     add_engine_args,
     bench_loras,
+    lora_cycle,
     check_plot_available,
     dtype_label,
     dtype_name,
@@ -252,7 +253,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         hi = min(a.max_token_id, cfg.vocab_size)
         wp = [{"prompt_token_ids": [rng.randrange(hi) for _ in range(n)]} for n in wl]
         llm.generate(wp, [params(min(4, m)) for _, m in reqs[:k]], use_tqdm=False,
-                     lora_request=[loras[i % len(loras)] for i in range(k)] if loras else None)
+                     lora_request=lora_cycle(loras, k))
 
     stats_before = eng.get_stats()
     prompts = [p for p, _ in reqs]
@@ -260,7 +261,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     sync(eng.device)
     t_start = time.perf_counter()
     outs = llm.generate(prompts, plist, use_tqdm=not a.disable_tqdm,
-                        lora_request=[loras[i % len(loras)] for i in range(len(prompts))] if loras else None)
+                        lora_request=lora_cycle(loras, len(prompts)))
     sync(eng.device)
     wall = time.perf_counter() - t_start
 

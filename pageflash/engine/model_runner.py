@@ -409,8 +409,9 @@ class ModelRunner:
         if rot.long_offset is None:
             return None
         out: list[int] = []
+        after = self.cfg.rope_long_after  # (set: long_offset exists for LongRoPE only)
         for s in sched.seqs:
-            off = rot.long_offset if self.cfg.rope_long(s.request.num_tokens) else 0
+            off = rot.long_offset if s.request.num_tokens > after else 0
             out.extend(p + off for p in pos[len(out): len(out) + s.num_new_tokens])
         return out
 
@@ -573,11 +574,12 @@ class DecodeGraphs:
         copy_to(self._i64[: h64.shape[0]], torch.from_numpy(h64))
         copy_to(self._i32[: h32.shape[0]], torch.from_numpy(h32))
         lora = self.runner.lora is not None
-        if lora and bucket <= self.lora_free:  # no adapter row: the twin without the LoRA kernels
-            lora = any(s.request.lora_slot for s in sched.seqs)
+        if lora:
+            slots = [s.request.lora_slot for s in sched.seqs]
+            lora = bucket > self.lora_free or any(slots)  # no adapter row: the twin without the LoRA kernels
         if lora:  # each row's adapter slot (padding rows: 0), read in the graph
             h = np.zeros(bucket, dtype=np.int32)
-            h[:b] = [s.request.lora_slot for s in sched.seqs]
+            h[:b] = slots
             copy_to(self.runner.lora.token_slots[:bucket], torch.from_numpy(h))
         if self.rope_rows is not None:
             rr = np.zeros(bucket, dtype=np.int64)

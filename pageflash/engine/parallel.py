@@ -226,7 +226,7 @@ def _worker_main(rank: int, world: int, backend: str, init_method: str, runner_k
             conn.send(("error", traceback.format_exc()))
             return
     runner.release_graphs()
-    _await_leave(_start_leave())
+    _leave_group()
 
 
 # How long a rank waits for destroy_process_group at shutdown before going on without it. With NCCL
@@ -235,23 +235,16 @@ def _worker_main(rank: int, world: int, backend: str, init_method: str, runner_k
 _LEAVE_WAIT_S = 10.0
 
 
-def _start_leave() -> Optional[threading.Thread]:
-    """destroy_process_group on a daemon thread (None when there is no group)."""
+def _leave_group(wait: float = _LEAVE_WAIT_S) -> None:
+    """destroy_process_group (when there is a group) on a daemon thread, waited for up to `wait` s: a
+    teardown that blocks is left behind with a warning instead of hanging the process (at exit: for good)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return None
+        return
     t = threading.Thread(target=dist.destroy_process_group, name=f"pageflash-tp-teardown-rank{dist.get_rank()}",
                          daemon=True)
     t.start()
-    return t
-
-
-def _await_leave(t: Optional[threading.Thread], wait: float = _LEAVE_WAIT_S) -> None:
-    """Wait up to `wait` s for _start_leave's thread: a teardown that blocks is left behind with a
-    warning instead of hanging the process (at exit: for good)."""
-    if t is None:
-        return
     t.join(wait)
     if t.is_alive():
         logger.warning("tensor parallel: leaving the process group did not finish in %.0f s (%s); going on "
@@ -491,4 +484,4 @@ def _shutdown(conns: list, procs: list, local: list) -> None:
         c.close()
     # (after the workers are gone: the order that ran on two H100s, run 46, where rank 0's teardown then
     # finished and the next engine in the same process started)
-    _await_leave(_start_leave())
+    _leave_group()

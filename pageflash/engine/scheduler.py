@@ -154,6 +154,11 @@ class Scheduler:
         long = None if self.long_rope_after is None else req.num_tokens > self.long_rope_after
         return None if long is None and req.prefix_salt is None else (req.prefix_salt, long)
 
+    def _prefix_hits(self, req: Request, salt: Hashable) -> list[int]:
+        """The request's cached prefix blocks in its chain (none for a request that wants its prompt
+        logprobs: its prompt is computed whole)."""
+        return [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.token_ids, salt)
+
     def _restart_long(self, req: Request, salt: Hashable) -> list[int]:
         """LongRoPE: a running request computed with the short factors that is now longer than the
         original context starts over (its blocks freed, its drafts dropped) from its longest
@@ -162,7 +167,7 @@ class Scheduler:
         it is scheduled, as an admission's)."""
         self.kv.free(req.request_id)
         req.spec_token_ids = []
-        hits = [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.token_ids, salt)
+        hits = self._prefix_hits(req, salt)
         req.num_computed_tokens = len(hits) * self.kv.block_size
         return hits
 
@@ -226,7 +231,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             salt = self._salt(req)
-            hits = [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.token_ids, salt)
+            hits = self._prefix_hits(req, salt)
             computed = len(hits) * self.kv.block_size
             n = min(req.num_tokens - computed, budget)
             if not self.kv.allocate(req.request_id, computed, n, hits, salt):

@@ -31,7 +31,7 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> 
     rs = cfg.rope_scaling or {}
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     if kind == "yarn":
-        return _yarn_inv_freq(cfg, theta, dim)
+        return _yarn_inv_freq(cfg, theta, dim, exponents)
     if kind == "longrope":
         ext = torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (ext * theta ** exponents)
@@ -65,10 +65,11 @@ def _yarn_factor(cfg: ModelConfig) -> float:
     return float(f) if f is not None else cfg.max_position_embeddings / cfg.rope_original_max
 
 
-def _yarn_inv_freq(cfg: ModelConfig, base: float, dim: int) -> torch.Tensor:
+def _yarn_inv_freq(cfg: ModelConfig, base: float, dim: int, exponents: torch.Tensor) -> torch.Tensor:
     """YaRN: interpolated (1 / factor) frequencies below the correction range, extrapolated (as
     trained) above it, a linear ramp between; the range spans the dims that turn beta_slow .. beta_fast
-    times over original_max_position_embeddings (floored / ceiled unless truncate is false)."""
+    times over original_max_position_embeddings (floored / ceiled unless truncate is false).
+    exponents: rope_inv_freq's arange(0, dim, 2) / dim."""
     rs = cfg.rope_scaling or {}
     factor = _yarn_factor(cfg)
     beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
@@ -84,7 +85,7 @@ def _yarn_inv_freq(cfg: ModelConfig, base: float, dim: int) -> torch.Tensor:
     if low == high:
         high += 0.001  # (transformers' guard against a zero-width ramp)
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    pos_freqs = base ** exponents
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     extrapolation_share = 1 - ramp
     return interpolation * (1 - extrapolation_share) + extrapolation * extrapolation_share
@@ -159,7 +160,7 @@ class RotaryEmbedding(nn.Module):
         if not local and cfg.rope_type == "longrope":
             lc, ls = _tables(rope_inv_freq(cfg, long=True), max_positions, scale)
             cos, sin = torch.cat((cos, lc)), torch.cat((sin, ls))
-            self.long_offset, self.long_start = max_positions, cfg.rope_original_max
+            self.long_offset, self.long_start = max_positions, cfg.rope_long_after
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

@@ -251,10 +251,11 @@ def write_random_adapter(path: str, cfg: ModelConfig, rank: int, seed: int = 0, 
         json.dump(dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, bias="none", target_modules=targets,
                        fan_in_fan_out=False), f)
     g = torch.Generator().manual_seed(seed)
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"self_attn.q_proj": (h, cfg.q_size), "self_attn.k_proj": (h, cfg.kv_size),
-              "self_attn.v_proj": (h, cfg.kv_size), "self_attn.o_proj": (cfg.q_size, h),
-              "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
+    shapes = {}  # "block.name" -> (in_features, the slice's rows), from the slots' own shapes
+    for name in targets:
+        module, part = _TARGETS[name]
+        fan_in, rows = module_shapes(cfg, module)
+        shapes[f"{'self_attn' if module in _ATTN else 'mlp'}.{name}"] = (fan_in, rows[part])
     t = {}
     for layer in range(cfg.num_hidden_layers):
         for name, (fan_in, fan_out) in shapes.items():

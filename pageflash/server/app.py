@@ -1628,9 +1628,14 @@ class _InternalErrors:
         except Exception as exc:
             if started:
                 raise
-            logger.exception("internal error on %s", scope.get("path"))
-            self.metrics.count_error(500)
-            await APIError(500, f"Internal server error: {type(exc).__name__}: {exc}").response()(scope, receive, send)
+            await _internal_error(scope.get("path"), exc, self.metrics)(scope, receive, send)
+
+
+def _internal_error(path: Any, exc: Exception, metrics: Any) -> JSONResponse:
+    """The 500 of an unexpected exception (logged with its traceback: call it where it is handled)."""
+    logger.exception("internal error on %s", path)
+    metrics.count_error(500)
+    return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}").response()
 
 
 async def _run_request(request: Request, work: Awaitable[Any]) -> Any:
@@ -1720,9 +1725,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
 
     @app.exception_handler(Exception)  # (what escapes _InternalErrors: a failure in the CORS middleware)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error on %s", request.url.path)
-        metrics.count_error(500)
-        return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}").response()
+        return _internal_error(request.url.path, exc, metrics)
 
     async def check_auth(request: Request) -> None:
         if api_key is None:

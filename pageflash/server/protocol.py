@@ -449,10 +449,6 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: with a --reasoning-parser, false leaves the reasoning out of the response
     include_reasoning: StrictBool = True
 
-    RESERVED_TEMPLATE_KWARGS: ClassVar[tuple[str, ...]] = (
-        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-        "continue_final_message", "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs")
-
     @field_validator("documents")
     @classmethod
     def _chat_not_implemented(cls, v: Any) -> Any:
@@ -461,7 +457,9 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        bad = sorted(set(v or ()) & set(cls.RESERVED_TEMPLATE_KWARGS))
+        from pageflash.llm import RESERVED_TEMPLATE_KWARGS  # (one list, LLM.chat's)
+
+        bad = sorted(set(v or ()) & set(RESERVED_TEMPLATE_KWARGS))
         if bad:
             raise ValueError(f"{', '.join(bad)} cannot be set through chat_template_kwargs (use the request's own fields)")
         return v
