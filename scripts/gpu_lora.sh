@@ -5,7 +5,7 @@
 #   scripts/gpu_lora.sh bench   # llama-3-8b decode at batch 1 / 16 / 64: no LoRA, LoRA slots with base
 #                               # requests (on the graphs without the LoRA kernels, then with them:
 #                               # PAGEFLASH_LORA_FREE_GRAPHS=0), one rank-16
-#                               # adapter, four rank-16 adapters in turn
+#                               # adapter (shrinks on a side stream, then in line), four rank-16 adapters in turn
 source "$(dirname "$0")/gpu_env.sh"
 for what in "$@"; do
   if [[ $what == tests ]]; then
@@ -15,8 +15,9 @@ for what in "$@"; do
   if [[ $what == bench ]]; then
     i=0
     # (the --enable-lora line twice: base-only steps on the graphs without the LoRA kernels, then with them)
+    # (and the rank-16 line with the shrinks in line instead of on a side stream: PAGEFLASH_LORA_SIDE_STREAM=0)
     for flags in "" "--enable-lora" "PAGEFLASH_LORA_FREE_GRAPHS=0 --enable-lora" "--lora-rank 16" \
-                 "--lora-rank 16 --num-loras 4"; do
+                 "PAGEFLASH_LORA_SIDE_STREAM=0 --lora-rank 16" "--lora-rank 16 --num-loras 4"; do
       i=$((i + 1))
       env_=""
       [[ $flags == PAGEFLASH_* ]] && env_=${flags%% *} && flags=${flags#* }

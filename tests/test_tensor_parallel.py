@@ -462,3 +462,26 @@ def test_leaving_a_group_that_blocks_gives_up_with_a_warning(monkeypatch, caplog
         assert time.perf_counter() - t0 < 5
     release.set()
     assert "leaving the process group did not finish in 0 s (pageflash-tp-teardown-rank1)" in caplog.text
+
+
+def test_release_graphs_destroys_every_captured_graph():
+    """NCCL's communicator teardown waits for every graph that captured one of its collectives to be
+    destroyed: release_graphs resets each graph it captured, whoever else still holds one."""
+    from types import SimpleNamespace
+
+    from pageflash.engine.model_runner import ModelRunner
+
+    class Graph:
+        resets = 0
+
+        def reset(self):
+            self.resets += 1
+
+    kept = [Graph(), Graph()]  # (as if a step's closure still held them)
+    runner = SimpleNamespace(graphs=object(), step_graphs=object(), graph_pool=object(), captured=list(kept),
+                             device=torch.device("cpu"))
+    ModelRunner.release_graphs(runner)
+    assert [g.resets for g in kept] == [1, 1]
+    assert runner.captured == [] and runner.graphs is None and runner.step_graphs is None and runner.graph_pool is None
+    ModelRunner.release_graphs(runner)  # idempotent
+    assert [g.resets for g in kept] == [1, 1]

@@ -90,6 +90,7 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
         self.step_graphs: Optional[StepGraphs] = None
         self.graph_pool = None  # CUDA graph memory pool shared by every graph of this runner
+        self.captured: list[Any] = []  # every CUDA graph captured (release_graphs destroys them)
         self.lora: Any = None  # a lora.layers.LoRAContext once enable_lora has run
 
     # -- setup ------------------------------------------------------------------------------------
@@ -200,12 +201,16 @@ class ModelRunner:
         ctx.begin_step(num_tokens, active)
 
     def release_graphs(self) -> None:
-        """Drop every captured CUDA graph, wait for the device and hand the graphs' memory pool back. A
-        tensor-parallel rank does this before leaving its NCCL group: NCCL's communicator teardown can
-        block while a graph holding its collectives (or memory registered for them) is alive
-        (pytorch/pytorch#115388)."""
+        """Destroy every captured CUDA graph, wait for the device and hand the graphs' memory pool back.
+        A tensor-parallel rank does this before leaving its NCCL group: NCCL's communicator teardown
+        waits until every graph that captured one of its collectives is destroyed (pytorch/pytorch#115388;
+        NCCL counts them as the communicator's persistent references), so dropping our references is not
+        enough when anything else still holds a graph: each one is reset explicitly."""
         self.graphs = None
         self.step_graphs = None
+        graphs, self.captured = self.captured, []
+        for g in graphs:
+            g.reset()
         self.graph_pool = None
         if self.device.type == "cuda":
             import gc
@@ -732,6 +737,7 @@ def _capture_graph(runner: ModelRunner, fwd) -> tuple[Any, Any]:
     torch.cuda.current_stream().wait_stream(s)
     if runner.graph_pool is None:
         runner.graph_pool = g.pool()
+    runner.captured.append(g)
     return g, out
 
 

@@ -92,9 +92,11 @@ class Linear(nn.Module):
         self.lora: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is None:
+            return linear(x, self.weight, self.bias, scale=self.weight_scale)
+        pending = self.lora.shrink(x)  # (before the base product: a graph runs the two side by side)
         y = linear(x, self.weight, self.bias, scale=self.weight_scale)
-        if self.lora is not None:
-            self.lora.add_(x, y)
+        self.lora.expand_(pending, y)
         return y
 
     def quantize_(self, method: str) -> None:
