@@ -421,8 +421,9 @@ def test_a_failed_step_stops_the_ranks_instead_of_running_them_out_of_step(tmp_p
 
 def test_shutdown_drops_rank_zeros_graphs_before_leaving_the_group(monkeypatch):
     """NCCL's teardown can block while a CUDA graph holding its collectives is alive (two H100s: rank 0
-    hung at exit in destroy_process_group): _shutdown releases rank 0's graphs first, stops the workers,
-    then leaves the group, waiting for that at most _LEAVE_WAIT_S."""
+    hung at exit in destroy_process_group), and it is collective: _shutdown releases rank 0's graphs
+    first, tells the workers to stop, starts leaving the group while they leave too, then waits for
+    them and (at most _LEAVE_WAIT_S) for its own leave."""
     from pageflash.engine import parallel
 
     calls = []
@@ -438,10 +439,18 @@ def test_shutdown_drops_rank_zeros_graphs_before_leaving_the_group(monkeypatch):
         def close(self):
             calls.append("close")
 
-    monkeypatch.setattr(parallel, "_leave_group", lambda: calls.append("leave"))
+    class Proc:
+        def join(self, timeout=None):
+            calls.append("join")
+
+        def is_alive(self):
+            return False
+
+    monkeypatch.setattr(parallel, "_start_leave", lambda: calls.append("leave") or "thread")
+    monkeypatch.setattr(parallel, "_finish_leave", lambda t: calls.append(("left", t)))
     local = [Runner()]
-    parallel._shutdown([Conn()], [], local)
-    assert calls == ["release", ("send", None), "close", "leave"] and local == []
+    parallel._shutdown([Conn()], [Proc()], local)
+    assert calls == ["release", ("send", None), "leave", "join", "close", ("left", "thread")] and local == []
 
 
 def test_leaving_a_group_that_blocks_gives_up_with_a_warning(monkeypatch, caplog):
@@ -485,3 +494,13 @@ def test_release_graphs_destroys_every_captured_graph():
     assert runner.captured == [] and runner.graphs is None and runner.step_graphs is None and runner.graph_pool is None
     ModelRunner.release_graphs(runner)  # idempotent
     assert [g.resets for g in kept] == [1, 1]
+
+
+def test_leave_mode_names_a_bad_value(monkeypatch):
+    from pageflash.engine import parallel
+
+    monkeypatch.setenv("PAGEFLASH_TP_LEAVE", "kill")
+    with pytest.raises(ValueError, match="PAGEFLASH_TP_LEAVE must be 'destroy' or 'abort', got 'kill'"):
+        parallel._leave_mode()
+    monkeypatch.setenv("PAGEFLASH_TP_LEAVE", "abort")
+    assert parallel._leave_mode() == "abort"

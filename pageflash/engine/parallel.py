@@ -229,26 +229,53 @@ def _worker_main(rank: int, world: int, backend: str, init_method: str, runner_k
     _leave_group()
 
 
-# How long a rank waits for destroy_process_group at shutdown before going on without it. With NCCL
-# collectives captured in CUDA graphs the teardown can block for good (pytorch/pytorch#115388; seen
-# on two H100s, 2026-11-27, even after the graphs were dropped).
+# How long a rank waits for its teardown of the process group at shutdown before going on without it.
+# NCCL's communicator teardown (ncclCommDestroy, what destroy_process_group runs) is collective: a rank
+# returns once every rank has called it, so the ranks leave at the same time (_shutdown), and it waits
+# for every CUDA graph that captured a collective to be destroyed (ModelRunner.release_graphs;
+# pytorch/pytorch#115388). The bound is the safety net for a rank that never arrives.
 _LEAVE_WAIT_S = 10.0
 
 
-def _leave_group(wait: float = _LEAVE_WAIT_S) -> None:
-    """destroy_process_group (when there is a group) on a daemon thread, waited for up to `wait` s: a
-    teardown that blocks is left behind with a warning instead of hanging the process (at exit: for good)."""
+def _leave_mode() -> str:
+    """PAGEFLASH_TP_LEAVE: "destroy" (default: destroy_process_group, every rank at once) or "abort"
+    (torch's _abort_process_group: ncclCommAbort, no rendezvous; the A/B of run 47)."""
+    mode = os.environ.get("PAGEFLASH_TP_LEAVE", "destroy")
+    if mode not in ("destroy", "abort"):
+        raise ValueError(f"PAGEFLASH_TP_LEAVE must be 'destroy' or 'abort', got {mode!r}")
+    return mode
+
+
+def _start_leave() -> Optional[threading.Thread]:
+    """Start leaving the process group (when there is one) on a daemon thread; _finish_leave waits for it."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return
-    t = threading.Thread(target=dist.destroy_process_group, name=f"pageflash-tp-teardown-rank{dist.get_rank()}",
-                         daemon=True)
+        return None
+    leave = dist.destroy_process_group
+    if _leave_mode() == "abort" and dist.get_backend() == "nccl":
+        from torch.distributed import distributed_c10d
+
+        leave = getattr(distributed_c10d, "_abort_process_group", leave)
+    t = threading.Thread(target=leave, name=f"pageflash-tp-teardown-rank{dist.get_rank()}", daemon=True)
     t.start()
+    return t
+
+
+def _finish_leave(t: Optional[threading.Thread], wait: float = _LEAVE_WAIT_S) -> None:
+    """Wait up to `wait` s for _start_leave's thread: a teardown that blocks is left behind with a
+    warning instead of hanging the process (at exit: for good)."""
+    if t is None:
+        return
     t.join(wait)
     if t.is_alive():
         logger.warning("tensor parallel: leaving the process group did not finish in %.0f s (%s); going on "
                        "without it", wait, t.name)
+
+
+def _leave_group(wait: float = _LEAVE_WAIT_S) -> None:
+    """Leave the process group, waiting for that at most `wait` s (_start_leave, _finish_leave)."""
+    _finish_leave(_start_leave(), wait)
 
 
 class TensorParallelRunner:
@@ -475,6 +502,9 @@ def _shutdown(conns: list, procs: list, local: list) -> None:
             c.send(None)
         except (OSError, ValueError):
             pass
+    # rank 0 leaves while the workers do: the teardown is collective (run 47: rank 0 leaving only after
+    # the workers had exited cost each worker the whole bound, eager or not)
+    leaving = _start_leave()
     for p in procs:
         p.join(timeout=30)
         if p.is_alive():
@@ -482,6 +512,4 @@ def _shutdown(conns: list, procs: list, local: list) -> None:
             p.join(timeout=5)
     for c in conns:
         c.close()
-    # (after the workers are gone: the order that ran on two H100s, run 46, where rank 0's teardown then
-    # finished and the next engine in the same process started)
-    _leave_group()
+    _finish_leave(leaving)
