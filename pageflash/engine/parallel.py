@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -210,21 +211,43 @@ def _worker_main(rank: int, world: int, backend: str, init_method: str, runner_k
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
+    timing = os.environ.get("PAGEFLASH_TP_STEP_TIMES") == "1"  # (a probe: the worker's host time per step)
+    prof_path = os.environ.get("PAGEFLASH_TP_PROFILE")  # (a probe: cProfile of the worker's loop, to that path)
+    prof = None
+    if prof_path:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    waited = busy = 0.0
+    steps = 0
     while True:
+        t0 = time.perf_counter()
         try:
             msg = conn.recv()
         except EOFError:
             return
+        t1 = time.perf_counter()
         if msg is None:
             break
         method, args, kwargs, reply = msg
         try:
             out = _execute(runner, *args) if method == "execute" else getattr(runner, method)(*args, **kwargs)
+            if timing and method == "execute":
+                steps += 1
+                waited += t1 - t0
+                busy += time.perf_counter() - t1
             if reply:
                 conn.send(("ok", out))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
             return
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(f"{prof_path}.rank{rank}")
+    if timing and steps:
+        print(f"tensor parallel rank {rank}: {steps} steps, host per step {busy / steps * 1e3:.3f} ms busy "
+              f"(unpickle not included), {waited / steps * 1e3:.3f} ms waiting for rank 0", flush=True)
     runner.release_graphs()
     _leave_group()
 
