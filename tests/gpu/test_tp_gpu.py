@@ -83,10 +83,10 @@ def test_two_gpus_graphs_equal_eager():
 @two_gpus
 @pytest.mark.parametrize("eager", [True, False])
 def test_two_gpus_shut_down_within_the_teardown_bound(eager, capsys):
-    """LLM.shutdown() of a two-GPU engine returns within the teardown bound (parallel._LEAVE_WAIT_S for
-    rank 0 and, at the same time, for the worker), with or without decode graphs (whose captured
-    all-reduces can block NCCL's teardown: pytorch/pytorch#115388). The time is printed: how long the
-    teardown really takes is the open question."""
+    """LLM.shutdown() of a two-GPU engine returns before any rank waits out the teardown bound
+    (parallel._LEAVE_WAIT_S), with or without decode graphs: the ranks leave at the same time (NCCL's
+    teardown is collective) and drop every captured graph first (pytorch/pytorch#115388). Run 48:
+    0.9 s eager, 1.4 s with graphs; it took 11.2-11.3 s when rank 0 left after the workers."""
     import time
 
     from pageflash.engine import parallel
@@ -99,7 +99,7 @@ def test_two_gpus_shut_down_within_the_teardown_bound(eager, capsys):
     took = time.perf_counter() - t0
     with capsys.disabled():
         print(f"\nTP=2 shutdown, {'eager' if eager else 'decode graphs'}: {took:.1f} s")
-    assert took < 2 * parallel._LEAVE_WAIT_S + 10
+    assert took < parallel._LEAVE_WAIT_S
 
 
 @two_gpus
