@@ -219,6 +219,24 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
+    def time_decode_graph(self, bucket: int, iters: int = 20) -> float:
+        """ms per replay of bucket's decode graph (the full-context one), back to back on the device,
+        its static inputs as they are (a probe: scripts/tp_graph_probe.py; tensor-parallel ranks must
+        all run it at once, their graphs' all-reduces pair up)."""
+        if self.graphs is None or bucket not in self.graphs.full:
+            raise ValueError(f"no decode graph of bucket {bucket} (buckets: "
+                             f"{[] if self.graphs is None else sorted(self.graphs.full)})")
+        g = self.graphs.full[bucket].graph
+        g.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(self.device)
+        start.record()
+        for _ in range(iters):
+            g.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+
     def capture_decode_graphs(self, max_batch: int) -> None:
         """Capture decode-step CUDA graphs for batch sizes up to max_batch (CUDA + graph-safe backend)."""
         if self.device.type != "cuda" or self.backend.name != "triton":
