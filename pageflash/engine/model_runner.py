@@ -501,6 +501,11 @@ class DecodeGraphs:
             if runner.model.rotary.long_offset is not None else None
         self.seq_lens = self._i32[:n]
         self.block_tables = self._i32[n:].view(n, self.max_blocks)
+        self.bt_mark = 0  # block-table columns filled so far (bt_cols)
+        bt_copy = os.environ.get("PAGEFLASH_DECODE_BT_COPY", "used")
+        if bt_copy not in ("used", "full"):
+            raise ValueError(f"PAGEFLASH_DECODE_BT_COPY must be 'used' or 'full', got {bt_copy!r}")
+        self.bt_full = bt_copy == "full"
         self.slots.fill_(-1)
         self.seq_lens.fill_(1)
         self.qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
@@ -573,11 +578,15 @@ class DecodeGraphs:
         bucket = next(x for x in self.buckets if x >= b)
         bs = self.runner.block_size
         n, w = self.max_batch, self.max_blocks
-        # host images of the two buffers' prefixes; padding rows: id 0, position 0, slot -1, length 1
+        # host images of the two buffers' prefixes; padding rows: id 0, position 0, slot -1, length 1.
+        # The block tables: only their first `cols` columns (bt_cols), through a second copy when that
+        # is narrower than the buffer
+        cols = self.bt_cols(block_tables)
         h64 = np.zeros(2 * n + bucket, dtype=np.int64)
-        h32 = np.zeros(n + bucket * w, dtype=np.int32)
+        h32 = np.zeros(n + bucket * (w if cols == w else 0), dtype=np.int32)
         ids, pos, slots = h64[:bucket], h64[n: n + bucket], h64[2 * n:]
-        lens, bt = h32[:bucket], h32[n:].reshape(bucket, w)
+        lens = h32[:bucket]
+        bt = h32[n:].reshape(bucket, w) if cols == w else np.zeros((bucket, cols), dtype=np.int32)
         slots[:] = -1
         lens[:] = 1
         fixes: list[tuple[int, int]] = []
@@ -596,6 +605,8 @@ class DecodeGraphs:
             bt[i, : len(table)] = table
         copy_to(self._i64[: h64.shape[0]], torch.from_numpy(h64))
         copy_to(self._i32[: h32.shape[0]], torch.from_numpy(h32))
+        if cols < w:
+            copy_to(self.block_tables[:bucket, :cols], torch.from_numpy(bt))
         lora = self.runner.lora is not None
         if lora:
             slots = [s.request.lora_slot for s in sched.seqs]
@@ -613,6 +624,19 @@ class DecodeGraphs:
         c = self.select(bucket, int(lens.max()), lora)
         c.graph.replay()
         return StepResult(c.logits[:b], [(i, 1) for i in range(b)], greedy=None if c.greedy is None else c.greedy[:b])
+
+    def bt_cols(self, block_tables: list[list[int]]) -> int:
+        """How many block-table columns a step copies: the most any step has filled so far (a high-water
+        mark that never shrinks), or every column with PAGEFLASH_DECODE_BT_COPY=full. Columns past the
+        mark have only ever held zeros, so the rows a step writes end up exactly as a full-width copy
+        leaves them. Why: the full width is bucket x max_model_len / block_size int32 a step (131 KB at
+        bucket 64, llama-3-8b's 8192 positions); on two GPUs, run 48 found decode steps 2-3x slower
+        from bucket 64 on, gone with 4x fewer columns (max_model_len 1024) or 2x (block size 32)."""
+        used = max(map(len, block_tables), default=0)
+        if self.bt_full:
+            return self.max_blocks
+        self.bt_mark = max(self.bt_mark, used)
+        return self.bt_mark
 
     def select(self, bucket: int, max_len: int, lora: bool = True) -> "CapturedStep":
         """The graph a step of this bucket takes when its longest sequence has max_len keys (lora=False
