@@ -632,10 +632,9 @@ class DecodeGraphs:
         leaves them. Why: the full width is bucket x max_model_len / block_size int32 a step (131 KB at
         bucket 64, llama-3-8b's 8192 positions); on two GPUs, run 48 found decode steps 2-3x slower
         from bucket 64 on, gone with 4x fewer columns (max_model_len 1024) or 2x (block size 32)."""
-        used = max(map(len, block_tables), default=0)
         if self.bt_full:
             return self.max_blocks
-        self.bt_mark = max(self.bt_mark, used)
+        self.bt_mark = max(self.bt_mark, max(map(len, block_tables), default=0))
         return self.bt_mark
 
     def select(self, bucket: int, max_len: int, lora: bool = True) -> "CapturedStep":

@@ -262,7 +262,7 @@ _LEAVE_WAIT_S = 10.0
 
 def _leave_mode() -> str:
     """PAGEFLASH_TP_LEAVE: "destroy" (default: destroy_process_group, every rank at once) or "abort"
-    (torch's _abort_process_group: ncclCommAbort, no rendezvous; the A/B of run 47)."""
+    (torch's _abort_process_group: ncclCommAbort, no rendezvous; the A/B of run 48: the same ~1.4 s)."""
     mode = os.environ.get("PAGEFLASH_TP_LEAVE", "destroy")
     if mode not in ("destroy", "abort"):
         raise ValueError(f"PAGEFLASH_TP_LEAVE must be 'destroy' or 'abort', got {mode!r}")
@@ -525,7 +525,7 @@ def _shutdown(conns: list, procs: list, local: list) -> None:
             c.send(None)
         except (OSError, ValueError):
             pass
-    # rank 0 leaves while the workers do: the teardown is collective (run 47: rank 0 leaving only after
+    # rank 0 leaves while the workers do: the teardown is collective (run 48: rank 0 leaving only after
     # the workers had exited cost each worker the whole bound, eager or not)
     leaving = _start_leave()
     for p in procs:
