@@ -14,7 +14,10 @@ from test_engine_hf import CONFIGS
 NEW = 10
 
 
-def _mock_graphs(monkeypatch):
+def mock_decode_graphs(monkeypatch):
+    """Decode graphs on the CPU: a capture runs the step once and keeps its function, which each replay
+    runs again over the static buffers (its outputs copied into the captured ones); no prefetcher,
+    precompile or device sync. Returns pageflash.engine.model_runner (also tests/test_lora.py's)."""
     import pageflash.engine.model_runner as mr
 
     class Replay:
@@ -39,7 +42,7 @@ def _mock_graphs(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["used", "full"])
 def test_block_tables_copied_up_to_the_widest_row_equal_a_full_copy(tmp_path, monkeypatch, mode):
-    mr = _mock_graphs(monkeypatch)
+    mr = mock_decode_graphs(monkeypatch)
     monkeypatch.setenv("PAGEFLASH_DECODE_BT_COPY", mode)
     folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
     hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
@@ -78,7 +81,7 @@ def test_block_tables_copied_up_to_the_widest_row_equal_a_full_copy(tmp_path, mo
 
 
 def test_bt_copy_mode_names_a_bad_value(monkeypatch, tmp_path):
-    mr = _mock_graphs(monkeypatch)
+    mr = mock_decode_graphs(monkeypatch)
     monkeypatch.setenv("PAGEFLASH_DECODE_BT_COPY", "some")
     folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
     llm = LLM(folder, dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=32, enforce_eager=True)

@@ -158,25 +158,9 @@ def test_decode_graph_path_with_lora_kernels(model, monkeypatch):
     buffers -- DecodeGraphs captured with a stand-in for CUDA graphs whose replay reruns the captured
     step over the same buffers --, the rows' slots padded to the bucket; greedy equals HF + peft for
     two adapters and the base in the same decode batches. (Real graphs: tests/gpu/test_lora_gpu.py.)"""
-    import pageflash.engine.model_runner as mr
+    from test_decode_graph_inputs import mock_decode_graphs
 
-    class Replay:
-        def __init__(self, fwd, out):
-            self.fwd, self.out = fwd, out
-
-        def replay(self):
-            for o, n in zip(self.out, self.fwd()):
-                if o is not None:
-                    o.copy_(n)
-
-    def capture(runner, fwd):
-        out = fwd()
-        return Replay(fwd, out), out
-
-    monkeypatch.setattr(mr, "_capture_graph", capture)
-    monkeypatch.setattr(mr, "_prefetcher_from_env", lambda device: None)
-    monkeypatch.setattr(mr, "_precompile_from_env", lambda: False)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    mr = mock_decode_graphs(monkeypatch)
     monkeypatch.setenv("PAGEFLASH_LORA_FREE_GRAPHS", "2")  # twins without the LoRA kernels: buckets 1, 2
     folder, reqs, refs = model
     prompts = _prompts(8, (3, 9, 13))

@@ -501,11 +501,11 @@ class DecodeGraphs:
             if runner.model.rotary.long_offset is not None else None
         self.seq_lens = self._i32[:n]
         self.block_tables = self._i32[n:].view(n, self.max_blocks)
-        self.bt_mark = 0  # block-table columns filled so far (bt_cols)
         bt_copy = os.environ.get("PAGEFLASH_DECODE_BT_COPY", "used")
         if bt_copy not in ("used", "full"):
             raise ValueError(f"PAGEFLASH_DECODE_BT_COPY must be 'used' or 'full', got {bt_copy!r}")
-        self.bt_full = bt_copy == "full"
+        # block-table columns a step copies (bt_cols); "full": all of them from the start
+        self.bt_mark = self.max_blocks if bt_copy == "full" else 0
         self.slots.fill_(-1)
         self.seq_lens.fill_(1)
         self.qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
@@ -627,13 +627,11 @@ class DecodeGraphs:
 
     def bt_cols(self, block_tables: list[list[int]]) -> int:
         """How many block-table columns a step copies: the most any step has filled so far (a high-water
-        mark that never shrinks), or every column with PAGEFLASH_DECODE_BT_COPY=full. Columns past the
+        mark that never shrinks; PAGEFLASH_DECODE_BT_COPY=full starts it at every column). Columns past the
         mark have only ever held zeros, so the rows a step writes end up exactly as a full-width copy
         leaves them. Why: the full width is bucket x max_model_len / block_size int32 a step (131 KB at
         bucket 64, llama-3-8b's 8192 positions); on two GPUs, run 48 found decode steps 2-3x slower
         from bucket 64 on, gone with 4x fewer columns (max_model_len 1024) or 2x (block size 32)."""
-        if self.bt_full:
-            return self.max_blocks
         self.bt_mark = max(self.bt_mark, max(map(len, block_tables), default=0))
         return self.bt_mark
 
