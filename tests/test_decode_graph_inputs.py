@@ -87,3 +87,36 @@ def test_bt_copy_mode_names_a_bad_value(monkeypatch, tmp_path):
     llm = LLM(folder, dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=32, enforce_eager=True)
     with pytest.raises(ValueError, match="PAGEFLASH_DECODE_BT_COPY must be 'used' or 'full', got 'some'"):
         mr.DecodeGraphs(llm.llm_engine.runner, 4)
+
+
+def test_staged_inputs_cycle_and_longrope_rows_reach_the_graphs(tmp_path, monkeypatch):
+    """The host images a step fills (HostStage: persistent sets taken in turn, no allocation per step)
+    carry every input the graphs read, LongRoPE's rotary rows included: a prompt of 17 tokens switches
+    to the long factors at position 32 while decoding (in the graphs), one of 33 decodes with them
+    throughout, in the same batch; greedy tokens equal HF's, and the sets were cycled."""
+    mr = mock_decode_graphs(monkeypatch)
+    folder = make_random_hf_folder(tmp_path, CONFIGS["phi3-longrope"])
+    hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    llm = LLM(folder, dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=96, attention_backend="triton",
+              enforce_eager=True)
+    r = llm.llm_engine.runner
+    r.graphs = g = mr.DecodeGraphs(r, 4)
+    assert g.rope_rows is not None
+    g.capture()
+    taken = []
+    take = g._stage.take
+
+    def counted():
+        out = take()
+        taken.append(g._stage.i)
+        return out
+
+    monkeypatch.setattr(g._stage, "take", counted)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 211, (n,), generator=gen).tolist() for n in (17, 33)]
+    new = 20  # the first crosses position 32 at its 16th token
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, new) for p in prompts]
+    assert len(taken) >= new - 2 and set(taken) == set(range(len(g._stage.sets)))
+    assert llm.llm_engine.kv.num_free_blocks == 96

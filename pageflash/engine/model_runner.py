@@ -21,7 +21,7 @@ from pageflash.config import ModelConfig
 from pageflash.engine.scheduler import SchedulerOutput
 from pageflash.envs import int_env
 from pageflash.kernels.launch import precompile
-from pageflash.transfer import copy_to, to_device
+from pageflash.transfer import HostStage, copy_to, h2d, to_device
 from pageflash.layers.attention import KV_CACHE_DTYPES, AttentionMetadata, get_backend, kv_bytes_view
 from pageflash.model.llama import LlamaForCausalLM
 from pageflash.model.loader import ModelSource, init_dummy_weights, iter_weights
@@ -508,6 +508,11 @@ class DecodeGraphs:
         self.bt_mark = self.max_blocks if bt_copy == "full" else 0
         self.slots.fill_(-1)
         self.seq_lens.fill_(1)
+        # the host images a step fills and copies from: the two buffers (the narrowed block tables, when
+        # narrower, after the int32 one's seq_lens), the LoRA slots and LongRoPE rows (HostStage:
+        # persistent, pinned, no allocation per step)
+        self._stage = HostStage(dev, [(torch.int64, 3 * n), (torch.int32, n + n * self.max_blocks),
+                                      (torch.int32, n), (torch.int64, n)])
         self.qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.argmax = os.environ.get("PAGEFLASH_GRAPH_ARGMAX", "1") != "0"
         short_kv = _short_kv_from_env()
@@ -582,11 +587,17 @@ class DecodeGraphs:
         # The block tables: only their first `cols` columns (bt_cols), through a second copy when that
         # is narrower than the buffer
         cols = self.bt_cols(block_tables)
-        h64 = np.zeros(2 * n + bucket, dtype=np.int64)
-        h32 = np.zeros(n + bucket * (w if cols == w else 0), dtype=np.int32)
+        t64, t32, tlora, trope = self._stage.take()
+        n64, n32 = 2 * n + bucket, n + bucket * (w if cols == w else 0)
+        h64, h32 = t64[:n64].numpy(), t32[:n32].numpy()
+        h64.fill(0)
+        h32.fill(0)
         ids, pos, slots = h64[:bucket], h64[n: n + bucket], h64[2 * n:]
         lens = h32[:bucket]
-        bt = h32[n:].reshape(bucket, w) if cols == w else np.zeros((bucket, cols), dtype=np.int32)
+        tbt = t32[n: n + bucket * cols].view(bucket, cols)  # = h32's block tables at full width
+        bt = tbt.numpy()
+        if cols < w:
+            bt.fill(0)
         slots[:] = -1
         lens[:] = 1
         fixes: list[tuple[int, int]] = []
@@ -603,22 +614,25 @@ class DecodeGraphs:
             slots[i] = table[p // bs] * bs + p % bs
             lens[i] = p + 1
             bt[i, : len(table)] = table
-        copy_to(self._i64[: h64.shape[0]], torch.from_numpy(h64))
-        copy_to(self._i32[: h32.shape[0]], torch.from_numpy(h32))
+        h2d(self._i64[:n64], t64[:n64])
+        h2d(self._i32[:n32], t32[:n32])
         if cols < w:
-            copy_to(self.block_tables[:bucket, :cols], torch.from_numpy(bt))
+            h2d(self.block_tables[:bucket, :cols], tbt)
         lora = self.runner.lora is not None
         if lora:
             slots = [s.request.lora_slot for s in sched.seqs]
             lora = bucket > self.lora_free or any(slots)  # no adapter row: the twin without the LoRA kernels
         if lora:  # each row's adapter slot (padding rows: 0), read in the graph
-            h = np.zeros(bucket, dtype=np.int32)
+            h = tlora[:bucket].numpy()
+            h.fill(0)
             h[:b] = slots
-            copy_to(self.runner.lora.token_slots[:bucket], torch.from_numpy(h))
+            h2d(self.runner.lora.token_slots[:bucket], tlora[:bucket])
         if self.rope_rows is not None:
-            rr = np.zeros(bucket, dtype=np.int64)
+            rr = trope[:bucket].numpy()
+            rr.fill(0)
             rr[: len(sched.seqs)] = self.runner.rope_rows(sched, pos[: len(sched.seqs)].tolist())
-            copy_to(self.rope_rows[:bucket], torch.from_numpy(rr))
+            h2d(self.rope_rows[:bucket], trope[:bucket])
+        self._stage.done()
         if fixes:
             _fill_pending(self.input_ids, fixes, prev_tokens)
         c = self.select(bucket, int(lens.max()), lora)
