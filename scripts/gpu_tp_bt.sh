@@ -31,6 +31,7 @@ for step in ${STEPS:-tp2 tp2full tp2chunk tp1 tp1full tp2long}; do
     tp1) lat tp1 1 128 128 1 64 ;;
     tp1full) PAGEFLASH_DECODE_BT_COPY=full lat tp1full 1 128 128 1 64 ;;
     tp2long) lat tp2long 2 6000 64 64 ;;
+    tp1long) lat tp1long 1 6000 64 64 ;;
     # the same against the tree in .carry/base (a copy of the package before a change)
     tp2fullbase) DIR=.carry/base PAGEFLASH_DECODE_BT_COPY=full lat tp2fullbase 2 128 128 64 ;;
     tp1base) DIR=.carry/base lat tp1base 1 128 128 1 64 ;;

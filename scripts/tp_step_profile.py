@@ -1,6 +1,6 @@
 """Two GPUs: a GPU timeline of rank 0's real decode steps at batch 64 (run 49: the bucket-64 cliff with
 the full-width block-table copy, PAGEFLASH_DECODE_BT_COPY=full, against the narrowed copy).
-    PAGEFLASH_DECODE_BT_COPY=full python scripts/tp_step_profile.py OUT_PREFIX [TP] [BATCH]
+    PAGEFLASH_DECODE_BT_COPY=full python scripts/tp_step_profile.py OUT_PREFIX [TP] [BATCH] [INPUT_LEN] [STEPS]
 Prints the step times, the GPU's busy time per step, the host-to-device copies' durations and the
 largest idle gaps on rank 0's GPU with the events around them; writes a chrome trace to OUT_PREFIX.json.gz."""
 import random
@@ -17,18 +17,20 @@ if __name__ == "__main__":
     prefix = sys.argv[1]
     tp = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     batch = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+    input_len = int(sys.argv[4]) if len(sys.argv) > 4 else 128
+    steps = int(sys.argv[5]) if len(sys.argv) > 5 else 15
     llm = LLM("llama-3-8b", load_format="dummy", tensor_parallel_size=tp)
     eng = llm.llm_engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for _ in range(batch):
-        eng.add_request(None, {"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(128)]}, params)
-    for _ in range(40):  # prefill and warm decode steps
+        eng.add_request(None, {"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(input_len)]}, params)
+    for _ in range(20 + batch * input_len // 8192):  # prefill and warm decode steps
         eng.step()
     torch.cuda.synchronize()
     times = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(15):
+        for _ in range(steps):
             t = time.perf_counter()
             eng.step()
             times.append((time.perf_counter() - t) * 1e3)
@@ -46,8 +48,8 @@ if __name__ == "__main__":
                 gaps.append((s - end, prev.name if prev else "", e.name))
             busy += max(0.0, f - max(s, end))
             end = max(end, f)
-        print(f"rank0 GPU: span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms over 15 steps "
-              f"({busy / 15 / 1e3:.2f} ms a step)")
+        print(f"rank0 GPU: span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms over {steps} steps "
+              f"({busy / steps / 1e3:.2f} ms a step)")
         for g, a, b in sorted(gaps, reverse=True)[:12]:
             print(f"  gap {g:8.1f} us after {a[:60]!r} before {b[:60]!r}")
         cp = [e for e in ev if "memcpy" in e.name.lower() or "Memcpy" in e.name]

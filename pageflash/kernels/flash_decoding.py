@@ -207,6 +207,17 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if ROPE:
+        # the new key first, from registers (the owner only: everyone else starts empty), so that kn / vn
+        # are dead before the key loop: kept until after it, they held 156 registers a thread instead of
+        # 119 (H100, BLOCK_N 64, 4 warps), 3 programs an SM instead of 4, and the long-context decode
+        # took 1.3x (run 49)
+        qk_n = scale_scores(tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1), qk_scale, SOFTCAP)
+        qk_n = tl.where(owner, qk_n, float("-inf"))
+        m_i = tl.maximum(m_i, qk_n)
+        p_n = tl.math.exp2(qk_n - m_i).to(vn.dtype).to(tl.float32)
+        l_i = p_n
+        acc = p_n[:, None] * vn.to(tl.float32)[None, :]
     # BT_AHEAD: a tile's block ids are loaded one iteration ahead (the first before the loop), masked by
     # the table's width only (not by seq_len: the first load need not wait for it). The K/V copies then
     # depend on no load of their own iteration, and Triton's pipeliner gives them num_stages - 1
@@ -252,16 +263,6 @@ def _decode_split_kernel(
             acc = tl.dot((p * v_sc[None, :]).to(v.dtype), v, acc, input_precision=PREC)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-        m_i = m_ij
-    if ROPE:
-        # the new key, from registers (the owner only: everyone else adds a zero weight)
-        qk_n = scale_scores(tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1), qk_scale, SOFTCAP)
-        qk_n = tl.where(owner, qk_n, float("-inf"))
-        m_ij = tl.maximum(m_i, qk_n)
-        p_n = tl.math.exp2(qk_n - m_ij)
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + p_n.to(vn.dtype).to(tl.float32)
-        acc = acc * alpha[:, None] + p_n.to(vn.dtype).to(tl.float32)[:, None] * vn.to(tl.float32)[None, :]
         m_i = m_ij
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -419,6 +420,11 @@ def choose_num_splits(
     return max(1, splits)
 
 
+# A probe (run 49, scripts/engine_decode_attn_probe.py): FMA contraction left on in the launches with
+# rope (their rotary then not rounded step by step as kernels/rotary.py's).
+ROPE_FP_FUSION = False
+
+
 def flash_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -559,7 +565,7 @@ def flash_decode(
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, WINDOW=window or 0,
         SOFTCAP=softcap_arg(softcap), ROT_DIM=rot_dim, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
-        enable_fp_fusion=rope is None,
+        enable_fp_fusion=rope is None or ROPE_FP_FUSION,
     )
     if num_splits > 1 and not fused:
         combine_partials(o, po, plse, lens=(seq_lens, cfg["BLOCK_N"]), strided=bool(cfg.get("STRIDED", False)),
