@@ -11,7 +11,6 @@ so a block is never rewritten under a pending copy.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -68,32 +67,9 @@ def h2d(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=dst.is_cuda)
 
 
-def _chunk_from_env() -> int:
-    v = os.environ.get("PAGEFLASH_H2D_CHUNK_KB", "0")
-    try:
-        kb = int(v)
-    except ValueError:
-        raise ValueError(f"PAGEFLASH_H2D_CHUNK_KB must be a whole number of KB, got {v!r}") from None
-    if kb < 0:
-        raise ValueError(f"PAGEFLASH_H2D_CHUNK_KB must be >= 0, got {kb}")
-    return kb * 1024
-
-
-# A probe (run 49): copies into contiguous CUDA buffers split into pieces of at most this many bytes
-# (0: one copy). To tell whether a copy's size, not its bytes, is what slows two-GPU decode steps.
-_CHUNK = _chunk_from_env()
-
-
 def copy_to(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src) for a CPU src; into a CUDA dst through pinned memory, without waiting."""
-    if not dst.is_cuda:
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
         dst.copy_(src)
-        return
-    src = src.pin_memory()
-    nbytes = dst.numel() * dst.element_size()
-    if _CHUNK and nbytes > _CHUNK and dst.is_contiguous() and src.is_contiguous() and dst.dim() == 1:
-        step = max(1, _CHUNK // dst.element_size())
-        for i in range(0, dst.numel(), step):
-            dst[i: i + step].copy_(src[i: i + step], non_blocking=True)
-        return
-    dst.copy_(src, non_blocking=True)

@@ -93,18 +93,16 @@ if __name__ == "__main__":
     vn = torch.randn_like(kn)
     no_slot = torch.full((nb,), -1, device="cuda", dtype=torch.int64)
 
-    def rope_call(sp, fma, config=None):
+    def rope_call(sp, config=None):
         def fn():
-            fd.ROPE_FP_FUSION = fma
             return fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=sp, rope=(pos, cos, sin),
                                    k_new=kn, v_new=vn, slot_mapping=no_slot, config=config)
         return fn
 
-    cases[f"engine+rope sp{sp_plan}"] = rope_call(sp_plan, False)
-    cases[f"engine+rope fma sp{sp_plan}"] = rope_call(sp_plan, True)
+    cases[f"engine+rope sp{sp_plan}"] = rope_call(sp_plan)
     for name, cfg in (("w8", dict(num_warps=8)), ("s2", dict(num_stages=2)), ("n32", dict(BLOCK_N=32)),
                       ("w2", dict(num_warps=2))):
-        cases[f"engine+rope {name} sp{sp_plan}"] = rope_call(sp_plan, False, cfg)
+        cases[f"engine+rope {name} sp{sp_plan}"] = rope_call(sp_plan, cfg)
         cases[f"engine {name} sp{sp_plan}"] = lambda cfg=cfg: fd.flash_decode(q, kc, vc, bt, sl, sc,
                                                                              num_splits=sp_plan, config=cfg)
     ref = fd.flash_decode(q, small_k, small_v, order_bt, sl, sc, num_splits=1).float()

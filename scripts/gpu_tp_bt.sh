@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run 49 (nvidia-h100-x2): the two-GPU bucket-64 cliff against the block-table copy's width.
 #   STEPS='tp2 tp1base ...' scripts/gpu_tp_bt.sh # llama-3-8b dummy: TP=2 / TP=1 with the copy narrowed (default),
-#                                   # full (PAGEFLASH_DECODE_BT_COPY=full), full in <= 64 KB pieces
-#                                   # (PAGEFLASH_H2D_CHUNK_KB=64), and TP=2 at a long context
+#                                   # full (PAGEFLASH_DECODE_BT_COPY=full), TP=2 / TP=1 at a long
+#                                   # context, and the same against the tree in .carry/base
 # Prints one line per process (label, batch, decode tok/s, step ms); logs under $OUT.
 source "$(dirname "$0")/gpu_env.sh"
 OUT=$(realpath "$OUT")
@@ -23,11 +23,10 @@ for row in r.get("results", r.get("batches", [])):
           "step ms median %.2f p90 %.2f" % (row["step_ms_median"], row["step_ms_p90"]))
 PY
 }
-for step in ${STEPS:-tp2 tp2full tp2chunk tp1 tp1full tp2long}; do
+for step in ${STEPS:-tp2 tp2full tp1 tp1full tp2long}; do
   case $step in
     tp2) lat tp2 2 128 128 1 48 64 ;;
     tp2full) PAGEFLASH_DECODE_BT_COPY=full lat tp2full 2 128 128 64 ;;
-    tp2chunk) PAGEFLASH_DECODE_BT_COPY=full PAGEFLASH_H2D_CHUNK_KB=64 lat tp2chunk 2 128 128 64 ;;
     tp1) lat tp1 1 128 128 1 64 ;;
     tp1full) PAGEFLASH_DECODE_BT_COPY=full lat tp1full 1 128 128 1 64 ;;
     tp2long) lat tp2long 2 6000 64 64 ;;

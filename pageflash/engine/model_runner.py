@@ -644,8 +644,8 @@ class DecodeGraphs:
         mark that never shrinks; PAGEFLASH_DECODE_BT_COPY=full starts it at every column). Columns past the
         mark have only ever held zeros, so the rows a step writes end up exactly as a full-width copy
         leaves them. Why: the full width is bucket x max_model_len / block_size int32 a step (131 KB at
-        bucket 64, llama-3-8b's 8192 positions); on two GPUs, run 48 found decode steps 2-3x slower
-        from bucket 64 on, gone with 4x fewer columns (max_model_len 1024) or 2x (block size 32)."""
+        bucket 64, llama-3-8b's 8192 positions), mostly zeros. (Run 48's two-GPU cliff at bucket 64,
+        which this was first written for, was the per-step pin_memory() of that image: HostStage, run 49.)"""
         self.bt_mark = max(self.bt_mark, max(map(len, block_tables), default=0))
         return self.bt_mark
 
@@ -848,6 +848,8 @@ class StepGraphs:
         self.qsl, self.seq_lens = self._i32[: n + 1], self._i32[n + 1: 2 * n + 1]
         self.block_tables = self._i32[2 * n + 1:].view(n, self.max_blocks)
         self.mask = torch.zeros(t, self.MAX_Q, dtype=torch.uint8, device=dev)
+        # the two buffers' host images, filled in place (HostStage: no allocation or pin_memory() a step)
+        self._stage = HostStage(dev, [(torch.int64, 3 * t), (torch.int32, 2 * n + 1 + n * self.max_blocks)])
         self.packed_copies = True  # False: one copy per input (the reference the packed path is tested against)
         self.out_logits = torch.zeros(t, c.vocab_size, dtype=torch.float32, device=dev)
         self.out_hidden = torch.zeros(t, c.hidden_size, dtype=runner.dtype, device=dev)
@@ -929,12 +931,15 @@ class StepGraphs:
         """The step's inputs into the graphs' buffers, two copies (host images of the buffers' used
         prefixes; padding: id 0, position 0, slot -1, no query, length 0). Returns the query starts."""
         s, n, T, N, w = len(qlens), len(ids), self.max_tokens, self.buckets[-1], self.max_blocks
-        h64 = np.zeros(2 * T + t, dtype=np.int64)
+        t64, t32 = self._stage.take()
+        n64, n32 = 2 * T + t, 2 * N + 1 + b * w
+        h64, h32 = t64[:n64].numpy(), t32[:n32].numpy()
+        h64.fill(0)
+        h32.fill(0)
         h64[:n] = ids
         h64[T: T + n] = pos
         h64[2 * T: 2 * T + n] = slots
         h64[2 * T + n:] = -1
-        h32 = np.zeros(2 * N + 1 + b * w, dtype=np.int32)
         qsl = h32[: b + 1]
         np.cumsum(qlens, out=qsl[1: s + 1])
         qsl[s + 1:] = n
@@ -942,8 +947,9 @@ class StepGraphs:
         bt = h32[2 * N + 1:].reshape(b, w)
         for i, table in enumerate(block_tables):
             bt[i, : len(table)] = table
-        copy_to(self._i64[: h64.shape[0]], torch.from_numpy(h64))
-        copy_to(self._i32[: h32.shape[0]], torch.from_numpy(h32))
+        h2d(self._i64[:n64], t64[:n64])
+        h2d(self._i32[:n32], t32[:n32])
+        self._stage.done()
         return qsl
 
     def _copy_each(self, ids, pos, slots, qlens, seq_lens, block_tables, b: int, t: int) -> np.ndarray:

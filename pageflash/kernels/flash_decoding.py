@@ -420,11 +420,6 @@ def choose_num_splits(
     return max(1, splits)
 
 
-# A probe (run 49, scripts/engine_decode_attn_probe.py): FMA contraction left on in the launches with
-# rope (their rotary then not rounded step by step as kernels/rotary.py's).
-ROPE_FP_FUSION = False
-
-
 def flash_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -565,7 +560,7 @@ def flash_decode(
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, WINDOW=window or 0,
         SOFTCAP=softcap_arg(softcap), ROT_DIM=rot_dim, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
-        enable_fp_fusion=rope is None or ROPE_FP_FUSION,
+        enable_fp_fusion=rope is None,
     )
     if num_splits > 1 and not fused:
         combine_partials(o, po, plse, lens=(seq_lens, cfg["BLOCK_N"]), strided=bool(cfg.get("STRIDED", False)),
