@@ -167,6 +167,7 @@ def test_latency_smoke(tmp_path, capsys):
         (it,) = r["iterations"]
         # 3 tokens: the first comes from the prefill step, then 2 pure decode steps of b tokens each
         assert it["decode_steps"] == 2 and it["decode_tokens"] == 2 * b
+        assert it["decode_seqs_mean"] == r["decode_seqs_mean"] == b
         # those steps feed positions 8 and 9: contexts of 9 and 10 keys
         assert r["bytes_per_step_mean"] == pytest.approx(w + kv * 9.5 * b)
         assert r["ttft_ms"] > 0 and r["ttft_ms_max"] >= r["ttft_ms"]
@@ -183,6 +184,23 @@ def test_latency_smoke(tmp_path, capsys):
     assert d["env"]["command"].startswith("pageflash bench latency --input-len 8")
     if "--plot" in argv:
         assert (tmp_path / "lat.png").stat().st_size > 1000
+
+
+def test_latency_notes_decode_steps_smaller_than_the_batch(tmp_path, capsys):
+    """One prompt's worth of tokens a step: each request is prefilled alone, and the first finish before
+    the last start, so the pure decode steps (every request has its first token) hold fewer than the
+    batch. The figure says so rather than passing them off as batch-4 steps."""
+    out = tmp_path / "lat.json"
+    argv = ["--input-len", "8", "--output-len", "4", "--batch-size", "4", "--num-iters-warmup", "0",
+            "--num-iters", "1", "--copy-bandwidth", "100", "--gemm-tflops", "2", "--json", str(out),
+            "--max-num-batched-tokens", "8", "--no-async-scheduling", *TINY_ENGINE]
+    assert latency_main(argv) == 0
+    text = capsys.readouterr().out
+    (r,) = json.loads(out.read_text())["results"]
+    (it,) = r["iterations"]
+    assert it["decode_steps"] >= 1 and 1 <= r["decode_seqs_mean"] < 4
+    assert it["decode_tokens"] == pytest.approx(r["decode_seqs_mean"] * it["decode_steps"])
+    assert f"note: batch 4: its decode steps held {r['decode_seqs_mean']:.1f} sequences on average, not 4" in text
 
 
 def test_throughput_smoke(tmp_path, capsys):

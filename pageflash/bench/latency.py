@@ -10,6 +10,8 @@ Figures per batch size (medians over the timed iterations):
 - TTFT: submit -> the step that returned a request's first token (mean over the batch).
 - decode tok/s: tokens after the first over the time after the first token; per sequence and total.
 - step ms: wall time of each pure decode step (every sequence of the batch already has its first token).
+  Those steps hold fewer than B sequences when the first requests finish before the last are prefilled
+  (long prompts, chunked prefill): ``decode_seqs_mean`` in the JSON, and a note under the table.
 - GB/s: bytes a decode step must read (weights except the embedding table + the K/V of every
   context, pageflash.bench.roofline) over the step time; % roofline: that over the measured copy bandwidth.
 - cold start: engine construction + the first request's time to first token (first run in the process);
@@ -317,6 +319,7 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
     done: dict[str, float] = {}
     pending = set(rids)
     step_ms: list[float] = []  # pure decode steps only
+    step_seqs: list[int] = []  # sequences in each of them (fewer than the batch once some finished)
     step_bytes: list[int] = []
     step_flops = 0.0
     decode_tokens = 0
@@ -345,6 +348,7 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
                     pending.discard(rid)
             if decoding:
                 step_ms.append((t - t_prev) * 1e3)
+                step_seqs.append(len(ctx))
                 step_bytes.append(decode_step_bytes(roof["cfg"], ctx, roof["weight_bytes_per_param"],
                                                     roof["kv_bytes_per_elem"]))
                 step_flops += decode_step_flops(roof["cfg"], ctx)
@@ -371,6 +375,7 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
         "decode_tokens": decode_tokens,
         "decode_tok_s_per_seq": statistics.mean(per_seq) if per_seq else None,
         "decode_tok_s_total": decode_tokens / decode_s if decode_s > 0 else None,
+        "decode_seqs_mean": statistics.mean(step_seqs) if step_seqs else None,
         "step_ms_mean": statistics.mean(step_ms) if step_ms else None,
         "step_ms_median": statistics.median(step_ms) if step_ms else None,
         "step_ms_p90": percentile(step_ms, 90),
@@ -387,7 +392,7 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
 def summarize(iters: list[dict[str, Any]], copy_gbps: float, gemm_tflops: Optional[float]) -> dict[str, Any]:
     """Medians over the timed iterations, plus % roofline, the roofline tok/s and % of the GEMM ceiling."""
     out: dict[str, Any] = {"batch_size": iters[0]["batch_size"]}
-    for key in ("ttft_ms", "ttft_ms_max", "decode_tok_s_per_seq", "decode_tok_s_total", "step_ms_mean",
+    for key in ("ttft_ms", "ttft_ms_max", "decode_tok_s_per_seq", "decode_tok_s_total", "decode_seqs_mean", "step_ms_mean",
                 "step_ms_median", "step_ms_p90", "step_ms_p99", "bytes_per_step_mean", "achieved_gbps", "achieved_tflops"):
         out[key] = median_of(iters, key)
     lat = [r["latency_s"] for r in iters]
@@ -433,6 +438,12 @@ def print_report(result: dict[str, Any], file=None) -> None:
           + (f"; GEMM {result['gemm_tflops']:.0f} TFLOP/s ({result['gemm_tflops_source']})"
              if result.get("gemm_tflops") else ""), file=file)
     print(format_table(headers, rows), file=file)
+    for r in result["results"]:
+        n = r.get("decode_seqs_mean")
+        if n is not None and n < r["batch_size"] - 0.05:
+            print(f"note: batch {r['batch_size']}: its decode steps held {n:.1f} sequences on average, not "
+                  f"{r['batch_size']} (the first requests finished before the last were prefilled); "
+                  f"tok/s total, step ms and GB/s are over those steps", file=file)
 
 
 def plot(result: dict[str, Any], path: str) -> None:
