@@ -35,22 +35,20 @@ class HostStage:
     ``pin_memory()`` per step. Why: on two GPUs, run 49 found ``pin_memory()`` of a step's 131 KB
     block-table image taking 2-15 ms on rank 0 (the GPU idle meanwhile, the other rank waiting in its
     all-reduces: llama-3-8b batch 64 at 12 ms a step instead of 5.3). A set is reused once the copies
-    that read it have run: ``done()`` records an event after them, and ``take()`` waits for it (rarely:
-    the host is at most a step or two ahead of the GPU; ``waits`` counts it)."""
+    that read it have run: ``done()`` records an event after them, and ``take()`` waits for it (which
+    returns at once unless the host is more than ``slots - 1`` steps ahead of the GPU)."""
 
     def __init__(self, device: torch.device, specs: list[tuple[torch.dtype, int]], slots: int = 3) -> None:
         self.cuda = torch.device(device).type == "cuda"
         self.sets = [[torch.zeros(n, dtype=dt, pin_memory=self.cuda) for dt, n in specs] for _ in range(slots)]
         self.events: list[Optional[torch.cuda.Event]] = [None] * slots
         self.i = -1
-        self.waits = 0
 
     def take(self) -> list[torch.Tensor]:
         """The next set's tensors (contents: whatever a step before left), once no copy reads them."""
         self.i = (self.i + 1) % len(self.sets)
         ev = self.events[self.i]
-        if ev is not None and not ev.query():
-            self.waits += 1
+        if ev is not None:
             ev.synchronize()
         return self.sets[self.i]
 

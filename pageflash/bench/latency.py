@@ -392,8 +392,9 @@ def run_iteration(eng: Any, prompts: list[list[int]], output_len: int, *, roof: 
 def summarize(iters: list[dict[str, Any]], copy_gbps: float, gemm_tflops: Optional[float]) -> dict[str, Any]:
     """Medians over the timed iterations, plus % roofline, the roofline tok/s and % of the GEMM ceiling."""
     out: dict[str, Any] = {"batch_size": iters[0]["batch_size"]}
-    for key in ("ttft_ms", "ttft_ms_max", "decode_tok_s_per_seq", "decode_tok_s_total", "decode_seqs_mean", "step_ms_mean",
-                "step_ms_median", "step_ms_p90", "step_ms_p99", "bytes_per_step_mean", "achieved_gbps", "achieved_tflops"):
+    for key in ("ttft_ms", "ttft_ms_max", "decode_tok_s_per_seq", "decode_tok_s_total", "decode_seqs_mean",
+                "step_ms_mean", "step_ms_median", "step_ms_p90", "step_ms_p99", "bytes_per_step_mean", "achieved_gbps",
+                "achieved_tflops"):
         out[key] = median_of(iters, key)
     lat = [r["latency_s"] for r in iters]
     out["latency_s_avg"] = statistics.mean(lat)
