@@ -151,15 +151,35 @@ def test_flash_decode_quantized(code, dtype, heads, d, splits, fused):
 
 
 @pytest.mark.parametrize("code", CODES)
+@pytest.mark.parametrize("v_mag", [1e-3, 300.0])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_flash_decode_quantized_fp16_tiny_and_large_values(code, v_mag, splits):
+    """A float16 q: the codes widen to float16, and so do V's weights (softmax p x the key's scale). With
+    values of V near 1e-3 (scales ~1e-5) those weights fall deep into float16's subnormals unless the
+    kernel divides them by the tile's largest scale first (it does, and counts the output in units of
+    it); values near 300 must not overflow either."""
+    hq, hkv, d = 8, 2, 64
+    specs = [(0, 1), (15, 1), (33, 1), (70, 1), (150, 1)]
+    q, k, v, kc, vc, meta = make_case(specs, hq, hkv, d, 16, torch.float16, seed=7)
+    kq, vq, sc = _quantized(kc, vc * v_mag, code)
+    ref = flash_decode_ref(q, kq, vq, meta.block_tables, meta.seq_lens, d**-0.5, kv_scales=sc)
+    assert ref.abs().max() > 0.05 * v_mag  # the outputs are of V's size, not zero
+    out = flash_decode(q, kq, vq, meta.block_tables, meta.seq_lens, d**-0.5, num_splits=splits, kv_scales=sc)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("code", CODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits,fused,rot", [(1, False, 32), (3, True, 24), (5, False, 32)])
-def test_flash_decode_rope_store_quantized(code, splits, fused, rot):
+def test_flash_decode_rope_store_quantized(code, dtype, splits, fused, rot):
     """Rotary + store + decode in one launch on a quantized cache == apply_rotary's fused store, then
     flash_decode: the same codes and scales bit for bit; the new key, attended from registers, reads as
     its code x scale like every other key; a padded slot gives zeros and stores nothing. rot < 32:
-    partial rotary."""
+    partial rotary. float16: the codes and V's weights through float16 (the new key's value first)."""
     hq, hkv, d = 8, 2, 32
     specs = [(0, 1), (15, 1), (16, 1), (33, 1), (70, 1)]
-    q, k, v, kc, vc, meta = make_case(specs, hq, hkv, d, 16, torch.float32, seed=splits + 20)
+    q, k, v, kc, vc, meta = make_case(specs, hq, hkv, d, 16, dtype, seed=splits + 20)
     kq, vq, (ks, vs) = _quantized(kc, vc, code)
     g = torch.Generator().manual_seed(splits)
     ang = torch.rand(80, rot // 2, generator=g) * 6
@@ -179,7 +199,7 @@ def test_flash_decode_rope_store_quantized(code, splits, fused, rot):
     assert torch.equal(_bytes(kq), _bytes(ref_c[0])) and torch.equal(_bytes(vq), _bytes(ref_c[1]))
     assert torch.equal(ks, ref_c[2]) and torch.equal(vs, ref_c[3])
     assert torch.equal(out[3], torch.zeros_like(out[3]))
-    assert rel_err(out, ref) < TOL[torch.float32]
+    assert rel_err(out, ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("code", CODES)

@@ -42,6 +42,10 @@ def _bench(fn: Callable[[], object], graph: bool = False) -> float:
     import triton.testing
 
     if graph:
+        # do_bench_cudagraph runs fn on a side stream, which does not wait for the inputs' producers on
+        # the current one: a block table still being filled read as garbage block ids (run 50: an
+        # illegal address in a probe that did not synchronize first)
+        torch.cuda.synchronize()
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 

@@ -111,6 +111,7 @@ def _decode_split_kernel(
     BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False,
     QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, ROT_DIM: tl.constexpr = 0,
+    F16_CODES: tl.constexpr = False,
 ):
     # ROT_DIM: with ROPE, how many leading dims of each head rotate (HEAD_DIM, or fewer: partial rotary)
     split = tl.program_id(0)
@@ -198,6 +199,14 @@ def _decode_split_kernel(
             tl.store(VC + sblk * stride_vcb + soff * stride_vcs + kvh * stride_vch + offs_d,
                      vn.to(VC.dtype.element_ty), mask=st_mask)
     bt_row = BT + b64 * stride_bt
+    if QUANT and F16_CODES:
+        # F16_CODES (bf16 q over e4m3 codes): the codes widen to float16, which e4m3 converts to in one
+        # instruction a pair (to bfloat16 it takes several: run 50, 1.15-1.23x the time), and q is
+        # converted once to meet them (float16 holds bf16's values to +-65504 with more mantissa; beyond,
+        # clamped); the weights of V go through float16 scaled to [0, 1] (below: v_run)
+        q_dot = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    else:
+        q_dot = q
     k_base = KC + kvh * stride_kch
     v_base = VC + kvh * stride_vch
     if QUANT:
@@ -207,6 +216,7 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    v_run = 1.0  # acc's unit (F16_CODES: the last tile's largest V scale; otherwise 1)
     if ROPE:
         # the new key first, from registers (the owner only: everyone else starts empty), so that kn / vn
         # are dead before the key loop: kept until after it, they held 156 registers a thread instead of
@@ -248,9 +258,9 @@ def _decode_split_kernel(
             s_at = blk * stride_sb + (j % PAGE_SIZE)
             k_sc = tl.load(ks_base + s_at, mask=kv_ok, other=0.0)
             v_sc = tl.load(vs_base + s_at, mask=kv_ok, other=0.0)
-            k = k.to(Q.dtype.element_ty)
-            v = v.to(Q.dtype.element_ty)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+            k = k.to(q_dot.dtype)
+            v = v.to(q_dot.dtype)
+        qk = tl.dot(q_dot, tl.trans(k), input_precision=PREC)
         if QUANT:
             qk = qk * k_sc[None, :]
         qk = tl.where(kv_ok[None, :], scale_scores(qk, qk_scale, SOFTCAP), float("-inf"))
@@ -258,15 +268,28 @@ def _decode_split_kernel(
         p = tl.math.exp2(qk - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if QUANT:
+        if QUANT and F16_CODES:
+            # p * v_sc in float16 would lose precision below 2**-14 (subnormals) when V's scales are
+            # small: the weights are divided by the tile's largest scale (<= 1 then), and acc counted in
+            # units of it -- rescaled together with alpha, so no extra pass over acc
+            v_top = tl.max(v_sc, 0)
+            v_top = tl.where(v_top > 0.0, v_top, 1.0)
+            acc = acc * (alpha * (v_run / v_top))[:, None]
+            v_run = v_top
+            acc = tl.dot((p * (v_sc / v_top)[None, :]).to(v.dtype), v, acc, input_precision=PREC)
+        elif QUANT:
+            acc = acc * alpha[:, None]
             acc = tl.dot((p * v_sc[None, :]).to(v.dtype), v, acc, input_precision=PREC)
         else:
+            acc = acc * alpha[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_ij
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    if QUANT and F16_CODES:
+        out = acc * (v_run / l_safe)[:, None]
+    else:
+        out = acc / l_safe[:, None]
     mask = h_ok[:, None] & d_ok[None, :]
     if not SPLIT:
         tl.store(O + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -380,6 +403,11 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     # the combine: 32 columns per program over 2 warps, every split's partial loaded without waiting
     # for seq_len (H100: -0.3 to -0.5 us at batch 1 against one program per head; docs/KERNELS.md)
     comb = dict(COMBINE_BLOCK_DC=32, COMBINE_EAGER=True, COMBINE_num_warps=2)
+    # F16_CODES: e4m3 codes widen to float16 (one instruction a pair), not to bfloat16: with a bf16 q,
+    # 1.15-1.23x faster on H100 (run 50, scripts/kvq_f16_probe.py; int8 codes widen faster to bf16,
+    # so they stay there). A float16 q always takes that path (flash_decode), a float32 one never.
+    if kv_dtype is not None and kv_dtype.itemsize == 1:
+        comb["F16_CODES"] = kv_dtype == torch.float8_e4m3fn
     if device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True, **comb)
     d = next_pow2(head_dim)
@@ -390,7 +418,13 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
         # per SM: the widening of the codes is latency-bound, not the copy). H100, 32 / 8 heads, D 128
         # (scripts/kvq_decode_probe.py, docs/BENCHMARKS.md run 32): the bf16 config (64 keys, 4 warps,
         # 1 stage) held 41-61% of copy bandwidth, 128 keys / 4 warps / 3 stages 60-81%, this one 65-87%
-        # (int8; e4m3 58-78%). Not measured at D 64.
+        # (int8; e4m3 58-78%, 66-89% since run 50's float16 codes). At D 64 (run 50, 9 / 3 heads), int8
+        # split programs take 128 keys over 4 warps, as the bf16 config does there: 30.9 vs 35.1 us at
+        # B64 L2k and 31.0 vs 35.1 at B1 L128k, 0.9 us behind at B8 L8k; unsplit grids keep this config
+        # (B256 L1k: 50.2 vs 55.5). e4m3 keeps it everywhere: its float16 path holds 168 registers a
+        # thread at 128 keys / 4 warps, 3 programs an SM, and at B8 L8k (22 splits) took 1.46x the time
+        if d <= 64 and split and kv_dtype == torch.int8:
+            return dict(BLOCK_N=128, num_warps=4, num_stages=3, BT_AHEAD=1, STRIDED=True, **comb)
         return dict(BLOCK_N=64, num_warps=2, num_stages=3, BT_AHEAD=1, STRIDED=True, **comb)
     if d <= 64:
         # small heads (smollm2-135m: D 64): split programs take 128 keys a tile, so that a tile moves
@@ -558,7 +592,8 @@ def flash_decode(
         STRIDED=bool(cfg.get("STRIDED", False)),
         BLOCK_S=next_pow2(num_splits) if fused else 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, WINDOW=window or 0,
-        SOFTCAP=softcap_arg(softcap), ROT_DIM=rot_dim, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SOFTCAP=softcap_arg(softcap), ROT_DIM=rot_dim, F16_CODES=qconst["QUANT"] and (q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and bool(cfg.get("F16_CODES")))),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
         enable_fp_fusion=rope is None,
     )

@@ -75,6 +75,36 @@ def test_flash_decode_bf16(kv, b, L, poison_outputs):
 
 
 @pytest.mark.parametrize("kv", sorted(CODES))
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("b,L", [(8, 2048), (64, 700)])
+def test_flash_decode_bf16_value_ranges(kv, hq, hkv, d, b, L, poison_outputs):
+    """Over e4m3 codes a bf16 q meets the codes in float16 (flash_decoding.decode_config's F16_CODES),
+    V's weights scaled to [0, 1] by the tile's largest scale: values of V near 1e-3 (weights otherwise in
+    float16's subnormals) keep the reference's precision, at both head sizes' configs; a q beyond
+    float16's range (1e6) is clamped, not turned into inf / NaN, and the output stays a convex
+    combination of V's rows."""
+    code = CODES[kv]
+    g = torch.Generator(device="cuda").manual_seed(b + d)
+    nbs = -(-L // PAGE)
+    nb = b * nbs + 3
+    kc = torch.randn(nb, PAGE, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
+    vc = (torch.randn(nb, PAGE, hkv, d, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
+    (kq, ks), (vq, vs) = (quantize_kv_ref(c, code) for c in (kc, vc))
+    sc = (ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous())
+    bt = torch.randperm(nb, device="cuda", generator=g)[: b * nbs].to(torch.int32).view(b, nbs)
+    sl = torch.randint(max(1, L // 2), L + 1, (b,), device="cuda", generator=g, dtype=torch.int32)
+    q = torch.randn(b, hq, d, device="cuda", generator=g).to(torch.bfloat16)
+    ref = flash_decode_ref(q.float(), kq, vq, bt, sl, d**-0.5, kv_scales=sc)
+    splits = choose_num_splits(b, hkv, nbs * PAGE, torch.cuda.get_device_properties(0).multi_processor_count)
+    for s in sorted({1, splits}):
+        out = flash_decode(q, kq, vq, bt, sl, d**-0.5, num_splits=s, kv_scales=sc)
+        assert _rel(out, ref) < 1e-2
+        big = flash_decode(q * 1e6, kq, vq, bt, sl, d**-0.5, num_splits=s, kv_scales=sc)
+        assert torch.isfinite(big).all()
+        assert big.float().abs().max() <= vc.float().abs().max() * 1.02
+
+
+@pytest.mark.parametrize("kv", sorted(CODES))
 def test_flash_decode_rope_store_bf16(kv, poison_outputs):
     """Rotary + store + decode in one launch == apply_rotary's fused store, then flash_decode."""
     code = CODES[kv]
