@@ -221,6 +221,25 @@ def test_paged_attention_quantized(code, dtype, specs, tree, splits):
 
 
 @pytest.mark.parametrize("code", CODES)
+@pytest.mark.parametrize("v_mag", [1e-3, 300.0])
+@pytest.mark.parametrize("tree,splits", [(False, 1), (True, 3)])
+def test_paged_attention_quantized_fp16_tiny_and_large_values(code, v_mag, tree, splits):
+    """The paged kernel's float16 path over codes (as flash_decode's): V near 1e-3 keeps its precision
+    (weights scaled by each tile's largest scale, the accumulator in its units across the kernel's
+    masked / unmasked key ranges), V near 300 does not overflow."""
+    specs = [(40, 9), (70, 4), (5, 20)]
+    q, k, v, kc, vc, meta = make_case(specs, 8, 2, 64, 16, torch.float16, tree=tree, seed=11)
+    kq, vq, sc = _quantized(kc, vc * v_mag, code)
+    ref = paged_attention_ref(q, kq, vq, meta, 0.125, sc)
+    assert ref.abs().max() > 0.05 * v_mag
+    out = paged_attention(q, kq, vq, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125,
+                          meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask, num_splits=splits,
+                          config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1), kv_scales=sc)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("code", CODES)
 @pytest.mark.parametrize("specs,tree", [
     ([(0, 1), (16, 1), (30, 1)], False),  # decode-only: Flash-Decoding
     ([(0, 9), (0, 1), (0, 20)], False),  # fresh prefill: exact k and v

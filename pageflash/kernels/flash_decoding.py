@@ -592,7 +592,9 @@ def flash_decode(
         STRIDED=bool(cfg.get("STRIDED", False)),
         BLOCK_S=next_pow2(num_splits) if fused else 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, WINDOW=window or 0,
-        SOFTCAP=softcap_arg(softcap), ROT_DIM=rot_dim, F16_CODES=qconst["QUANT"] and (q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and bool(cfg.get("F16_CODES")))),
+        SOFTCAP=softcap_arg(softcap), ROT_DIM=rot_dim,
+        F16_CODES=qconst["QUANT"] and (q.dtype == torch.float16
+                                       or (q.dtype == torch.bfloat16 and bool(cfg.get("F16_CODES")))),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
         enable_fp_fusion=rope is None,

@@ -41,13 +41,15 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
+def _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                  lo, hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale, offs_n, offs_d, bt_width,
                  ks_base, vs_base, stride_sb, tree_pos, key_lo,
                  MASKED: tl.constexpr, USE_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr,
-                 QUANT: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
+                 QUANT: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+                 F16_CODES: tl.constexpr = False):
+    # v_run: acc's unit with F16_CODES (the last tile's largest V scale, as in flash_decoding's kernel)
     if BT_AHEAD:
         # a tile's block ids are loaded one iteration ahead (masked by the table's width only): its K/V
         # copies then depend on no load of their own iteration, and Triton's pipeliner gives them
@@ -116,7 +118,6 @@ def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
         p = tl.math.exp2(qk - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
         if MASKED:
             v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
         else:
@@ -124,13 +125,23 @@ def _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                 v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
             else:
                 v = tl.load(v_ptrs)
-        if QUANT:
+        if QUANT and F16_CODES:
+            # float16 weights: divided by the tile's largest V scale (no subnormals), acc in its units
+            v = v.to(q.dtype)
+            v_top = tl.max(v_sc, 0)
+            v_top = tl.where(v_top > 0.0, v_top, 1.0)
+            acc = acc * (alpha * (v_run / v_top))[:, None]
+            v_run = v_top
+            acc = tl.dot((p * (v_sc / v_top)[None, :]).to(v.dtype), v, acc, input_precision=PREC)
+        elif QUANT:
+            acc = acc * alpha[:, None]
             v = v.to(q.dtype)
             acc = tl.dot((p * v_sc[None, :]).to(v.dtype), v, acc, input_precision=PREC)
         else:
+            acc = acc * alpha[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_ij
-    return acc, l_i, m_i
+    return acc, l_i, m_i, v_run
 
 
 # The block-table width (stride_bt) and the tree-mask stride change from step to step: specializing
@@ -148,7 +159,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_TREE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr = 0,
     QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, F16_CODES: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -174,6 +185,10 @@ def _paged_prefill_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q_ptrs = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if QUANT and F16_CODES:
+        # e4m3 codes widen to float16 (one instruction a pair; flash_decoding's F16_CODES): q meets
+        # them there, clamped to float16's range
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     bt_row = BT + seq.to(tl.int64) * stride_bt
     kv_off_k = kvh * stride_kch
@@ -187,6 +202,7 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    v_run = 1.0
     # keys every row of the tile may see: all context keys (tree), or every key left of the tile's
     # first query (causal)
     if USE_TREE:
@@ -215,26 +231,31 @@ def _paged_prefill_kernel(
     # Flash-Decoding over the keys with SPLIT: this program takes one BLOCK_N-aligned chunk of [start, kv_end)
     lo, hi = split_range(kv_end, split, num_splits, BLOCK_N, SPLIT, start)
     if WINDOW > 0:  # the window's edge, masked
-        acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
+        acc, l_i, m_i, v_run = _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                      stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                      lo, tl.minimum(tl.minimum(edge, full), hi), seq_len, ctx, q_row, qpos, row_ok,
                                      TREE, stride_tree, qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base,
                                      stride_sb, tree_pos, key_lo,
                                      True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT,
-                                     WINDOW, SOFTCAP)
+                                     WINDOW, SOFTCAP, F16_CODES)
         lo = tl.maximum(lo, tl.minimum(edge, full))
-    acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
+    acc, l_i, m_i, v_run = _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  lo, tl.minimum(full, hi), seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
                                  qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos, key_lo,
-                                 False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT, 0, SOFTCAP)
-    acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, KC, VC, bt_row, kv_off_k, kv_off_v,
+                                 False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT, 0, SOFTCAP,
+                                 F16_CODES)
+    acc, l_i, m_i, v_run = _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  tl.maximum(full, lo), hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
                                  qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos, key_lo,
-                                 True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT, WINDOW, SOFTCAP)
+                                 True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT, WINDOW, SOFTCAP,
+                                 F16_CODES)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    acc = acc / l_safe[:, None]
+    if QUANT and F16_CODES:
+        acc = acc * (v_run / l_safe)[:, None]
+    else:
+        acc = acc / l_safe[:, None]
     ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     if SPLIT:
         # partials PO [T, Hq, num_splits, D] fp32 and PLSE [T, Hq, num_splits] (log2 domain), combined
@@ -260,8 +281,10 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.d
     group_pad = next_pow2(group)
     rows = next_pow2(max(1, max_query_len) * group_pad)
     d = next_pow2(head_dim)
+    # F16_CODES: e4m3 codes widen to float16, q converted to meet them (flash_decoding.decode_config)
+    f16 = dict(F16_CODES=True) if kv_dtype == torch.float8_e4m3fn else {}
     if device.type != "cuda":
-        return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1)
+        return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1, **f16)
     if d > 128 and dtype != torch.float32 and kv_dtype is None and rows >= 128 and has_large_smem(device):
         # head_dim 256 (Gemma) prefill chunks: 128x64 tiles, 8 warps, 2 stages (H100,
         # scripts/d256_probe.py: 399 / 376 TFLOP/s against 326 / 315 for 64x32 w4 s2)
@@ -271,13 +294,13 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.d
     block_m = max(16, min(rows, cap), group_pad)
     if big:
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=1 if d > 128 and dtype == torch.float32 else 2,
-                    BT_AHEAD=1)
+                    BT_AHEAD=1, **f16)
     if kv_dtype is not None and kv_dtype.itemsize == 1:
         # a quantized cache (kv_dtype: its codes): 64x64 tiles, 4 warps, 2 stages. H100, llama-3-8b
         # heads (scripts/kvq_paged_probe.py): int8 four 1024-token chunks 513 -> 469 us, a mixed step
         # of 240 decodes + a 1024-token chunk 744 -> 409 us against the bf16 cache's 128x64 w8 s3
         # (e4m3 573 -> 568, 822 -> 481); the bf16 cache keeps 128x64 (296 vs 322 us on the chunks)
-        return dict(BLOCK_M=max(16, min(rows, 64), group_pad), BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1)
+        return dict(BLOCK_M=max(16, min(rows, 64), group_pad), BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1, **f16)
     if block_m >= 128:  # H100 sweep (scripts/paged_ahead_probe.py): 128x64 w8 s3 with the block ids ahead
         return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, BT_AHEAD=1)
     return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, BT_AHEAD=1)
@@ -415,6 +438,8 @@ def paged_attention(
         USE_TREE=tree_mask is not None, SPLIT=split, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         BT_AHEAD=cfg.get("BT_AHEAD", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **qconst,
         WINDOW=window or 0, SOFTCAP=softcap_arg(softcap),
+        F16_CODES=qconst["QUANT"] and (q.dtype == torch.float16
+                                       or (q.dtype == torch.bfloat16 and bool(cfg.get("F16_CODES")))),
     )
     if split:
         from pageflash.kernels.flash_decoding import combine_partials
