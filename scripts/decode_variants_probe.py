@@ -13,6 +13,7 @@ import sys
 import torch
 
 import pageflash.kernels.flash_decoding as fd
+import pageflash.bench.kernels as bk
 from pageflash.bench.kernels import DECODE_SHAPES, PAGE, _bench, copy_bandwidth
 from pageflash.layers.attention import quantize_kv_ref
 
@@ -25,13 +26,9 @@ if __name__ == "__main__":
     for b, L in DECODE_SHAPES:
         if b * L > 8 * 8192 * 4 and d > 128:
             continue
-        torch.manual_seed(0)
-        nb = (L + PAGE - 1) // PAGE
-        kc = torch.randn(b * nb + 1, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        bt = torch.randperm(b * nb + 1, device="cuda")[: b * nb].to(torch.int32).view(b, nb)
-        sl = torch.full((b,), L, device="cuda", dtype=torch.int32)
-        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+        bk.DECODE_HEADS = (hq, hkv, d)  # decode_case's heads
+        q, kc, vc, bt, sl = bk.decode_case(b, L)
+        nb = bt.shape[1]
         sc = d ** -0.5
         sp = fd.choose_num_splits(b, hkv, nb * PAGE, sms)
         pos = (sl - 1).long()

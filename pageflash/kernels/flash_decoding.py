@@ -31,7 +31,7 @@ from pageflash.kernels.kv_store import check_store_args, kv_scale_args, store_qu
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.attention import _decode_batched_ref
 
-__all__ = ["flash_decode", "flash_decode_ref", "choose_num_splits", "decode_config", "split_range"]
+__all__ = ["flash_decode", "flash_decode_ref", "choose_num_splits", "decode_config", "split_range", "pv_f16_weights"]
 
 LOG2E = 1.4426950408889634
 
@@ -91,6 +91,19 @@ def _rope_tile(x, xp, c, s, lo_half, rot, PARTIAL: tl.constexpr):
     if PARTIAL:
         out = tl.where(rot, out, x)
     return out
+
+
+@triton.jit
+def pv_f16_weights(acc, alpha, p, v, v_sc, v_run, PREC: tl.constexpr):
+    """acc x alpha + (p x v_sc) @ v with the weights p x v_sc in float16 (v: float16 codes): they are
+    divided by the tile's largest scale first (<= 1 then: float16's subnormals start at 2**-14, and
+    small V scales put unscaled weights there), and acc is counted in units of that scale -- v_run,
+    the previous unit, rescaled together with alpha, so no extra pass over acc. Returns (acc, unit)."""
+    v_top = tl.max(v_sc, 0)
+    v_top = tl.where(v_top > 0.0, v_top, 1.0)
+    acc = acc * (alpha * (v_run / v_top))[:, None]
+    acc = tl.dot((p * (v_sc / v_top)[None, :]).to(v.dtype), v, acc, input_precision=PREC)
+    return acc, v_top
 
 
 # num_splits is not specialized: the batch buckets' split counts share one compile (cold start);
@@ -269,14 +282,7 @@ def _decode_split_kernel(
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         if QUANT and F16_CODES:
-            # p * v_sc in float16 would lose precision below 2**-14 (subnormals) when V's scales are
-            # small: the weights are divided by the tile's largest scale (<= 1 then), and acc counted in
-            # units of it -- rescaled together with alpha, so no extra pass over acc
-            v_top = tl.max(v_sc, 0)
-            v_top = tl.where(v_top > 0.0, v_top, 1.0)
-            acc = acc * (alpha * (v_run / v_top))[:, None]
-            v_run = v_top
-            acc = tl.dot((p * (v_sc / v_top)[None, :]).to(v.dtype), v, acc, input_precision=PREC)
+            acc, v_run = pv_f16_weights(acc, alpha, p, v, v_sc, v_run, PREC)
         elif QUANT:
             acc = acc * alpha[:, None]
             acc = tl.dot((p * v_sc[None, :]).to(v.dtype), v, acc, input_precision=PREC)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.flash_attention import has_large_smem, scale_scores, softcap_arg
-from pageflash.kernels.flash_decoding import split_range
+from pageflash.kernels.flash_decoding import pv_f16_weights, split_range
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.kv_store import kv_scale_args
 from pageflash.kernels.launch import fast_launch
@@ -126,13 +126,7 @@ def _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
             else:
                 v = tl.load(v_ptrs)
         if QUANT and F16_CODES:
-            # float16 weights: divided by the tile's largest V scale (no subnormals), acc in its units
-            v = v.to(q.dtype)
-            v_top = tl.max(v_sc, 0)
-            v_top = tl.where(v_top > 0.0, v_top, 1.0)
-            acc = acc * (alpha * (v_run / v_top))[:, None]
-            v_run = v_top
-            acc = tl.dot((p * (v_sc / v_top)[None, :]).to(v.dtype), v, acc, input_precision=PREC)
+            acc, v_run = pv_f16_weights(acc, alpha, p, v.to(q.dtype), v_sc, v_run, PREC)
         elif QUANT:
             acc = acc * alpha[:, None]
             v = v.to(q.dtype)
