@@ -31,7 +31,8 @@ from pageflash.kernels.kv_store import check_store_args, kv_scale_args, store_qu
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.attention import _decode_batched_ref
 
-__all__ = ["flash_decode", "flash_decode_ref", "choose_num_splits", "decode_config", "split_range", "pv_f16_weights"]
+__all__ = ["flash_decode", "flash_decode_ref", "choose_num_splits", "decode_config", "split_range", "pv_f16_weights",
+           "f16_codes"]
 
 LOG2E = 1.4426950408889634
 
@@ -409,11 +410,6 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     # the combine: 32 columns per program over 2 warps, every split's partial loaded without waiting
     # for seq_len (H100: -0.3 to -0.5 us at batch 1 against one program per head; docs/KERNELS.md)
     comb = dict(COMBINE_BLOCK_DC=32, COMBINE_EAGER=True, COMBINE_num_warps=2)
-    # F16_CODES: e4m3 codes widen to float16 (one instruction a pair), not to bfloat16: with a bf16 q,
-    # 1.15-1.23x faster on H100 (run 50, scripts/kvq_f16_probe.py; int8 codes widen faster to bf16,
-    # so they stay there). A float16 q always takes that path (flash_decode), a float32 one never.
-    if kv_dtype is not None and kv_dtype.itemsize == 1:
-        comb["F16_CODES"] = kv_dtype == torch.float8_e4m3fn
     if device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True, **comb)
     d = next_pow2(head_dim)
@@ -442,6 +438,20 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     # equal to 2 stages (~39 KB) over shuffled pages, 0.5-2% faster over pages in order and over
     # SDPA's contiguous buffers (at D 64, 1 stage is 0-7% slower)
     return dict(BLOCK_N=64, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True, **comb)
+
+
+def f16_codes(q_dtype: torch.dtype, kv_dtype: Optional[torch.dtype], override: Optional[bool] = None) -> bool:
+    """Whether a kernel reading a quantized cache (kv_dtype: its codes; None: not quantized) widens the
+    codes to float16 and meets them with q in float16 (F16_CODES), rather than widening them to q's dtype.
+    e4m3 widens to float16 in one instruction a pair and to bfloat16 in several: with a bf16 q, 1.12-1.23x
+    faster decode on H100 (run 50, scripts/kvq_f16_probe.py); int8 widens faster to bf16 and stays there.
+    A float16 q always takes the path (its weights p x scale scaled out of float16's subnormals), a
+    float32 q never. override (a config's F16_CODES, probes): the choice for a bf16 q."""
+    if kv_dtype is None or q_dtype == torch.float32:
+        return False
+    if q_dtype == torch.float16:
+        return True
+    return bool(override) if override is not None else kv_dtype == torch.float8_e4m3fn
 
 
 def choose_num_splits(
@@ -599,8 +609,7 @@ def flash_decode(
         BLOCK_S=next_pow2(num_splits) if fused else 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, WINDOW=window or 0,
         SOFTCAP=softcap_arg(softcap), ROT_DIM=rot_dim,
-        F16_CODES=qconst["QUANT"] and (q.dtype == torch.float16
-                                       or (q.dtype == torch.bfloat16 and bool(cfg.get("F16_CODES")))),
+        F16_CODES=f16_codes(q.dtype, k_cache.dtype if qconst["QUANT"] else None, cfg.get("F16_CODES")),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
         enable_fp_fusion=rope is None,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.flash_attention import has_large_smem, scale_scores, softcap_arg
-from pageflash.kernels.flash_decoding import pv_f16_weights, split_range
+from pageflash.kernels.flash_decoding import f16_codes, pv_f16_weights, split_range
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.kv_store import kv_scale_args
 from pageflash.kernels.launch import fast_launch
@@ -180,8 +180,7 @@ def _paged_prefill_kernel(
     q_ptrs = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     if QUANT and F16_CODES:
-        # e4m3 codes widen to float16 (one instruction a pair; flash_decoding's F16_CODES): q meets
-        # them there, clamped to float16's range
+        # the codes widen to float16 (flash_decoding.f16_codes): q meets them there, clamped to its range
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     bt_row = BT + seq.to(tl.int64) * stride_bt
@@ -275,10 +274,8 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.d
     group_pad = next_pow2(group)
     rows = next_pow2(max(1, max_query_len) * group_pad)
     d = next_pow2(head_dim)
-    # F16_CODES: e4m3 codes widen to float16, q converted to meet them (flash_decoding.decode_config)
-    f16 = dict(F16_CODES=True) if kv_dtype == torch.float8_e4m3fn else {}
     if device.type != "cuda":
-        return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1, **f16)
+        return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1)
     if d > 128 and dtype != torch.float32 and kv_dtype is None and rows >= 128 and has_large_smem(device):
         # head_dim 256 (Gemma) prefill chunks: 128x64 tiles, 8 warps, 2 stages (H100,
         # scripts/d256_probe.py: 399 / 376 TFLOP/s against 326 / 315 for 64x32 w4 s2)
@@ -288,13 +285,13 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.d
     block_m = max(16, min(rows, cap), group_pad)
     if big:
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=1 if d > 128 and dtype == torch.float32 else 2,
-                    BT_AHEAD=1, **f16)
+                    BT_AHEAD=1)
     if kv_dtype is not None and kv_dtype.itemsize == 1:
         # a quantized cache (kv_dtype: its codes): 64x64 tiles, 4 warps, 2 stages. H100, llama-3-8b
         # heads (scripts/kvq_paged_probe.py): int8 four 1024-token chunks 513 -> 469 us, a mixed step
         # of 240 decodes + a 1024-token chunk 744 -> 409 us against the bf16 cache's 128x64 w8 s3
         # (e4m3 573 -> 568, 822 -> 481); the bf16 cache keeps 128x64 (296 vs 322 us on the chunks)
-        return dict(BLOCK_M=max(16, min(rows, 64), group_pad), BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1, **f16)
+        return dict(BLOCK_M=max(16, min(rows, 64), group_pad), BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1)
     if block_m >= 128:  # H100 sweep (scripts/paged_ahead_probe.py): 128x64 w8 s3 with the block ids ahead
         return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, BT_AHEAD=1)
     return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, BT_AHEAD=1)
@@ -432,8 +429,7 @@ def paged_attention(
         USE_TREE=tree_mask is not None, SPLIT=split, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         BT_AHEAD=cfg.get("BT_AHEAD", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **qconst,
         WINDOW=window or 0, SOFTCAP=softcap_arg(softcap),
-        F16_CODES=qconst["QUANT"] and (q.dtype == torch.float16
-                                       or (q.dtype == torch.bfloat16 and bool(cfg.get("F16_CODES")))),
+        F16_CODES=f16_codes(q.dtype, k_cache.dtype if qconst["QUANT"] else None, cfg.get("F16_CODES")),
     )
     if split:
         from pageflash.kernels.flash_decoding import combine_partials

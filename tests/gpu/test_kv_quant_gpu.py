@@ -23,9 +23,11 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _cache(nb, code, g):
-    kc = torch.randn(nb, PAGE, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
-    vc = torch.randn(nb, PAGE, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
+def _cache(nb, code, g, hkv=HKV, d=D, v_mag=1.0):
+    """Random bf16 K / V (V times v_mag) of nb blocks as codes + scales: (k codes, v codes, (k scales,
+    v scales))."""
+    kc = torch.randn(nb, PAGE, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
+    vc = (torch.randn(nb, PAGE, hkv, d, device="cuda", generator=g) * v_mag).to(torch.bfloat16)
     out = []
     for c in (kc, vc):
         codes, s = quantize_kv_ref(c, code)
@@ -87,10 +89,8 @@ def test_flash_decode_bf16_value_ranges(kv, hq, hkv, d, b, L, poison_outputs):
     g = torch.Generator(device="cuda").manual_seed(b + d)
     nbs = -(-L // PAGE)
     nb = b * nbs + 3
-    kc = torch.randn(nb, PAGE, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
-    vc = (torch.randn(nb, PAGE, hkv, d, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
-    (kq, ks), (vq, vs) = (quantize_kv_ref(c, code) for c in (kc, vc))
-    sc = (ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous())
+    kq, vq, sc = _cache(nb, code, g, hkv, d, 1e-3)
+    v_max = dequantize_kv_ref(vq, sc[1].transpose(1, 2)).abs().max()  # = max |V| (a row's max: a full code)
     bt = torch.randperm(nb, device="cuda", generator=g)[: b * nbs].to(torch.int32).view(b, nbs)
     sl = torch.randint(max(1, L // 2), L + 1, (b,), device="cuda", generator=g, dtype=torch.int32)
     q = torch.randn(b, hq, d, device="cuda", generator=g).to(torch.bfloat16)
@@ -101,7 +101,7 @@ def test_flash_decode_bf16_value_ranges(kv, hq, hkv, d, b, L, poison_outputs):
         assert _rel(out, ref) < 1e-2
         big = flash_decode(q * 1e6, kq, vq, bt, sl, d**-0.5, num_splits=s, kv_scales=sc)
         assert torch.isfinite(big).all()
-        assert big.float().abs().max() <= vc.float().abs().max() * 1.02
+        assert big.float().abs().max() <= v_max * 1.02
 
 
 @pytest.mark.parametrize("kv", sorted(CODES))
