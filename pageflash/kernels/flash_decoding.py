@@ -214,10 +214,9 @@ def _decode_split_kernel(
                      vn.to(VC.dtype.element_ty), mask=st_mask)
     bt_row = BT + b64 * stride_bt
     if QUANT and F16_CODES:
-        # F16_CODES (bf16 q over e4m3 codes): the codes widen to float16, which e4m3 converts to in one
-        # instruction a pair (to bfloat16 it takes several: run 50, 1.15-1.23x the time), and q is
-        # converted once to meet them (float16 holds bf16's values to +-65504 with more mantissa; beyond,
-        # clamped); the weights of V go through float16 scaled to [0, 1] (below: v_run)
+        # F16_CODES (f16_codes: a bf16 q over e4m3 codes, or a float16 q): the codes widen to float16 and
+        # q is converted once to meet them (float16 holds bf16's values to +-65504 with more mantissa;
+        # beyond, clamped); the weights of V go through float16 scaled to [0, 1] (pv_f16_weights, v_run)
         q_dot = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     else:
         q_dot = q
