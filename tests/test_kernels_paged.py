@@ -13,7 +13,7 @@ from kernel_checks import poison_outputs  # noqa: F401  (autouse: outputs start 
 
 from pageflash.kernels.backend import TritonBackend
 from pageflash.kernels.flash_decoding import choose_num_splits, flash_decode, flash_decode_ref
-from pageflash.kernels.paged_attention import paged_attention, paged_attention_ref
+from pageflash.kernels.paged_attention import page_ids_per_tile, paged_attention, paged_attention_ref
 from pageflash.layers.attention import AttentionMetadata, TorchBackend, get_backend
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
@@ -119,18 +119,43 @@ def test_paged_tree_mask(heads, d, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("per_page", [False, True])
 @pytest.mark.parametrize("ahead", [0, 1])
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 32), (64, 16)])
-def test_paged_prefill_tiles(block_m, block_n, ahead):
+def test_paged_prefill_tiles(block_m, block_n, ahead, per_page):
     """Other tilings: BLOCK_N larger than a page, several queries per tile with GQA packing; block
-    ids loaded in the tile's iteration or one ahead."""
+    ids loaded in the tile's iteration or one ahead, one per key or one per page (BT_PAGES)."""
     q, k, v, kc, vc, meta = make_case([(19, 13), (0, 33), (40, 2)], 8, 2, 64, 8, torch.float32, seed=block_m)
     TorchBackend().forward(q, k, v, kc, vc, meta, 0.0)
     ref = paged_attention_ref(q, kc, vc, meta, 0.125)
     out = paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125,
                           meta.query_lens_cpu, meta.seq_lens_cpu,
-                          config=dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1, BT_AHEAD=ahead))
+                          config=dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1, BT_AHEAD=ahead,
+                                      BT_PAGES=per_page))
     assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_page_ids_per_tile():
+    assert page_ids_per_tile(64, 16) == 4 and page_ids_per_tile(64, 8) == 8 and page_ids_per_tile(64, 64) == 1
+    assert page_ids_per_tile(64, 128) == 1 and page_ids_per_tile(16, 32) == 1
+    assert page_ids_per_tile(64, 4) == 0  # 16 pages a tile: one id per key
+    assert page_ids_per_tile(64, 24) == 0 and page_ids_per_tile(16, 3) == 0  # tiles straddle page edges
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+@pytest.mark.parametrize("page", [2, 3, 4, 8, 16, 32])
+def test_paged_prefill_page_sizes(page, ahead):
+    """Block ids one per page (BT_PAGES) for every page-to-tile ratio: several pages a tile, one, a
+    page holding several tiles, and pages whose edges fall inside tiles (the per-key fallback);
+    chunks with context, with and without a sliding window."""
+    q, k, v, kc, vc, meta = make_case([(19, 13), (0, 33), (40, 2)], 4, 2, 32, page, torch.float32, seed=page)
+    TorchBackend().forward(q, k, v, kc, vc, meta, 0.0)
+    cfg = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=ahead, BT_PAGES=True)
+    args = (q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2, meta.query_lens_cpu,
+            meta.seq_lens_cpu)
+    assert rel_err(paged_attention(*args, config=cfg), paged_attention_ref(q, kc, vc, meta, 0.2)) < TOL[torch.float32]
+    ref_w = paged_attention_ref(q, kc, vc, meta, 0.2, window=7)
+    assert rel_err(paged_attention(*args, config=cfg, window=7), ref_w) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -41,6 +41,63 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def page_ids_load(bt_row, start, bt_width, PAGE_SIZE: tl.constexpr, BT_PAGES: tl.constexpr):
+    """The block ids of the BT_PAGES (1..8) pages a tile at key `start` spans (start a multiple of the
+    tile's length; page_ids_per_tile): one load of one address per page instead of one gathered load
+    per key; ids past the table's width are 0 (their keys are masked or never read). Eight scalars,
+    those past BT_PAGES 0; page_ids_spread turns them into the tile's per-key ids where they are used,
+    so that a tile's ids can be loaded an iteration ahead without waiting for them there."""
+    p0 = start // PAGE_SIZE
+    i0 = tl.load(bt_row + p0, mask=p0 < bt_width, other=0)
+    i1 = i0 * 0
+    i2 = i1
+    i3 = i1
+    i4 = i1
+    i5 = i1
+    i6 = i1
+    i7 = i1
+    if BT_PAGES > 1:
+        i1 = tl.load(bt_row + p0 + 1, mask=p0 + 1 < bt_width, other=0)
+    if BT_PAGES > 2:
+        i2 = tl.load(bt_row + p0 + 2, mask=p0 + 2 < bt_width, other=0)
+        i3 = tl.load(bt_row + p0 + 3, mask=p0 + 3 < bt_width, other=0)
+    if BT_PAGES > 4:
+        i4 = tl.load(bt_row + p0 + 4, mask=p0 + 4 < bt_width, other=0)
+        i5 = tl.load(bt_row + p0 + 5, mask=p0 + 5 < bt_width, other=0)
+        i6 = tl.load(bt_row + p0 + 6, mask=p0 + 6 < bt_width, other=0)
+        i7 = tl.load(bt_row + p0 + 7, mask=p0 + 7 < bt_width, other=0)
+    return i0, i1, i2, i3, i4, i5, i6, i7
+
+
+@triton.jit
+def page_ids_spread(i0, i1, i2, i3, i4, i5, i6, i7, offs_n, PAGE_SIZE: tl.constexpr, BT_PAGES: tl.constexpr):
+    """page_ids_load's scalars -> the block id of each key offs_n of the tile (int64)."""
+    blk = i0.to(tl.int64) + tl.zeros_like(offs_n).to(tl.int64)
+    if BT_PAGES > 1:
+        blk = tl.where(offs_n >= PAGE_SIZE, i1.to(tl.int64), blk)
+    if BT_PAGES > 2:
+        blk = tl.where(offs_n >= 2 * PAGE_SIZE, i2.to(tl.int64), blk)
+        blk = tl.where(offs_n >= 3 * PAGE_SIZE, i3.to(tl.int64), blk)
+    if BT_PAGES > 4:
+        blk = tl.where(offs_n >= 4 * PAGE_SIZE, i4.to(tl.int64), blk)
+        blk = tl.where(offs_n >= 5 * PAGE_SIZE, i5.to(tl.int64), blk)
+        blk = tl.where(offs_n >= 6 * PAGE_SIZE, i6.to(tl.int64), blk)
+        blk = tl.where(offs_n >= 7 * PAGE_SIZE, i7.to(tl.int64), blk)
+    return blk
+
+
+def page_ids_per_tile(block_n: int, page: int) -> int:
+    """page_ids_load's BT_PAGES for BLOCK_N-key tiles over pages of `page` keys: the pages a tile spans
+    when tiles never straddle a page edge (one page holds whole tiles, or a tile whole pages: 2, 4 or
+    8 of them), else 0 (one gathered id per key)."""
+    if page % block_n == 0:
+        return 1
+    if block_n % page == 0 and block_n // page in (2, 4, 8):
+        return block_n // page
+    return 0
+
+
+@triton.jit
 def _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                  lo, hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree, qk_scale, offs_n, offs_d, bt_width,
@@ -48,14 +105,18 @@ def _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                  MASKED: tl.constexpr, USE_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr,
                  QUANT: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
-                 F16_CODES: tl.constexpr = False):
+                 F16_CODES: tl.constexpr = False, BT_PAGES: tl.constexpr = 0):
     # v_run: acc's unit with F16_CODES (the last tile's largest V scale, as in flash_decoding's kernel)
     if BT_AHEAD:
         # a tile's block ids are loaded one iteration ahead (masked by the table's width only): its K/V
         # copies then depend on no load of their own iteration, and Triton's pipeliner gives them
-        # num_stages - 1 shared-memory buffers instead of one (flash_decoding's split kernel does the same)
-        ja = lo + offs_n
-        blk_a = tl.load(bt_row + ja // PAGE_SIZE, mask=ja // PAGE_SIZE < bt_width, other=0)
+        # num_stages - 1 shared-memory buffers instead of one (flash_decoding's split kernel does the same).
+        # BT_PAGES > 0: one load per page of the tile, not one per key (page_ids_load)
+        if BT_PAGES > 0:
+            a0, a1, a2, a3, a4, a5, a6, a7 = page_ids_load(bt_row, lo, bt_width, PAGE_SIZE, BT_PAGES)
+        else:
+            ja = lo + offs_n
+            blk_a = tl.load(bt_row + ja // PAGE_SIZE, mask=ja // PAGE_SIZE < bt_width, other=0)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         j = start_n + offs_n
@@ -63,16 +124,26 @@ def _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
             kv_ok = j < seq_len
             if WINDOW > 0:  # keys before every row's window are not loaded (nor their given-back blocks)
                 kv_ok = kv_ok & (j >= key_lo)
-        if BT_AHEAD:
+        if BT_AHEAD and BT_PAGES > 0:
+            blk = page_ids_spread(a0, a1, a2, a3, a4, a5, a6, a7, offs_n, PAGE_SIZE, BT_PAGES)
+            a0, a1, a2, a3, a4, a5, a6, a7 = page_ids_load(bt_row, start_n + BLOCK_N, bt_width, PAGE_SIZE, BT_PAGES)
+        elif BT_AHEAD:
             blk = blk_a.to(tl.int64)
             jn = j + BLOCK_N
             blk_a = tl.load(bt_row + jn // PAGE_SIZE, mask=jn // PAGE_SIZE < bt_width, other=0)
+        elif BT_PAGES > 0:
+            b0, b1, b2, b3, b4, b5, b6, b7 = page_ids_load(bt_row, start_n, bt_width, PAGE_SIZE, BT_PAGES)
+            blk = page_ids_spread(b0, b1, b2, b3, b4, b5, b6, b7, offs_n, PAGE_SIZE, BT_PAGES)
         elif MASKED:
             blk = tl.load(bt_row + j // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + j // PAGE_SIZE).to(tl.int64)
-        k_ptrs = KC + blk[:, None] * stride_kcb + (j % PAGE_SIZE)[:, None] * stride_kcs + kv_off_k + offs_d[None, :]
-        v_ptrs = VC + blk[:, None] * stride_vcb + (j % PAGE_SIZE)[:, None] * stride_vcs + kv_off_v + offs_d[None, :]
+        if BT_PAGES > 0 and PAGE_SIZE <= BLOCK_N:
+            in_page = offs_n % PAGE_SIZE  # tiles start on a page edge: the same offsets every tile
+        else:
+            in_page = j % PAGE_SIZE
+        k_ptrs = KC + blk[:, None] * stride_kcb + in_page[:, None] * stride_kcs + kv_off_k + offs_d[None, :]
+        v_ptrs = VC + blk[:, None] * stride_vcb + in_page[:, None] * stride_vcs + kv_off_v + offs_d[None, :]
         if MASKED:
             if BLOCK_D != HEAD_DIM:
                 ld_mask = kv_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -85,7 +156,7 @@ def _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
             else:
                 k = tl.load(k_ptrs)
         if QUANT:  # codes (exact in q's dtype) into the dots; the scales multiply scores and weights
-            s_at = blk * stride_sb + (j % PAGE_SIZE)
+            s_at = blk * stride_sb + in_page
             if MASKED:
                 k_sc = tl.load(ks_base + s_at, mask=kv_ok, other=0.0)
                 v_sc = tl.load(vs_base + s_at, mask=kv_ok, other=0.0)
@@ -154,6 +225,7 @@ def _paged_prefill_kernel(
     USE_TREE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, BT_AHEAD: tl.constexpr = 0,
     QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, F16_CODES: tl.constexpr = False,
+    BT_PAGES: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -230,20 +302,20 @@ def _paged_prefill_kernel(
                                      TREE, stride_tree, qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base,
                                      stride_sb, tree_pos, key_lo,
                                      True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT,
-                                     WINDOW, SOFTCAP, F16_CODES)
+                                     WINDOW, SOFTCAP, F16_CODES, BT_PAGES)
         lo = tl.maximum(lo, tl.minimum(edge, full))
     acc, l_i, m_i, v_run = _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  lo, tl.minimum(full, hi), seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
                                  qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos, key_lo,
                                  False, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT, 0, SOFTCAP,
-                                 F16_CODES)
+                                 F16_CODES, BT_PAGES)
     acc, l_i, m_i, v_run = _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
                                  stride_kcb, stride_kcs, stride_vcb, stride_vcs,
                                  tl.maximum(full, lo), hi, seq_len, ctx, q_row, qpos, row_ok, TREE, stride_tree,
                                  qk_scale, offs_n, offs_d, bt_width, ks_base, vs_base, stride_sb, tree_pos, key_lo,
                                  True, USE_TREE, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PREC, BT_AHEAD, QUANT, WINDOW, SOFTCAP,
-                                 F16_CODES)
+                                 F16_CODES, BT_PAGES)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     if QUANT and F16_CODES:
         acc = acc * (v_run / l_safe)[:, None]
@@ -269,32 +341,40 @@ _paged_prefill_kernel = fast_launch(_paged_prefill_kernel)  # host launches via 
 def prefill_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype, device: torch.device,
                    kv_dtype: Optional[torch.dtype] = None) -> dict:
     """BLOCK_M (= queries per tile x padded group), BLOCK_N, num_warps, num_stages for the paged kernel
-    (kv_dtype: a quantized cache's code dtype), and BT_AHEAD (a tile's block ids loaded one iteration ahead: see flash_decoding.decode_config).
-    Cached: callers copy before changing it."""
+    (kv_dtype: a quantized cache's code dtype), BT_AHEAD (a tile's block ids loaded one iteration ahead: see
+    flash_decoding.decode_config) and BT_PAGES (one block-id load per page of a tile instead of one per key,
+    where tiles and pages line up: page_ids_per_tile; head_dim > 64). Cached: callers copy before changing it."""
     group_pad = next_pow2(group)
     rows = next_pow2(max(1, max_query_len) * group_pad)
     d = next_pow2(head_dim)
+    # block ids one per page above head_dim 64 (run 51, H100: 1.05-1.18x on llama-3-8b heads' mixed steps,
+    # chunks and long chunks, bf16 and quantized; W-attn-prefill's paged column 1.09-1.11x at D 128, and
+    # 1.09x at D 256). At D 64 it was mixed: 1.02-1.08x on smollm2's steps, but 0.81-0.83x on 16 x 2048
+    # causal prefills with 128-row tiles at 8 warps (4 warps won that back and lost 8% on a mixed step)
+    pages = d > 64
     if device.type != "cuda":
-        return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1)
+        return dict(BLOCK_M=max(16, min(rows, 32), group_pad), BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1,
+                    BT_PAGES=pages)
     if d > 128 and dtype != torch.float32 and kv_dtype is None and rows >= 128 and has_large_smem(device):
         # head_dim 256 (Gemma) prefill chunks: 128x64 tiles, 8 warps, 2 stages (H100,
         # scripts/d256_probe.py: 399 / 376 TFLOP/s against 326 / 315 for 64x32 w4 s2)
-        return dict(BLOCK_M=max(128, group_pad), BLOCK_N=64, num_warps=8, num_stages=2, BT_AHEAD=1)
+        return dict(BLOCK_M=max(128, group_pad), BLOCK_N=64, num_warps=8, num_stages=2, BT_AHEAD=1, BT_PAGES=pages)
     big = dtype == torch.float32 or d > 128
     cap = 64 if big else 128
     block_m = max(16, min(rows, cap), group_pad)
     if big:
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=1 if d > 128 and dtype == torch.float32 else 2,
-                    BT_AHEAD=1)
+                    BT_AHEAD=1, BT_PAGES=pages)
     if kv_dtype is not None and kv_dtype.itemsize == 1:
         # a quantized cache (kv_dtype: its codes): 64x64 tiles, 4 warps, 2 stages. H100, llama-3-8b
         # heads (scripts/kvq_paged_probe.py): int8 four 1024-token chunks 513 -> 469 us, a mixed step
         # of 240 decodes + a 1024-token chunk 744 -> 409 us against the bf16 cache's 128x64 w8 s3
         # (e4m3 573 -> 568, 822 -> 481); the bf16 cache keeps 128x64 (296 vs 322 us on the chunks)
-        return dict(BLOCK_M=max(16, min(rows, 64), group_pad), BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1)
+        return dict(BLOCK_M=max(16, min(rows, 64), group_pad), BLOCK_N=64, num_warps=4, num_stages=2, BT_AHEAD=1,
+                    BT_PAGES=pages)
     if block_m >= 128:  # H100 sweep (scripts/paged_ahead_probe.py): 128x64 w8 s3 with the block ids ahead
-        return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, BT_AHEAD=1)
-    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, BT_AHEAD=1)
+        return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, BT_AHEAD=1, BT_PAGES=pages)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, BT_AHEAD=1, BT_PAGES=pages)
 
 
 def build_tiles(
@@ -430,6 +510,7 @@ def paged_attention(
         BT_AHEAD=cfg.get("BT_AHEAD", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **qconst,
         WINDOW=window or 0, SOFTCAP=softcap_arg(softcap),
         F16_CODES=f16_codes(q.dtype, k_cache.dtype if qconst["QUANT"] else None, cfg.get("F16_CODES")),
+        BT_PAGES=page_ids_per_tile(cfg["BLOCK_N"], page) if cfg.get("BT_PAGES") else 0,
     )
     if split:
         from pageflash.kernels.flash_decoding import combine_partials
