@@ -124,7 +124,8 @@ def test_paged_tree_mask(heads, d, dtype):
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 32), (64, 16)])
 def test_paged_prefill_tiles(block_m, block_n, ahead, per_page):
     """Other tilings: BLOCK_N larger than a page, several queries per tile with GQA packing; block
-    ids loaded in the tile's iteration or one ahead, one per key or one per page (BT_PAGES)."""
+    ids loaded in the tile's iteration or one ahead, and when ahead one per key or one per page
+    (BT_PAGES; without BT_AHEAD the launcher keeps the per-key gather)."""
     q, k, v, kc, vc, meta = make_case([(19, 13), (0, 33), (40, 2)], 8, 2, 64, 8, torch.float32, seed=block_m)
     TorchBackend().forward(q, k, v, kc, vc, meta, 0.0)
     ref = paged_attention_ref(q, kc, vc, meta, 0.125)
@@ -147,7 +148,8 @@ def test_page_ids_per_tile():
 def test_paged_prefill_page_sizes(page, ahead):
     """Block ids one per page (BT_PAGES) for every page-to-tile ratio: several pages a tile, one, a
     page holding several tiles, and pages whose edges fall inside tiles (the per-key fallback);
-    chunks with context, with and without a sliding window."""
+    chunks with context, with and without a sliding window. ahead=0: the per-key gather (per-page ids
+    come only with the ids loaded ahead)."""
     q, k, v, kc, vc, meta = make_case([(19, 13), (0, 33), (40, 2)], 4, 2, 32, page, torch.float32, seed=page)
     TorchBackend().forward(q, k, v, kc, vc, meta, 0.0)
     cfg = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=ahead, BT_PAGES=True)

@@ -131,14 +131,11 @@ def _paged_inner(acc, l_i, m_i, v_run, q, KC, VC, bt_row, kv_off_k, kv_off_v,
             blk = blk_a.to(tl.int64)
             jn = j + BLOCK_N
             blk_a = tl.load(bt_row + jn // PAGE_SIZE, mask=jn // PAGE_SIZE < bt_width, other=0)
-        elif BT_PAGES > 0:
-            b0, b1, b2, b3, b4, b5, b6, b7 = page_ids_load(bt_row, start_n, bt_width, PAGE_SIZE, BT_PAGES)
-            blk = page_ids_spread(b0, b1, b2, b3, b4, b5, b6, b7, offs_n, PAGE_SIZE, BT_PAGES)
         elif MASKED:
             blk = tl.load(bt_row + j // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + j // PAGE_SIZE).to(tl.int64)
-        if BT_PAGES > 0 and PAGE_SIZE <= BLOCK_N:
+        if BT_AHEAD and BT_PAGES > 0 and PAGE_SIZE <= BLOCK_N:
             in_page = offs_n % PAGE_SIZE  # tiles start on a page edge: the same offsets every tile
         else:
             in_page = j % PAGE_SIZE
@@ -510,7 +507,8 @@ def paged_attention(
         BT_AHEAD=cfg.get("BT_AHEAD", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **qconst,
         WINDOW=window or 0, SOFTCAP=softcap_arg(softcap),
         F16_CODES=f16_codes(q.dtype, k_cache.dtype if qconst["QUANT"] else None, cfg.get("F16_CODES")),
-        BT_PAGES=page_ids_per_tile(cfg["BLOCK_N"], page) if cfg.get("BT_PAGES") else 0,
+        # per-page ids come with the ids loaded ahead (BT_AHEAD), which every config sets
+        BT_PAGES=page_ids_per_tile(cfg["BLOCK_N"], page) if cfg.get("BT_PAGES") and cfg.get("BT_AHEAD") else 0,
     )
     if split:
         from pageflash.kernels.flash_decoding import combine_partials

@@ -59,18 +59,24 @@ def test_store_kv_bf16(kv, poison_outputs):
         assert (c.view(torch.uint8) != rc.view(torch.uint8)).float().mean() < 1e-3
 
 
+def _decode_case(b, L, code, g, hq=HQ, hkv=HKV, d=D, v_mag=1.0):
+    """b sequences of L // 2 .. L keys over a quantized cache of shuffled blocks (3 spare): (q, k codes,
+    v codes, scales, block tables, seq_lens, the split count the engine would choose)."""
+    nbs = -(-L // PAGE)
+    kq, vq, sc = _cache(b * nbs + 3, code, g, hkv, d, v_mag)
+    bt = torch.randperm(b * nbs + 3, device="cuda", generator=g)[: b * nbs].to(torch.int32).view(b, nbs)
+    sl = torch.randint(max(1, L // 2), L + 1, (b,), device="cuda", generator=g, dtype=torch.int32)
+    q = torch.randn(b, hq, d, device="cuda", generator=g).to(torch.bfloat16)
+    splits = choose_num_splits(b, hkv, nbs * PAGE, torch.cuda.get_device_properties(0).multi_processor_count)
+    return q, kq, vq, sc, bt, sl, splits
+
+
 @pytest.mark.parametrize("kv", sorted(CODES))
 @pytest.mark.parametrize("b,L", [(1, 8192), (8, 2048), (64, 512), (256, 100)])
 def test_flash_decode_bf16(kv, b, L, poison_outputs):
-    code = CODES[kv]
     g = torch.Generator(device="cuda").manual_seed(b)
-    nbs = -(-L // PAGE)
-    kq, vq, sc = _cache(b * nbs + 3, code, g)
-    bt = torch.randperm(b * nbs + 3, device="cuda", generator=g)[: b * nbs].to(torch.int32).view(b, nbs)
-    sl = torch.randint(max(1, L // 2), L + 1, (b,), device="cuda", generator=g, dtype=torch.int32)
-    q = torch.randn(b, HQ, D, device="cuda", generator=g).to(torch.bfloat16)
+    q, kq, vq, sc, bt, sl, splits = _decode_case(b, L, CODES[kv], g)
     ref = flash_decode_ref(q.float(), kq, vq, bt, sl, D**-0.5, kv_scales=sc)
-    splits = choose_num_splits(b, HKV, nbs * PAGE, torch.cuda.get_device_properties(0).multi_processor_count)
     for s in sorted({1, splits}):
         out = flash_decode(q, kq, vq, bt, sl, D**-0.5, num_splits=s, kv_scales=sc)
         assert _rel(out, ref) < 1e-2
@@ -85,17 +91,10 @@ def test_flash_decode_bf16_value_ranges(kv, hq, hkv, d, b, L, poison_outputs):
     float16's subnormals) keep the reference's precision, at both head sizes' configs; a q beyond
     float16's range (1e6) is clamped, not turned into inf / NaN, and the output stays a convex
     combination of V's rows."""
-    code = CODES[kv]
     g = torch.Generator(device="cuda").manual_seed(b + d)
-    nbs = -(-L // PAGE)
-    nb = b * nbs + 3
-    kq, vq, sc = _cache(nb, code, g, hkv, d, 1e-3)
+    q, kq, vq, sc, bt, sl, splits = _decode_case(b, L, CODES[kv], g, hq, hkv, d, 1e-3)
     v_max = dequantize_kv_ref(vq, sc[1].transpose(1, 2)).abs().max()  # = max |V| (a row's max: a full code)
-    bt = torch.randperm(nb, device="cuda", generator=g)[: b * nbs].to(torch.int32).view(b, nbs)
-    sl = torch.randint(max(1, L // 2), L + 1, (b,), device="cuda", generator=g, dtype=torch.int32)
-    q = torch.randn(b, hq, d, device="cuda", generator=g).to(torch.bfloat16)
     ref = flash_decode_ref(q.float(), kq, vq, bt, sl, d**-0.5, kv_scales=sc)
-    splits = choose_num_splits(b, hkv, nbs * PAGE, torch.cuda.get_device_properties(0).multi_processor_count)
     for s in sorted({1, splits}):
         out = flash_decode(q, kq, vq, bt, sl, d**-0.5, num_splits=s, kv_scales=sc)
         assert _rel(out, ref) < 1e-2
