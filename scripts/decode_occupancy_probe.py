@@ -50,6 +50,11 @@ VARIANTS = {  # name: (override of decode_config's choice, programs per SM that 
     "n128 s1 x6": (dict(BLOCK_N=128, num_stages=1), 6),
     "n128 s3": (dict(BLOCK_N=128, num_stages=3), 4),
     "w2 s2 x8": (dict(num_warps=2, num_stages=2), 8),
+    # one L2 prefetch per page of the tile TLB_AHEAD iterations ahead: the address translations early
+    "tlb1": (dict(TLB_AHEAD=1), 4),
+    "tlb2": (dict(TLB_AHEAD=2), 4),
+    "tlb4": (dict(TLB_AHEAD=4), 4),
+    "tlb8": (dict(TLB_AHEAD=8), 4),
 }
 
 
