@@ -7,7 +7,8 @@ L * D, each sequence's blocks listed in order), i.e. the very bytes cuDNN reads,
 Variants: the default config and occupancy against stages (2 warps, one stage: no shared-memory double
 buffer, so more programs per SM; BLOCK_N 32 / 128; split counts aimed at 3-8 programs per SM).
 (An L2 prefetch of the tile 1-3 iterations ahead and a per-sequence rotated tile order were timed with
-this script at commit c91d6b3, register caps (ptxas maxnreg 64 / 96) at 68f278e; docs/KERNELS.md.)
+this script at commit c91d6b3, register caps (ptxas maxnreg 64 / 96) at 68f278e, one L2 prefetch per
+page 1-8 tiles ahead (address translations early, variants tlb1..tlb8) at 4270142; docs/KERNELS.md.)
 
 Per W-attn-decode shape: CUDA-graph replays (median over alternated rounds). Each variant is checked
 against the reference first, and the outputs over the paged cache and over SDPA's buffers compared.
@@ -50,11 +51,6 @@ VARIANTS = {  # name: (override of decode_config's choice, programs per SM that 
     "n128 s1 x6": (dict(BLOCK_N=128, num_stages=1), 6),
     "n128 s3": (dict(BLOCK_N=128, num_stages=3), 4),
     "w2 s2 x8": (dict(num_warps=2, num_stages=2), 8),
-    # one L2 prefetch per page of the tile TLB_AHEAD iterations ahead: the address translations early
-    "tlb1": (dict(TLB_AHEAD=1), 4),
-    "tlb2": (dict(TLB_AHEAD=2), 4),
-    "tlb4": (dict(TLB_AHEAD=4), 4),
-    "tlb8": (dict(TLB_AHEAD=8), 4),
 }
 
 

@@ -107,15 +107,6 @@ def pv_f16_weights(acc, alpha, p, v, v_sc, v_run, PREC: tl.constexpr):
     return acc, v_top
 
 
-@triton.jit
-def l2_prefetch(ptr, on):
-    """prefetch.global.L2 of each address where on != 0 (CUDA only; nothing is read back)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, on], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
 # num_splits is not specialized: the batch buckets' split counts share one compile (cold start);
 # nor is the block-table width, which eager steps size to their longest sequence
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "bt_width"])
@@ -134,7 +125,7 @@ def _decode_split_kernel(
     BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False,
     QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, ROT_DIM: tl.constexpr = 0,
-    F16_CODES: tl.constexpr = False, TLB_AHEAD: tl.constexpr = 0,
+    F16_CODES: tl.constexpr = False,
 ):
     # ROT_DIM: with ROPE, how many leading dims of each head rotate (HEAD_DIM, or fewer: partial rotary)
     split = tl.program_id(0)
@@ -258,21 +249,7 @@ def _decode_split_kernel(
     if BT_AHEAD:
         ja = lo + offs_n
         blk_a = tl.load(bt_row + ja // PAGE_SIZE, mask=ja // PAGE_SIZE < bt_width, other=0)
-    if TLB_AHEAD > 0:
-        # (experiment) one line of each page of the tile TLB_AHEAD iterations ahead is prefetched into
-        # L2, so that its address translation starts early; the page ids come one iteration before that
-        TLB_N: tl.constexpr = BLOCK_N // PAGE_SIZE if BLOCK_N >= PAGE_SIZE else 1
-        offs_t = tl.arange(0, TLB_N) * PAGE_SIZE
-        jt = lo + TLB_AHEAD * step + offs_t
-        blk_t = tl.load(bt_row + jt // PAGE_SIZE, mask=jt < hi_loop, other=-1)
     for start_n in range(lo, hi_loop, step):
-        if TLB_AHEAD > 0:
-            t_on = (blk_t >= 0).to(tl.int32)
-            t_blk = tl.maximum(blk_t, 0).to(tl.int64)
-            l2_prefetch(k_base + t_blk * stride_kcb, t_on)
-            l2_prefetch(v_base + t_blk * stride_vcb, t_on)
-            jt = start_n + (TLB_AHEAD + 1) * step + offs_t
-            blk_t = tl.load(bt_row + jt // PAGE_SIZE, mask=jt < hi_loop, other=-1)
         j = start_n + offs_n
         kv_ok = j < hi_loop
         if WINDOW > 0:
@@ -632,7 +609,6 @@ def flash_decode(
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, WINDOW=window or 0,
         SOFTCAP=softcap_arg(softcap), ROT_DIM=rot_dim,
         F16_CODES=f16_codes(q.dtype, k_cache.dtype if qconst["QUANT"] else None, cfg.get("F16_CODES")),
-        TLB_AHEAD=int(cfg.get("TLB_AHEAD", 0)) if q.is_cuda else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
         enable_fp_fusion=rope is None,
