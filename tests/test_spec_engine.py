@@ -111,6 +111,26 @@ def test_greedy_equals_plain_with_preemption(env, name):
     assert _no_leaks(llm)
 
 
+@pytest.mark.parametrize("tree", [None, [2, 2, 1]])
+def test_draft_with_a_smaller_vocabulary(env, tmp_path, tree):
+    """A draft model whose vocabulary ends before the target's (90 of 97 ids): the prompts' and the
+    target's ids past its end reach the draft as id 0; greedy output still equals plain greedy, and a
+    sampled run finishes, with no block leaked."""
+    draft = make_random_hf_folder(tmp_path / "small", dict(CFG, num_hidden_layers=1, vocab_size=90), seed=2)
+    past = [t for p, r in zip(PROMPTS, env["ref"]) for t in p + r if t >= 90]
+    assert past  # the case is exercised: ids the draft cannot embed, in prompts and outputs
+    spec = dict(method="draft_model", model=draft, num_speculative_tokens=3)
+    if tree is not None:
+        spec = dict(spec, tree=tree, num_speculative_tokens=None)
+    spec = {k: v for k, v in spec.items() if v is not None}
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=spec, **ENGINE)
+    assert [o.outputs[0].token_ids for o in _run(llm)] == env["ref"]
+    sampled = _run(llm, SamplingParams(temperature=1.0, seed=3, max_tokens=NEW, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == NEW for o in sampled)
+    assert llm.llm_engine.get_stats()["spec"]["draft_model"]["num_accepted_tokens"] > 0
+    assert _no_leaks(llm)
+
+
 def test_self_draft_and_full_early_exit_accept_everything(env):
     """A draft model identical to the target, or early exit after all layers, is always right."""
     for spec in (dict(method="draft_model", model=env["target"], num_speculative_tokens=4),

@@ -165,7 +165,8 @@ class ModelDraftProposer:
                    slots it writes).
     config:        SpecInfer expansion (branching per level); [1] * k for a chain.
     max_batch_tokens: token budget of one catch-up forward (the engine's max_num_batched_tokens).
-    vocab_size:    the target's vocabulary; a smaller draft vocabulary is padded with zeros.
+    vocab_size:    the target's vocabulary; a smaller draft vocabulary is padded with zeros, and the
+                   target's ids past its end are fed to the draft as id 0 (_draft_ids).
 
     Requests whose params are greedy get the top-b tokens of the draft per node (no probabilities:
     one-hot q). The others sample their children without replacement from the draft's distribution
@@ -194,6 +195,7 @@ class ModelDraftProposer:
         self.num_layers = num_layers
         self.max_batch_tokens = max_batch_tokens
         self.vocab_size = vocab_size or runner.cfg.vocab_size
+        self.draft_vocab = runner.cfg.vocab_size
         self.generator = generator
         self.is_chain = all(b == 1 for b in config.branching)
         self.computed: dict[str, int] = {}  # draft model: leading tokens with valid draft KV
@@ -300,6 +302,16 @@ class ModelDraftProposer:
         self.forward_seconds += time.perf_counter() - t0
         return out
 
+    def _draft_ids(self, ids: list[int]) -> list[int]:
+        """Token ids as the draft model takes them. A draft vocabulary smaller than the target's has no
+        embedding row for the target's ids past its end (a prompt's, or ones the target generated); they
+        go in as id 0. The draft then proposes from a context it sees slightly wrong, and verification
+        judges those proposals as any other, so the output stays the target's."""
+        dv = self.draft_vocab
+        if dv >= self.vocab_size or all(t < dv for t in ids):
+            return ids
+        return [t if t < dv else 0 for t in ids]
+
     def _catch_up(self, claimed: list[tuple[ProposalRequest, int, int]]) -> None:
         """Draft model: compute missing tokens in budget-sized chunks until each request's remaining
         catch-up (with the root) fits into its level-0 forward."""
@@ -316,7 +328,7 @@ class ModelDraftProposer:
                 n = min(missing - 1, budget - total)
                 if n <= 0:
                     break
-                feeds.append(Feed(c, _as_list(r.token_ids[c : c + n]), logits=False))
+                feeds.append(Feed(c, self._draft_ids(_as_list(r.token_ids[c : c + n])), logits=False))
                 tables.append(self.kv.block_ids(r.request_id))
                 self.computed[r.request_id] = c + n
                 total += n
@@ -343,7 +355,7 @@ class ModelDraftProposer:
                     continue  # children would fall past this request's k: no forward, no children
             if depth == 0:  # level 0: catch-up remainder and the root
                 start = lv.start[b]
-                feeds.append(Feed(start, _as_list(r.token_ids[start : base + 1])))
+                feeds.append(Feed(start, self._draft_ids(_as_list(r.token_ids[start : base + 1]))))
                 tables.append(tables_b)
                 for m in ms:
                     pick_of[m] = (len(feeds) - 1, 0)
@@ -355,7 +367,7 @@ class ModelDraftProposer:
             else:  # the root and every node on the frontier's paths, under the tree mask
                 trie = merge_trees([DraftTree.chain(paths[m]) for m in ms])
                 ends = [_node_of(trie, paths[m]) for m in ms]
-                root = int(r.token_ids[base])
+                (root,) = self._draft_ids([int(r.token_ids[base])])
                 feeds.append(Feed(base, [root], tree=trie))
                 tables.append(tables_b)
                 for m, e in zip(ms, ends):
