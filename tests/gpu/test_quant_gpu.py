@@ -1,12 +1,18 @@
 """Weight-only INT8 on CUDA: the kernels at llama-3-8b shapes in bf16 against the float32 reference,
 and the engine's greedy output through them against the dequantize-then-F.linear path."""
 
+import dataclasses
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from pageflash import LLM, SamplingParams
-from pageflash.kernels.gemv import gemv
-from pageflash.kernels.w8_linear import quantize_int8, w8_linear, w8_linear_ref
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from near_ties import assert_parts_only_at_near_ties  # noqa: E402
+from pageflash import LLM, SamplingParams  # noqa: E402
+from pageflash.kernels.gemv import gemv  # noqa: E402
+from pageflash.kernels.w8_linear import quantize_int8, w8_linear, w8_linear_ref  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "down": (4096, 14336)}
 
@@ -51,29 +57,34 @@ PROMPTS = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def run(model="smollm2-135m", **kw):
+def run(model="smollm2-135m", logprobs=None, **kw):
+    """(token ids per prompt, the engine, per-position logprob dicts per prompt or None)."""
     llm = LLM(model, load_format="dummy", max_model_len=512, num_kv_blocks=512, quantization="int8", **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm
+    params = dataclasses.replace(GREEDY, logprobs=logprobs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm, [o.outputs[0].logprobs for o in outs]
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "qwen3-0.6b"])
 def test_engine_int8_kernels_equal_dequant_path_fp32(model, monkeypatch):
     """The INT8 GEMV / GEMM in the decode graphs and prefill give the tokens of dequantized weights
     through F.linear, eager (float32: both sides exact up to summation order)."""
-    fast, llm = run(model, dtype="float32")
+    fast, llm, _ = run(model, dtype="float32")
     assert llm.llm_engine.runner.graphs is not None
     assert llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
     monkeypatch.setenv("PAGEFLASH_W8_KERNELS", "0")
-    ref, _ = run(model, dtype="float32", enforce_eager=True)
+    ref, _, _ = run(model, dtype="float32", enforce_eager=True)
     assert fast == ref
 
 
 def test_engine_int8_graphs_equal_eager_bf16():
-    eager, _ = run(dtype="bfloat16", enforce_eager=True)
-    graphs, llm = run(dtype="bfloat16")
+    """bf16: the decode graphs (attention planned for the longest context) and eager steps (planned for
+    each step's) give the same tokens up to near-ties. On 2026-11-27 one row of eight parted for one
+    token inside a run of repeats (dummy weights), as tests/gpu/test_lora_gpu.py's bf16 rows may."""
+    eager, _, lps = run(dtype="bfloat16", enforce_eager=True, logprobs=5)
+    graphs, llm, _ = run(dtype="bfloat16")
     assert llm.llm_engine.runner.graphs is not None
-    assert graphs == eager
+    assert_parts_only_at_near_ties(graphs, eager, lps, max_parted=2)
 
 
 def test_dequantize_fast_equals_reference_and_split_k(poison_outputs):
@@ -108,10 +119,6 @@ def test_checkpoint_quantized_layer_by_layer_keeps_peak_memory_low(tmp_path):
     """A checkpoint loaded with quantization="int8" reaches the GPU one decoder layer at a time,
     quantized on arrival: the peak GPU memory while the engine starts stays well under the model's
     bf16 size, and greedy decoding (float32) equals HF transformers over the same dequantized codes."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hf_ref import make_random_hf_folder
     from transformers import AutoModelForCausalLM
 
