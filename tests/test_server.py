@@ -1528,11 +1528,12 @@ def test_main_wires_flags_to_llm_and_uvicorn(monkeypatch: pytest.MonkeyPatch) ->
             self.llm_engine = SimpleNamespace(tokenizer=None, model_name=model, max_model_len=128,
                                               get_stats=lambda: {}, has_unfinished_requests=lambda: False)
 
-    def fake_run(app: Any, **kw: Any) -> None:
+    def fake_run(app: Any, engine: Any, **kw: Any) -> None:
         seen["app"], seen["uvicorn"] = app, kw
+        assert engine is app.state.engine
 
     monkeypatch.setattr("pageflash.llm.LLM", StubLLM)
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(server_app, "serve_uvicorn", fake_run)
     server_app.main(["serve", MODEL, "--port", "8123", "--max-model-len", "128", "--dtype", "float32",
                      "--num-kv-blocks", "64", "--seed", "3", "--served-model-name", "a", "b", "--api-key", "k"])
     assert seen["model"] == MODEL
@@ -1550,6 +1551,65 @@ def test_main_wires_flags_to_llm_and_uvicorn(monkeypatch: pytest.MonkeyPatch) ->
                      "--trust-request-chat-template"])
     assert seen["app"].state.serving.chat_template == "{{ messages[0]['content'] }}"
     assert seen["app"].state.serving.trust_request_chat_template
+    # no --api-key: $PAGEFLASH_API_KEY, else vLLM's $VLLM_API_KEY (a deployment moved from vLLM stays closed)
+    from fastapi.testclient import TestClient
+
+    for env, key in (("VLLM_API_KEY", "v-key"), ("PAGEFLASH_API_KEY", "p-key")):
+        monkeypatch.setenv(env, key)
+        server_app.main(["--model", "other"])
+        client = TestClient(seen["app"])
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_ends_streams_at_once_and_exits_0(sig: str, tmp_path: Any) -> None:
+    """`pageflash serve` stopped by SIGTERM (what systemd / Kubernetes send) or SIGINT with a stream in
+    flight: the stream ends at once with an error event and [DONE], not cut off after uvicorn's graceful
+    wait; no traceback is logged; the process exits with status 0 (vLLM's), not 143."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from pageflash.cli import main; sys.exit(main())",
+                             "serve", MODEL, "--port", str(port), "--max-model-len", "256", "--device", "cpu"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        lines = []
+        with httpx.stream("POST", base + "/v1/completions", timeout=60, json=dict(
+                model=MODEL, prompt="Once upon a time", max_tokens=200, ignore_eos=True, stream=True)) as r:
+            it = r.iter_lines()
+            for line in it:  # the first tokens arrive: the request is running
+                if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                    break
+            t0 = time.monotonic()
+            proc.send_signal(getattr(signal, sig))
+            lines = [line for line in it if line]
+            ended = time.monotonic() - t0
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert any('"error"' in line for line in lines), lines[-3:]
+        assert ended < 4.0, ended  # uvicorn's graceful wait is 5 s
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log.seek(0)
+    text = log.read()
+    assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-3000:]
 
 
 def test_temperature_above_openais_two_is_taken_as_vllm_takes_it(srv: Srv) -> None:

@@ -22,8 +22,10 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -1787,7 +1789,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEFLASH_API_KEY)")  # fmt: skip
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEFLASH_API_KEY, else vLLM's $VLLM_API_KEY)")  # fmt: skip
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the API answers to; the first is the default (default: the --model value)")  # fmt: skip
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -1860,8 +1862,6 @@ def _json_str_list(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """`pageflash serve ...`: load the model, start the engine thread, run uvicorn until stopped.
     A bad flag or model is one `error:` line and exit status 2, before anything loads where it can be."""
-    import uvicorn
-
     from pageflash.cli import engine_kwargs
 
     if argv and argv[0] == "serve":
@@ -1918,7 +1918,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = AsyncLLMEngine(llm.llm_engine)
     runtime_lora = any(os.environ.get(v, "").lower() in ("1", "true")
                        for v in ("PAGEFLASH_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"))
-    api_key = args.api_key or os.environ.get("PAGEFLASH_API_KEY") or None
+    api_key = args.api_key or os.environ.get("PAGEFLASH_API_KEY") or os.environ.get("VLLM_API_KEY") or None
     names = args.served_model_name or [args.model]
     app = build_app(engine, names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                     allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
@@ -1930,12 +1930,41 @@ def main(argv: list[str] | None = None) -> int:
                     allow_runtime_lora_updating=runtime_lora and args.enable_lora)
     logger.info("serving %s as %s on http://%s:%d/v1", args.model, ", ".join(names), args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
-                    root_path=args.root_path, timeout_keep_alive=5,
-                    timeout_graceful_shutdown=5)  # open streams must not hold a shutdown forever
+        serve_uvicorn(app, engine, host=args.host, port=args.port,
+                      log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
+                      timeout_keep_alive=5, timeout_graceful_shutdown=5)  # nothing may hold a shutdown forever
     finally:
         engine.shutdown()
     return 0
+
+
+def serve_uvicorn(app: FastAPI, engine: AsyncLLMEngine, **config: Any) -> None:
+    """uvicorn.run(app, **config), except at a stop (SIGINT / SIGTERM):
+    - the engine stops first, so that the requests in flight end at once (a stream with its error event,
+      any other with a 500) instead of running on through uvicorn's graceful wait, to be cut off there
+      with a traceback;
+    - once shut down, the signal is not raised again (uvicorn 0.29+ raises it again, so that a SIGTERM
+      ended the process with status 143): a stop asked for is a clean exit, status 0, as vLLM's."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:  # (uvicorn < 0.29 has none and raises nothing again)
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+            await super().shutdown(sockets=sockets)
+
+    Server(uvicorn.Config(app, **config)).run()
 
 
 if __name__ == "__main__":
