@@ -1492,6 +1492,36 @@ def test_metrics_exposition(srv: Srv) -> None:
     assert _metric(text, "pageflash:prefix_cache_hits_total") > 0  # the load test repeats prompts
 
 
+def test_metrics_count_each_engine_request(srv: Srv) -> None:
+    """As vLLM's: every engine request (each prompt x each of n choices; each embedding input) is a
+    request in /metrics: its own latency, first token, prompt length, generated tokens and success."""
+    srv.wait_idle()
+
+    def total(text: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+    names = ["e2e_request_latency_seconds_count", "time_to_first_token_seconds_count", "request_success_total",
+             "request_prompt_tokens_count", "request_prompt_tokens_sum", "request_generation_tokens_count",
+             "request_generation_tokens_sum"]
+    before = {n: total(srv.http.get("/metrics").text, "pageflash:" + n) for n in names}
+    r = srv.client.completions.create(model=MODEL, prompt=["Hello there", "a b c d e"], max_tokens=3, n=2,
+                                      temperature=1.0, seed=1, extra_body={"ignore_eos": True})
+    tok = srv.aeng.tokenizer
+    lens = [len(tok.encode(p)) for p in ("Hello there", "a b c d e")]
+    after = {n: total(srv.http.get("/metrics").text, "pageflash:" + n) for n in names}
+    d = {n: after[n] - before[n] for n in names}
+    assert r.usage.prompt_tokens == sum(lens) and r.usage.completion_tokens == 12
+    for n in ("e2e_request_latency_seconds_count", "time_to_first_token_seconds_count", "request_success_total",
+              "request_prompt_tokens_count", "request_generation_tokens_count"):
+        assert d[n] == 4, (n, d)
+    assert d["request_prompt_tokens_sum"] == 2 * sum(lens) and d["request_generation_tokens_sum"] == 12, d
+    srv.client.embeddings.create(model=MODEL, input=["one", "two", "three"])
+    final = {n: total(srv.http.get("/metrics").text, "pageflash:" + n) for n in names}
+    assert final["e2e_request_latency_seconds_count"] - after["e2e_request_latency_seconds_count"] == 3
+    assert final["request_success_total"] - after["request_success_total"] == 3
+
+
 # --------------------------------------------------------------------------- n > 1
 # Last among the engine tests: should n > 1 ever wedge the engine, the client's timeout aborts the
 # request and the failure stays here instead of spreading to the tests after it.

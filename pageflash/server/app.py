@@ -360,7 +360,7 @@ class _Generation:
                 self.prompt_ids[i] = out.prompt_token_ids or []
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs[i] = out.prompt_logprobs
-                self.timer.prompt_tokens = sum(self.prompt_tokens)
+                self.timer.prompt_tokens = [self.prompt_tokens[c.prompt_idx] for c in self.choices]
                 for comp in out.outputs:
                     ch = self.choices[i * self.n + comp.index]
                     if ch.finish_reason is not None:
@@ -383,7 +383,7 @@ class _Generation:
                     ch.text_len, ch.num_tokens, ch.started = max(sendable, ch.text_len), len(comp.token_ids), True
                     if item is not None:
                         yield item
-                self.timer.on_tokens(sum(c.num_generated for c in self.choices))
+                self.timer.on_tokens([c.num_generated for c in self.choices])
             finished = True
         finally:
             self.timer.finish([c.finish_reason if finished else "abort" for c in self.choices])
@@ -802,7 +802,7 @@ class OpenAIServing:
             raise _value_error(e, ["n", "length_penalty"]) from None
         rid = f"beam-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
-        timer.prompt_tokens = sum(len(p) for p in prompts)
+        timer.prompt_tokens = [len(p) for p in prompts]
 
         async def rounds() -> None:
             r = 0
@@ -824,15 +824,18 @@ class OpenAIServing:
                 search.advance(tops)
                 r += 1
 
-        reasons: list[str | None] = [None]
+        reasons: list[str | None] = [None] * len(prompts)
+        generated = [0] * len(prompts)
         try:
             await _run_request(request, rounds())
             results = await self.tokenizer.run(lambda tok: search.results(tok), "Cannot decode the beams", param)
             reasons = [s.finish_reason for r in results for s in r.sequences]
+            generated = [len(s.output_token_ids) for r in results for s in r.sequences]
+            timer.prompt_tokens = [len(p) for p, r in zip(prompts, results) for _ in r.sequences]
         except EngineError as e:
             raise APIError(500, f"Engine error: {e}") from None
         finally:
-            timer.finish(reasons)
+            timer.finish(reasons, generated)
         n_out = sum(len(s.output_token_ids) for r in results for s in r.sequences)
         n_in = sum(len(p) for p in prompts)
         return results, P.Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
@@ -1074,7 +1077,7 @@ class OpenAIServing:
             self.validate(ids, pooling, name)
             prompts.append({"prompt_token_ids": ids})
         timer = self.metrics.timer()  # (e2e latency, prompt length and success counts; no tokens are generated)
-        timer.prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        timer.prompt_tokens = [len(p["prompt_token_ids"]) for p in prompts]
         streams = await self.add_all(f"embd-{uuid.uuid4().hex}", prompts, pooling, "input", lora)
 
         async def collect() -> list[Any]:

@@ -110,37 +110,53 @@ def spec_metrics(spec: dict, model_name: str) -> Iterator[Metric]:
 
 @dataclass
 class RequestTimer:
-    """Per-request timing: created at arrival, fed each output's token count, closed at the end."""
+    """Timing of the engine requests behind one HTTP request (its rows: prompts x n choices, or one per
+    embedding input), created at arrival. Every row is recorded as a request of its own, as vLLM records
+    each engine request: its prompt length, first-token time, time per output token, generated tokens,
+    latency and finish reason."""
 
     metrics: "ServerMetrics"
     arrival: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: list[int] = field(default_factory=list)  # per row
+    num_tokens: list[int] = field(default_factory=list)  # per row, generated so far
+    first_token: list[float | None] = field(default_factory=list)
+    last_token: list[float | None] = field(default_factory=list)
     done: bool = False
 
-    def on_tokens(self, total_tokens: int) -> None:
-        """Called with the request's total output tokens so far (over all its choices)."""
-        if total_tokens > self.num_tokens:
-            now = time.perf_counter()
-            if self.first_token is None:
-                self.first_token = now
-                self.metrics.ttft.labels(self.metrics.model_name).observe(now - self.arrival)
-            self.last_token = now
-            self.num_tokens = total_tokens
+    def _rows(self, n: int) -> None:
+        for lst, fill in ((self.num_tokens, 0), (self.first_token, None), (self.last_token, None)):
+            lst.extend([fill] * (n - len(lst)))  # type: ignore[list-item]
 
-    def finish(self, finished_reasons: list[str | None]) -> None:
+    def on_tokens(self, counts: list[int]) -> None:
+        """Called with each row's generated tokens so far."""
+        self._rows(len(counts))
+        now = None
+        for i, c in enumerate(counts):
+            if c > self.num_tokens[i]:
+                now = time.perf_counter() if now is None else now
+                if self.first_token[i] is None:
+                    self.first_token[i] = now
+                    self.metrics.ttft.labels(self.metrics.model_name).observe(now - self.arrival)
+                self.last_token[i] = now
+                self.num_tokens[i] = c
+
+    def finish(self, finished_reasons: list[str | None], generated: list[int] | None = None) -> None:
+        """One finish reason per row (None: aborted); generated: the rows' token counts where on_tokens
+        did not follow them (beam search)."""
         if self.done:
             return
         self.done = True
         m, name = self.metrics, self.metrics.model_name
-        m.e2e.labels(name).observe(time.perf_counter() - self.arrival)
-        if self.first_token is not None and self.last_token is not None and self.num_tokens > 1:
-            m.tpot.labels(name).observe((self.last_token - self.first_token) / (self.num_tokens - 1))
-        m.prompt_len.labels(name).observe(self.prompt_tokens)
-        m.gen_len.labels(name).observe(self.num_tokens)
-        for reason in finished_reasons:
+        self._rows(len(finished_reasons))
+        e2e = time.perf_counter() - self.arrival
+        for i, reason in enumerate(finished_reasons):
+            n = generated[i] if generated is not None else self.num_tokens[i]
+            first, last = self.first_token[i], self.last_token[i]
+            m.e2e.labels(name).observe(e2e)
+            if first is not None and last is not None and n > 1:
+                m.tpot.labels(name).observe((last - first) / (n - 1))
+            m.prompt_len.labels(name).observe(self.prompt_tokens[i] if i < len(self.prompt_tokens) else 0)
+            m.gen_len.labels(name).observe(n)
             m.success.labels(name, reason or "abort").inc()
 
 
