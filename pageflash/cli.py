@@ -193,10 +193,11 @@ def _lora(a: argparse.Namespace):
 
 
 def _stream(engine, prompt, params, out=None, lora=None) -> str:
-    """Add one request and print its text as it grows (first sample only); returns the final text.
+    """Add one request and print its text as it grows; returns the final text (the first sample's).
     While it runs, the last len(longest stop string) - 1 characters wait: a stop string completed by
-    a later token cuts them off, and nothing printed is taken back. out: sys.stdout (as it is at the
-    call) unless given."""
+    a later token cuts them off, and nothing printed is taken back. With n > 1 the first sample streams
+    under a "--- sample 1 of n ---" line, and the others follow, each under its own, once all are done.
+    out: sys.stdout (as it is at the call) unless given."""
     out = sys.stdout if out is None else out
     from pageflash.engine.detokenizer import stop_holdback
 
@@ -204,11 +205,15 @@ def _stream(engine, prompt, params, out=None, lora=None) -> str:
     holdback = stop_holdback(params.stop, params.include_stop_str_in_output)
     printed = 0
     text = ""
+    last = None
+    if params.n > 1:
+        out.write(f"--- sample 1 of {params.n} ---\n")
     try:
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if o.request_id != rid:
                     continue
+                last = o
                 text = o.outputs[0].text
                 ready = len(text) if o.finished else len(text) - holdback
                 if ready > printed:
@@ -219,6 +224,8 @@ def _stream(engine, prompt, params, out=None, lora=None) -> str:
         engine.abort_request(rid)
         raise
     out.write("\n")
+    for c in (last.outputs[1:] if last is not None else ()):
+        out.write(f"--- sample {c.index + 1} of {params.n} ---\n{c.text}\n")
     out.flush()
     return text
 
@@ -303,6 +310,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
     from pageflash.llm import LLM
 
+    if a.n != 1:
+        print("error: pageflash chat keeps one reply per turn in the conversation: -n must be 1", file=sys.stderr)
+        return 2
     llm = LLM(**engine_kwargs(a))
     eng = llm.llm_engine
     params = sampling_params(a, eng.default_sampling)
@@ -345,6 +355,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(usage)
                 return 0
             print(usage, file=sys.stderr)
+            what = f"invalid choice {argv[1]!r}" if len(argv) >= 2 else "a benchmark kind is needed"
+            print(f"pageflash bench: error: {what} (choose from {', '.join(kinds)})", file=sys.stderr)
             return 2
         import importlib
 

@@ -120,7 +120,8 @@ def test_cli_refusals_name_the_problem(tmp_path, capsys, monkeypatch):
     rc, err = run(capsys, ["generate", "--input", str(rows), "--max-model-len", "256"])
     assert rc == 2 and "chat template refused the messages" in err
     assert cli_main(["bench", "--help"]) == 0 and "pageflash bench" in capsys.readouterr().out
-    assert cli_main(["bench"]) == 2
+    assert cli_main(["bench"]) == 2 and "a benchmark kind is needed" in capsys.readouterr().err
+    assert cli_main(["bench", "bogus"]) == 2 and "invalid choice 'bogus'" in capsys.readouterr().err
 
 
 def test_serve_refuses_a_taken_port_and_two_models(capsys):
@@ -152,6 +153,25 @@ def test_streamed_text_never_shows_what_a_stop_string_cuts(capsys):
     out = io.StringIO()
     final = _stream(eng, "The capital of France is", SamplingParams(temperature=0, max_tokens=12, stop=[stop]), out)
     assert final == text[: text.find(stop)] and out.getvalue() == final + "\n"
+
+
+def test_generate_prints_every_sample_of_n(capsys):
+    """-n 3: the first sample streams, the others follow; each under its own header. `chat` keeps one
+    reply per turn, so it refuses -n > 1."""
+    import io
+
+    from pageflash.cli import _stream
+    from pageflash.sampling_params import SamplingParams
+
+    llm = LLM(max_model_len=128, num_kv_blocks=32)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=6, n=3)
+    ref = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs
+    out = io.StringIO()
+    final = _stream(llm.llm_engine, "Once upon a time", params, out)
+    assert final == ref[0].text
+    assert out.getvalue() == "".join(f"--- sample {i + 1} of 3 ---\n{c.text}\n" for i, c in enumerate(ref))
+    rc, err = run(capsys, ["chat", "-n", "2"])
+    assert rc == 2 and "-n must be 1" in err
 
 
 def test_generate_with_structured_outputs_and_bad_words(tmp_path, capfd):

@@ -1254,7 +1254,9 @@ def test_unknown_model_404_and_unknown_route(srv: Srv) -> None:
                  contains=("gpt-4",))
     assert_error(srv.post("/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}), 404, param="model")
     assert_error(srv.http.get("/v1/nothing"), 404)
-    assert_error(srv.http.get("/v1/completions"), 405)
+    r = srv.http.get("/v1/completions")
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"  # RFC 9110: a 405 names the methods the route takes
     with pytest.raises(openai.NotFoundError):
         srv.client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
 

@@ -1721,7 +1721,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         metrics.count_error(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail)).response()
+        resp = APIError(exc.status_code, str(exc.detail)).response()
+        resp.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return resp
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
