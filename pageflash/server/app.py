@@ -337,7 +337,11 @@ class _Generation:
         """Abort whatever is unfinished (a no-op after a normal end); safe to call more than once."""
         for stream in self.streams:
             stream.close()
-        self.timer.finish([c.finish_reason or "abort" for c in self.choices])
+        self._finish([c.finish_reason or "abort" for c in self.choices])
+
+    def _finish(self, reasons: list[str | None]) -> None:
+        """Record the choices in the metrics (once; later calls do nothing), each with its prompt's length."""
+        self.timer.finish(reasons, [self.prompt_tokens[c.prompt_idx] for c in self.choices])
 
     def usage(self) -> P.Usage:
         prompt = sum(self.prompt_tokens)
@@ -360,7 +364,6 @@ class _Generation:
                 self.prompt_ids[i] = out.prompt_token_ids or []
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs[i] = out.prompt_logprobs
-                self.timer.prompt_tokens = [self.prompt_tokens[c.prompt_idx] for c in self.choices]
                 for comp in out.outputs:
                     ch = self.choices[i * self.n + comp.index]
                     if ch.finish_reason is not None:
@@ -386,7 +389,7 @@ class _Generation:
                 self.timer.on_tokens([c.num_generated for c in self.choices])
             finished = True
         finally:
-            self.timer.finish([c.finish_reason if finished else "abort" for c in self.choices])
+            self._finish([c.finish_reason if finished else "abort" for c in self.choices])
 
 
 def _prompt_offsets(tokenizer: Any, ids: list[int], echoed: str) -> list[int]:
@@ -802,7 +805,6 @@ class OpenAIServing:
             raise _value_error(e, ["n", "length_penalty"]) from None
         rid = f"beam-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
-        timer.prompt_tokens = [len(p) for p in prompts]
 
         async def rounds() -> None:
             r = 0
@@ -825,17 +827,17 @@ class OpenAIServing:
                 r += 1
 
         reasons: list[str | None] = [None] * len(prompts)
-        generated = [0] * len(prompts)
+        prompt_lens, generated = [len(p) for p in prompts], [0] * len(prompts)
         try:
             await _run_request(request, rounds())
             results = await self.tokenizer.run(lambda tok: search.results(tok), "Cannot decode the beams", param)
             reasons = [s.finish_reason for r in results for s in r.sequences]
             generated = [len(s.output_token_ids) for r in results for s in r.sequences]
-            timer.prompt_tokens = [len(p) for p, r in zip(prompts, results) for _ in r.sequences]
+            prompt_lens = [len(p) for p, r in zip(prompts, results) for _ in r.sequences]
         except EngineError as e:
             raise APIError(500, f"Engine error: {e}") from None
         finally:
-            timer.finish(reasons, generated)
+            timer.finish(reasons, prompt_lens, generated)
         n_out = sum(len(s.output_token_ids) for r in results for s in r.sequences)
         n_in = sum(len(p) for p in prompts)
         return results, P.Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
@@ -1077,7 +1079,6 @@ class OpenAIServing:
             self.validate(ids, pooling, name)
             prompts.append({"prompt_token_ids": ids})
         timer = self.metrics.timer()  # (e2e latency, prompt length and success counts; no tokens are generated)
-        timer.prompt_tokens = [len(p["prompt_token_ids"]) for p in prompts]
         streams = await self.add_all(f"embd-{uuid.uuid4().hex}", prompts, pooling, "input", lora)
 
         async def collect() -> list[Any]:
@@ -1097,7 +1098,8 @@ class OpenAIServing:
         finally:
             for s in streams:
                 s.close()
-            timer.finish(["stop" if o is not None and o.finished else None for o in outs])
+            timer.finish(["stop" if o is not None and o.finished else None for o in outs],
+                         [len(p["prompt_token_ids"]) for p in prompts])
         data = []
         for i, o in enumerate(outs):
             if o is None or o.embedding is None:

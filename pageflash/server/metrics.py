@@ -117,7 +117,6 @@ class RequestTimer:
 
     metrics: "ServerMetrics"
     arrival: float = field(default_factory=time.perf_counter)
-    prompt_tokens: list[int] = field(default_factory=list)  # per row
     num_tokens: list[int] = field(default_factory=list)  # per row, generated so far
     first_token: list[float | None] = field(default_factory=list)
     last_token: list[float | None] = field(default_factory=list)
@@ -140,9 +139,10 @@ class RequestTimer:
                 self.last_token[i] = now
                 self.num_tokens[i] = c
 
-    def finish(self, finished_reasons: list[str | None], generated: list[int] | None = None) -> None:
-        """One finish reason per row (None: aborted); generated: the rows' token counts where on_tokens
-        did not follow them (beam search)."""
+    def finish(self, finished_reasons: list[str | None], prompt_tokens: list[int],
+               generated: list[int] | None = None) -> None:
+        """One finish reason and prompt length per row (reason None: aborted); generated: the rows' token
+        counts where on_tokens did not follow them (beam search)."""
         if self.done:
             return
         self.done = True
@@ -155,7 +155,7 @@ class RequestTimer:
             m.e2e.labels(name).observe(e2e)
             if first is not None and last is not None and n > 1:
                 m.tpot.labels(name).observe((last - first) / (n - 1))
-            m.prompt_len.labels(name).observe(self.prompt_tokens[i] if i < len(self.prompt_tokens) else 0)
+            m.prompt_len.labels(name).observe(prompt_tokens[i])
             m.gen_len.labels(name).observe(n)
             m.success.labels(name, reason or "abort").inc()
 

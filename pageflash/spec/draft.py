@@ -308,9 +308,7 @@ class ModelDraftProposer:
         go in as id 0. The draft then proposes from a context it sees slightly wrong, and verification
         judges those proposals as any other, so the output stays the target's."""
         dv = self.draft_vocab
-        if dv >= self.vocab_size or all(t < dv for t in ids):
-            return ids
-        return [t if t < dv else 0 for t in ids]
+        return ids if dv >= self.vocab_size else [t if t < dv else 0 for t in ids]
 
     def _catch_up(self, claimed: list[tuple[ProposalRequest, int, int]]) -> None:
         """Draft model: compute missing tokens in budget-sized chunks until each request's remaining
