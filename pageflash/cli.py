@@ -56,9 +56,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (default: %(default)s)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory once read (default: --max-loras)")
-    g.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="auto: the model folder's generation_config.json gives EOS ids and the default "
-                        "temperature / top_p / top_k / min_p / repetition_penalty (as vLLM); vllm: ignore it")
+                        "temperature / top_p / top_k / min_p / repetition_penalty / max_new_tokens (as vLLM); "
+                        "vllm: ignore it; a folder: its generation_config.json instead")
+    g.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                   help='defaults over --generation-config\'s, e.g. \'{"temperature": 0.6}\' (vLLM\'s; '
+                        "max_new_tokens is also the server's ceiling on max_tokens)")
     # vLLM's flags that change nothing here, taken so that vLLM command lines run (pageflash.llm's
     # VLLM_COMPAT_OPTIONS says why each has no effect); values that would need a missing feature error
     c = p.add_argument_group("vLLM compatibility (no effect here)")
@@ -96,6 +100,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         speculative_config=getattr(a, "speculative_config", None),
         tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         generation_config=getattr(a, "generation_config", "auto"),
+        override_generation_config=getattr(a, "override_generation_config", None),
         enable_lora=getattr(a, "enable_lora", False), max_loras=getattr(a, "max_loras", 1),
         max_lora_rank=getattr(a, "max_lora_rank", 16), max_cpu_loras=getattr(a, "max_cpu_loras", None),
     )
@@ -117,7 +122,8 @@ def check_vllm_flags(a: argparse.Namespace, error) -> None:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="default: the model's max_new_tokens (generation config), else 256")
     # unset: the model's generation_config.json default (EngineConfig.generation_config), else these
     g.add_argument("--temperature", type=float, default=None, help="(default: the model's, else 0.7)")
     g.add_argument("--top-p", type=float, default=None, help="(default: the model's, else 1.0)")
@@ -171,13 +177,16 @@ _CLI_SAMPLING_DEFAULTS = dict(temperature=0.7, top_p=1.0, top_k=-1, min_p=0.0, r
 
 def sampling_params(a: argparse.Namespace, model_defaults: Optional[dict] = None):
     """The flags' SamplingParams; the flags left unset take the model's defaults (its
-    generation_config.json, LLMEngine.default_sampling), else _CLI_SAMPLING_DEFAULTS."""
+    generation_config.json and --override-generation-config, LLMEngine.default_sampling), else
+    _CLI_SAMPLING_DEFAULTS (and 256 tokens)."""
     from pageflash.sampling_params import SamplingParams
 
-    knobs = {**_CLI_SAMPLING_DEFAULTS, **(model_defaults or {})}
+    defaults = model_defaults or {}
+    knobs = {**_CLI_SAMPLING_DEFAULTS, **{k: v for k, v in defaults.items() if k in _CLI_SAMPLING_DEFAULTS}}
     knobs.update({k: getattr(a, k) for k in _CLI_SAMPLING_DEFAULTS if getattr(a, k, None) is not None})
     return SamplingParams(
-        n=a.n, max_tokens=a.max_tokens, presence_penalty=a.presence_penalty,
+        n=a.n, max_tokens=a.max_tokens if a.max_tokens is not None else defaults.get("max_tokens", 256),
+        presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty, seed=a.sample_seed, stop=a.stop, ignore_eos=a.ignore_eos,
         bad_words=getattr(a, "bad_words", None), structured_outputs=structured_outputs(a), **knobs,
     )

@@ -78,6 +78,7 @@ class LLM:
         speculative_config: Optional[Union[dict, str, Any]] = None,
         tensor_parallel_size: int = 1,
         generation_config: str = "auto",
+        override_generation_config: Optional[Union[dict, str]] = None,
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
@@ -102,7 +103,8 @@ class LLM:
                 load_format=load_format, attention_backend=attention_backend, quantization=quantization,
                 kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                 speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
-                generation_config=generation_config, enable_lora=enable_lora, max_loras=max_loras,
+                generation_config=generation_config, override_generation_config=override_generation_config,
+                enable_lora=enable_lora, max_loras=max_loras,
                 max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             )
         )
@@ -117,8 +119,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() / chat() use without sampling_params: SamplingParams' defaults, with the
-        model's generation_config.json's temperature / top_p / top_k / min_p / repetition_penalty
-        (EngineConfig.generation_config="auto", as vLLM)."""
+        model's generation_config.json's temperature / top_p / top_k / min_p / repetition_penalty and
+        max_new_tokens (as max_tokens), and override_generation_config's over them (as vLLM)."""
         return SamplingParams(**self.llm_engine.default_sampling)
 
     def reset_prefix_cache(self) -> int:

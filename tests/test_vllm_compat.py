@@ -180,3 +180,86 @@ def test_vllm_command_lines_parse():
     with pytest.raises(SystemExit):
         p.parse_args(["--response-role", "bot"])
     assert set(VLLM_COMPAT_OPTIONS) >= {"trust_remote_code", "swap_space", "enable_chunked_prefill"}
+
+
+def test_generation_config_folder_and_override(tmp_path):
+    """vLLM's generation_config=<folder> (that folder's generation_config.json instead of the model's)
+    and override_generation_config (merged over it; over nothing with "vllm"); max_new_tokens is the
+    default max_tokens. Bad values name the option."""
+    folder = make_random_hf_folder(tmp_path / "model", CONFIGS["llama-gqa"])
+    (tmp_path / "model" / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "eos_token_id": 7777}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_k": 5, "max_new_tokens": 9, "eos_token_id": 8888}))
+    kw = dict(max_model_len=64, num_kv_blocks=32, dtype="float32")
+    eng = LLM(folder, generation_config=str(other), **kw).llm_engine
+    assert eng.default_sampling == {"top_k": 5, "max_tokens": 9}
+    assert 8888 in eng.eos_token_ids and 7777 not in eng.eos_token_ids and eng.max_tokens_ceiling is None
+    llm = LLM(folder, override_generation_config={"top_p": 0.5, "max_new_tokens": 7, "do_sample": True}, **kw)
+    assert llm.llm_engine.default_sampling == {"temperature": 0.6, "top_p": 0.5, "max_tokens": 7}
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_p, d.max_tokens) == (0.6, 0.5, 7) and llm.llm_engine.max_tokens_ceiling == 7
+    eng = LLM(folder, generation_config="vllm", override_generation_config='{"temperature": 0.2}', **kw).llm_engine
+    assert eng.default_sampling == {"temperature": 0.2} and 7777 not in eng.eos_token_ids
+    with pytest.raises(ValueError, match="generation_config must be 'auto', 'vllm' or a folder"):
+        LLM(folder, generation_config=str(tmp_path / "missing"), **kw)
+    with pytest.raises(ValueError, match="holds no generation_config.json"):
+        LLM(folder, generation_config=str(tmp_path), **kw)
+    with pytest.raises(ValueError, match="override_generation_config: temperature"):
+        LLM(folder, override_generation_config={"temperature": -1}, **kw)
+    with pytest.raises(ValueError, match="override_generation_config is not valid JSON"):
+        LLM(folder, override_generation_config="{temperature", **kw)
+
+
+def test_server_max_tokens_default_and_ceiling(tmp_path):
+    """As vLLM's server: the generation config's max_new_tokens is the max_tokens of a request that
+    sets none, cut to the prompt's room (not a 400); an override's max_new_tokens is also a ceiling
+    on the request's max_tokens; without either, an unset max_tokens runs to the end of the context."""
+    from pageflash.server.app import OpenAIServing
+
+    folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 20}))
+
+    def serving(**kw):
+        llm = LLM(folder, max_model_len=64, num_kv_blocks=32, dtype="float32", **kw)
+
+        class Eng:  # what sampling_params / fit_room / validate read
+            engine = llm.llm_engine
+            max_model_len = llm.llm_engine.max_model_len
+
+        s = OpenAIServing.__new__(OpenAIServing)
+        s.engine = Eng
+        return s
+
+    s = serving()
+    short, long = [5] * 10, [5] * 50
+    p = s.sampling_params({"max_tokens": None})
+    assert p.max_tokens == 20 and s.fit_room(short, p) is p
+    cut = s.fit_room(long, p)
+    assert cut.max_tokens == 14 and p.max_tokens == 20
+    s.validate(long, cut, "prompt")
+    assert s.sampling_params({"max_tokens": 30}).max_tokens == 30  # the file's default is no ceiling
+    with pytest.raises(Exception, match="max_tokens"):  # a max_tokens the request set is not cut
+        s.validate(long, s.fit_room(long, s.sampling_params({"max_tokens": 30})), "prompt")
+    s = serving(override_generation_config={"max_new_tokens": 12})
+    assert [s.sampling_params({"max_tokens": m}).max_tokens for m in (None, 30, 5)] == [12, 12, 5]
+    s = serving(generation_config="vllm")
+    assert s.sampling_params({"max_tokens": None}).max_tokens is None
+
+
+def test_cli_override_generation_config(tmp_path):
+    from pageflash.cli import add_sampling_args, engine_kwargs, sampling_params
+    from pageflash.server.app import make_arg_parser
+
+    a = make_arg_parser().parse_args(["--generation-config", str(tmp_path),
+                                      "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 40}'])
+    kw = engine_kwargs(a)
+    assert kw["generation_config"] == str(tmp_path)
+    assert kw["override_generation_config"] == {"temperature": 0.5, "max_new_tokens": 40}
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_sampling_args(p)
+    assert sampling_params(p.parse_args([]), {"max_tokens": 40, "temperature": 0.5}).max_tokens == 40
+    assert sampling_params(p.parse_args(["--max-tokens", "3"]), {"max_tokens": 40}).max_tokens == 3
+    assert sampling_params(p.parse_args([])).max_tokens == 256

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import logging
 import operator
+import os
 import re
 import threading
 import time
@@ -30,7 +32,10 @@ from pageflash.engine.structured import StructuredOutputs
 from pageflash.layers.attention import KV_CACHE_DTYPES
 from pageflash.lora.manager import AdapterCache, AdapterSlots
 from pageflash.lora.request import LoRARequest
-from pageflash.model.loader import ModelSource, load_config, load_generation_config, load_tokenizer, resolve_model
+from pageflash.model.loader import (
+    ModelSource, generation_defaults, load_config, load_generation_config, load_tokenizer, read_generation_config,
+    resolve_model,
+)
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import CompletionOutput, Logprob, RequestOutput
 from pageflash.sampling_params import PoolingParams, SamplingParams
@@ -83,9 +88,14 @@ class EngineConfig:
     # (engine/parallel.py); > 1 runs without speculative decoding
     tensor_parallel_size: int = 1
     # as vLLM's: "auto" reads the model folder's generation_config.json -- its EOS ids stop generation
-    # too, and its temperature / top_p / top_k / min_p / repetition_penalty become the defaults of
-    # requests that do not set them; "vllm": neither
+    # too, and its temperature / top_p / top_k / min_p / repetition_penalty / max_new_tokens become the
+    # defaults of requests that do not set them; "vllm": neither; a folder path: that folder's
+    # generation_config.json instead of the model's
     generation_config: str = "auto"
+    # vLLM's override_generation_config: {temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_new_tokens} (a dict or its JSON) merged over what generation_config gave ("vllm": over nothing);
+    # its max_new_tokens is also the server's ceiling on max_tokens; other keys are ignored, as in vLLM
+    override_generation_config: Optional[Union[dict, str]] = None
     # LoRA adapters (vLLM's options): requests may run under PEFT adapters (lora_request), up to
     # max_loras of them on the device at once, each of rank <= max_lora_rank; max_cpu_loras adapters
     # kept in host memory once read (None: max_loras)
@@ -122,8 +132,20 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(self.device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.generation_config not in ("auto", "vllm"):
-            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
+        if not isinstance(self.generation_config, (str, os.PathLike)) or (
+                self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config)):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
+                             f"got {self.generation_config!r}")  # fmt: skip
+        object.__setattr__(self, "generation_config", os.fspath(self.generation_config))
+        ogc = self.override_generation_config
+        if isinstance(ogc, str):
+            try:
+                ogc = json.loads(ogc)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"override_generation_config is not valid JSON ({e})") from None
+        if ogc is not None and not isinstance(ogc, dict):
+            raise ValueError(f"override_generation_config must be a dict (JSON object), got {ogc!r}")
+        object.__setattr__(self, "override_generation_config", ogc)
         for name in ("enforce_eager", "enable_prefix_caching", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -231,7 +253,15 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
-        gen = load_generation_config(self.source) if config.generation_config == "auto" else {}
+        gc = config.generation_config
+        if gc == "auto":
+            gen = load_generation_config(self.source)
+        elif gc == "vllm":
+            gen = {}
+        else:  # a folder named by the user: its file must be there
+            gen = read_generation_config(gc)
+            if not gen:
+                raise ValueError(f"generation_config: folder {gc!r} holds no generation_config.json")
         eos.update(gen.get("eos_token_ids", ()))  # e.g. Gemma 2's <end_of_turn> (only there)
         self.eos_token_ids = frozenset(eos)
         # the model's default sampling parameters (requests' unset fields; SamplingParams validates them)
@@ -240,8 +270,16 @@ class LLMEngine:
             SamplingParams(**self.default_sampling)
         except (ValueError, TypeError) as e:
             raise ValueError(f"the model's generation_config.json: {e} (generation_config='vllm' ignores it)") from None
+        override = generation_defaults(config.override_generation_config or {})
+        try:
+            SamplingParams(**override)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"override_generation_config: {e}") from None
+        self.default_sampling.update(override)
+        # the server's ceiling on a request's max_tokens (vLLM's: only an override's max_new_tokens)
+        self.max_tokens_ceiling: Optional[int] = override.get("max_tokens")
         if self.default_sampling:
-            logger.info("default sampling parameters from the model's generation_config.json: %s",
+            logger.info("default sampling parameters (generation_config.json, override_generation_config): %s",
                         self.default_sampling)
 
         runner_kwargs = dict(

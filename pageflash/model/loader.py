@@ -119,30 +119,45 @@ def load_config(src: ModelSource) -> ModelConfig:
 
 
 # generation_config.json keys vLLM's generation_config="auto" takes as default sampling parameters
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# (max_new_tokens becomes the default max_tokens)
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
-def load_generation_config(src: Optional[ModelSource]) -> dict[str, Any]:
-    """The model folder's generation_config.json (HF folders, and dummy weights in a folder's shape):
-    {"eos_token_ids": tuple of ints, "defaults": {sampling field: value}}, or {} without the file.
-    A damaged file raises naming it."""
-    while src is not None and src.kind == "config":
-        src = src.tokenizer_source
-    if src is None or src.kind != "hf":
-        return {}
-    path = os.path.join(src.path, "generation_config.json")
+def generation_defaults(d: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a generation config dict sets: SamplingParams fields (max_new_tokens as
+    max_tokens); other keys (do_sample, max_length, ...) are not sampling defaults here, as in vLLM."""
+    out = {k: d[k] for k in _GENERATION_DEFAULTS if d.get(k) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    return out
+
+
+def read_generation_config(folder: str) -> dict[str, Any]:
+    """{"eos_token_ids": tuple of ints, "defaults": {sampling field: value}} from a folder's
+    generation_config.json, or {} without the file. A damaged file raises naming it."""
+    path = os.path.join(folder, "generation_config.json")
     if not os.path.isfile(path):
         return {}
     try:
         with open(path) as f:
             d = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"model folder {src.path!r}: generation_config.json is invalid ({e})") from e
+        raise ValueError(f"model folder {folder!r}: generation_config.json is invalid ({e})") from e
     if not isinstance(d, dict):
-        raise ValueError(f"model folder {src.path!r}: generation_config.json must hold a JSON object")
+        raise ValueError(f"model folder {folder!r}: generation_config.json must hold a JSON object")
     eos = d.get("eos_token_id")
     eos = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int))
-    return {"eos_token_ids": eos, "defaults": {k: d[k] for k in _GENERATION_DEFAULTS if d.get(k) is not None}}
+    return {"eos_token_ids": eos, "defaults": generation_defaults(d)}
+
+
+def load_generation_config(src: Optional[ModelSource]) -> dict[str, Any]:
+    """The model folder's generation_config.json (HF folders, and dummy weights in a folder's shape),
+    as read_generation_config; {} for models without a folder (GGUF files, built-in configs)."""
+    while src is not None and src.kind == "config":
+        src = src.tokenizer_source
+    if src is None or src.kind != "hf":
+        return {}
+    return read_generation_config(src.path)
 
 
 def iter_hf_weights(folder: str, weights: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:

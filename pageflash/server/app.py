@@ -558,9 +558,21 @@ class OpenAIServing:
         output constraint came from (response_format, guided_json, tools, ...)."""
         from pageflash.sampling_params import SamplingParams
 
+        eng = self.engine.engine
+        kw = dict(kw)
+        defaulted = False
+        if "max_tokens" in kw:  # vLLM's: max_new_tokens of the generation config is the default, and an
+            default = eng.default_sampling.get("max_tokens")  # override's also the ceiling
+            if kw["max_tokens"] is None:
+                kw["max_tokens"] = default
+                defaulted = default is not None
+            elif eng.max_tokens_ceiling is not None:
+                kw["max_tokens"] = min(kw["max_tokens"], eng.max_tokens_ceiling)
         try:
             # the fields a request leaves unset take the model's defaults (generation_config.json)
-            return SamplingParams(**{**self.engine.engine.default_sampling, **kw})
+            params = SamplingParams(**{**eng.default_sampling, **kw})
+            params.max_tokens_defaulted = defaulted  # (fit_room may cut it to a prompt's room)
+            return params
         except (ValueError, TypeError) as e:
             err = _value_error(e, list(kw))
             if err.param == "structured_outputs" and constraint_field:
@@ -590,6 +602,15 @@ class OpenAIServing:
         if err is not None:
             raise APIError(400, err, param=field)
 
+    def fit_room(self, ids: list[int], params: Any) -> Any:
+        """params for the prompt ids: a max_tokens that came from the model's default (not the request)
+        cut to the prompt's room, as vLLM's (a copy; params itself when it fits)."""
+        room = self.engine.max_model_len - len(ids)
+        if getattr(params, "max_tokens_defaulted", False) and params.max_tokens > room > 0:
+            params = params.clone()
+            params.max_tokens = room
+        return params
+
     def validate(self, ids: list[int], params: Any, param: str, what: str | None = None) -> None:
         """The engine's own length rules (`LLMEngine.validate_request`, which only reads limits), checked
         here so that an over-long prompt never reaches the engine thread. param: the field to blame
@@ -615,14 +636,15 @@ class OpenAIServing:
     async def add_all(self, base_id: str, prompts: list[Any], params: Any, param: str = "prompt",
                       lora: Any = None) -> list[RequestStream]:  # fmt: skip
         """Add one engine request per prompt (under the LoRA adapter lora, if any); on any refusal abort
-        those already added. param: the request field the prompts came from ("prompt" or
-        "messages"), named by a refusal's error."""
+        those already added. params: one for all, or a list of one per prompt. param: the request
+        field the prompts came from ("prompt" or "messages"), named by a refusal's error."""
         streams: list[RequestStream] = []
         i = 0
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(rid, prompt, params, lora))
+                p = params[i] if isinstance(params, list) else params
+                streams.append(await self.engine.add_request(rid, prompt, p, lora))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -886,6 +908,7 @@ class OpenAIServing:
             except APIError as e:
                 raise ours(e) from None
             await self.compile_constraint(params, field)
+            params = self.fit_room(prompt_ids, params)
             try:
                 self.validate(prompt_ids, params, "input", "the prompt (input after the chat template)")
                 break
@@ -1180,23 +1203,27 @@ class OpenAIServing:
         params = self.sampling_params(kw, req.structured_from)
         await self.compile_constraint(params, req.structured_from)
         prompts: list[Any] = []
+        each: list[Any] = []  # each prompt's params (a max_tokens default cut to its room)
         for i, p in enumerate(raw):
             name = "prompt" if len(raw) == 1 else f"prompt[{i}]"
             if isinstance(p, list):
                 self.check_token_ids(p, name)
                 p = raw[i] = params.truncate_prompt(p)
-                self.validate(p, params, name)
+                each.append(self.fit_room(p, params))
+                self.validate(p, each[-1], name)
                 prompts.append({"prompt_token_ids": p})
             elif not p:
                 raise APIError(400, f"{name} must not be empty", param=name)
             elif self.tokenizer.tok is None:
+                each.append(params)
                 prompts.append(p)  # no tokenizer copy: the engine encodes it (and says if it cannot)
             else:
                 ids = await self.tokenizer.run(lambda t, p=p: list(t.encode(p)), "Cannot tokenize the prompt", name)
                 cut = params.truncate_prompt(ids)
                 if len(cut) < len(ids):  # echo then shows the text that was run
                     ids = raw[i] = cut
-                self.validate(ids, params, name)
+                each.append(self.fit_room(ids, params))
+                self.validate(ids, each[-1], name)
                 prompts.append({"prompt": p if isinstance(raw[i], str) else None, "prompt_token_ids": ids})
         echo = [p if isinstance(p, str) else "" for p in raw]
         if req.echo and any(isinstance(p, list) for p in raw):
@@ -1214,7 +1241,7 @@ class OpenAIServing:
             first_tokens, prompt_offsets = [f for f, _ in found], [o for _, o in found]
         rid = f"cmpl-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
-        gen = _Generation(await self.add_all(rid, prompts, params, "prompt", lora), params, timer)
+        gen = _Generation(await self.add_all(rid, prompts, each, "prompt", lora), params, timer)
         gen.echo_only = echo_only
         created = int(time.time())
 
@@ -1327,6 +1354,7 @@ class OpenAIServing:
             params = self.sampling_params(kw, req.structured_from)
             await self.compile_constraint(params, req.structured_from)
             prompt_ids = params.truncate_prompt(prompt_ids)
+            params = self.fit_room(prompt_ids, params)
             self.validate(prompt_ids, params, "messages", "the chat prompt (messages after the chat template)")
         except APIError as e:
             raise _in_request_terms(e, req) from None
