@@ -351,6 +351,16 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The `pageflash` command. Ctrl-C (SIGINT) before a command's own handling takes over -- while a
+    model loads, say -- ends it with status 130 and one line, not a KeyboardInterrupt traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("pageflash: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "serve":
         from pageflash.server.app import main as serve_main

@@ -192,3 +192,20 @@ def test_generate_with_structured_outputs_and_bad_words(tmp_path, capfd):
     assert rc == 2 and "regex" in err
     rc, err = run(capfd, ["generate", *common, "--json-schema", "{oops", "x"])
     assert rc == 2 and "--json-schema" in err
+
+
+def test_ctrl_c_before_a_command_handles_it_is_one_line_and_status_130(monkeypatch, capsys):
+    """Ctrl-C while the model loads (before generate / chat / serve handle it themselves): status 130
+    and one line on stderr, not a KeyboardInterrupt traceback."""
+    import pageflash.cli as cli
+    import pageflash.server.app as app
+
+    def interrupted(*_a, **_kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_generate", interrupted)
+    monkeypatch.setattr(app, "main", interrupted)
+    for argv in (["generate", "hi"], ["serve"]):
+        assert cli.main(argv) == 130
+        err = capsys.readouterr().err
+        assert err == "pageflash: interrupted\n"
