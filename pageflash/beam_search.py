@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from pageflash.outputs import Logprob
 from pageflash.sampling_params import MAX_LOGPROBS, SamplingParams, _check_bool, _check_float, _check_int
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,13 +65,13 @@ class BeamSearchParams:
 @dataclass
 class BeamSearchSequence:
     """One beam: tokens (the prompt's, then the generated ones, as vLLM), cum_logprob (the sum of the
-    generated tokens' log-probabilities), logprobs (per generated token: {token id: log-probability}
-    of the candidates that round read), text (the whole sequence decoded, special tokens skipped, as
+    generated tokens' log-probabilities), logprobs (per generated token: {token id: Logprob} of the
+    candidates that round read, as vLLM's: ``.logprob``, ``.rank``, ``.decoded_token``), text (the whole sequence decoded, special tokens skipped, as
     vLLM's; ``output_text`` is the generated part alone), finish_reason ("stop": EOS; "length")."""
 
     tokens: list[int]
     cum_logprob: float = 0.0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     num_prompt_tokens: int = 0
     text: Optional[str] = None
     output_text: Optional[str] = None
@@ -140,7 +141,7 @@ class BeamSearch:
             for tok, lp in sorted(top.items(), key=lambda kv: -kv[1].logprob)[: 2 * width]:
                 cands[i].append(BeamSearchSequence(
                     tokens=beam.tokens + [tok], cum_logprob=beam.cum_logprob + lp.logprob,
-                    logprobs=beam.logprobs + [{t: v.logprob for t, v in top.items()}],
+                    logprobs=beam.logprobs + [dict(top)],
                     num_prompt_tokens=beam.num_prompt_tokens))  # fmt: skip
         for i, cs in enumerate(cands):
             for c in cs:

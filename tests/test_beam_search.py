@@ -8,6 +8,7 @@ import torch
 
 from hf_ref import make_random_hf_folder
 from pageflash import LLM, BeamSearchParams, SamplingParams
+from pageflash.outputs import Logprob
 
 CFG = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=48,
            intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -62,6 +63,10 @@ def test_beam_search_matches_the_reference(models, width, penalty):
             assert s.tokens[:len(p)] == p and s.output_token_ids == s.tokens[len(p):]
             assert s.finish_reason == ("stop" if s.tokens[-1] == 3 else "length")
             assert len(s.logprobs) == len(s.output_token_ids)
+            # vLLM's BeamSearchSequence.logprobs: per generated token {token id: Logprob} (was floats)
+            assert all(isinstance(v, Logprob) and v.rank is not None for d in s.logprobs for v in d.values())
+            assert math.isclose(sum(d[t].logprob for d, t in zip(s.logprobs, s.output_token_ids)), s.cum_logprob,
+                                rel_tol=1e-6, abs_tol=1e-5)
     assert llm.llm_engine.get_stats()["prefix_cache_hits"] > hits0  # rounds reuse the beams' blocks
     kv = llm.llm_engine.kv
     assert kv.num_free_blocks == kv.pool.num_blocks and not llm.llm_engine.has_unfinished_requests()
