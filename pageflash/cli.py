@@ -60,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the model folder's generation_config.json gives EOS ids and the default "
                         "temperature / top_p / top_k / min_p / repetition_penalty / max_new_tokens (as vLLM); "
                         "vllm: ignore it; a folder: its generation_config.json instead")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / prompt_logprobs a request may ask for per token (-1: the whole "
+                        "vocabulary; default: %(default)s, as vLLM)")
     g.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
                    help='defaults over --generation-config\'s, e.g. \'{"temperature": 0.6}\' (vLLM\'s; '
                         "max_new_tokens is also the server's ceiling on max_tokens)")
@@ -71,7 +74,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         c.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill is always chunked (as vLLM V1)")
-    for flag, kind in (("--swap-space", float), ("--max-logprobs", int), ("--max-seq-len-to-capture", int),
+    for flag, kind in (("--swap-space", float), ("--max-seq-len-to-capture", int),
                        ("--revision", str), ("--tokenizer-revision", str), ("--download-dir", str),
                        ("--tokenizer-mode", str), ("--cpu-offload-gb", float), ("--lora-dtype", str)):
         c.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
@@ -101,6 +104,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         generation_config=getattr(a, "generation_config", "auto"),
         override_generation_config=getattr(a, "override_generation_config", None),
+        max_logprobs=getattr(a, "max_logprobs", 20),
         enable_lora=getattr(a, "enable_lora", False), max_loras=getattr(a, "max_loras", 1),
         max_lora_rank=getattr(a, "max_lora_rank", 16), max_cpu_loras=getattr(a, "max_cpu_loras", None),
     )

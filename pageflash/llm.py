@@ -30,7 +30,6 @@ VLLM_COMPAT_OPTIONS: dict[str, Optional[tuple]] = {
     "disable_log_stats": None,  # statistics are kept, not logged
     "enable_chunked_prefill": (True, None),  # prefill is always chunked (as vLLM V1)
     "swap_space": None, "cpu_offload_gb": (0, 0.0, None),  # preemption recomputes; nothing is offloaded
-    "max_logprobs": None,  # logprobs are capped at 20, as vLLM's default
     "served_model_name": None,  # offline: nothing is served
     "max_seq_len_to_capture": None, "disable_custom_all_reduce": None,
     # LoRA: adapters in the model's dtype (vLLM's "auto"); sharding adapters needs tensor parallelism,
@@ -79,6 +78,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         generation_config: str = "auto",
         override_generation_config: Optional[Union[dict, str]] = None,
+        max_logprobs: int = 20,
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
@@ -104,6 +104,7 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                 speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
                 generation_config=generation_config, override_generation_config=override_generation_config,
+                max_logprobs=max_logprobs,
                 enable_lora=enable_lora, max_loras=max_loras,
                 max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             )

@@ -16,7 +16,8 @@ from typing import Any, Optional, Union
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
-# Most top logprobs one request may ask for per token (OpenAI's and vLLM's default cap).
+# Most top logprobs one request may ask for per token by default (OpenAI's cap, vLLM's default
+# max_logprobs; the engine's max_logprobs option sets it, LLMEngine.validate_request checks it).
 MAX_LOGPROBS = 20
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -147,7 +148,7 @@ class SamplingParams:
     min_tokens: EOS and stop_token_ids are masked until this many tokens were generated.
     ignore_eos: keep generating after EOS (benchmarks).
     logprobs: number of top logprobs per generated token; 0 = only the sampled token's;
-        None = no logprobs.
+        None = no logprobs. At most the engine's max_logprobs (20 by default, as vLLM's).
     prompt_logprobs: the same for each prompt token after the first (RequestOutput.prompt_logprobs;
         the prompt is then computed whole, without prefix-cache hits); None = none.
     truncate_prompt_tokens: keep only the prompt's last k tokens (left truncation); None = all.
@@ -228,14 +229,14 @@ class SamplingParams:
                 f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}"
             )
         _check_int("logprobs", self.logprobs, allow_none=True)
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be at least 0 (or None), got {self.logprobs}")
         _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allow_none=True)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise ValueError(f"truncate_prompt_tokens must be at least 1 (or None), got {self.truncate_prompt_tokens}")
         _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be at least 0 (or None), got {self.prompt_logprobs}")
 
         # ---- floats -----------------------------------------------------------------------
         self.temperature = _check_float("temperature", self.temperature)

@@ -415,7 +415,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "bad_words": "x"}, "bad_words", ()),
     ({"prompt": "hi", "bad_words": ["  "]}, "bad_words", ("non-blank",)),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ()),
-    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", ()),
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", ("max_logprobs",)),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs", ("20 logprobs allowed",)),
     ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, None, ("prompt_logprobs", "stream")),
 ]
 
@@ -444,6 +445,7 @@ BAD_CHATS = [
     ({"messages": CHAT, "top_p": 0.0}, "top_p", ()),
     ({"messages": CHAT, "n": 0}, "n", ()),
     ({"messages": CHAT, "top_logprobs": 2}, None, ("logprobs",)),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", ("top_logprobs=21", "max_logprobs")),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
      ('tool_choice "auto"', "--tool-call-parser")),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],

@@ -263,3 +263,30 @@ def test_cli_override_generation_config(tmp_path):
     assert sampling_params(p.parse_args([]), {"max_tokens": 40, "temperature": 0.5}).max_tokens == 40
     assert sampling_params(p.parse_args(["--max-tokens", "3"]), {"max_tokens": 40}).max_tokens == 3
     assert sampling_params(p.parse_args([])).max_tokens == 256
+
+
+def test_max_logprobs_sets_the_cap(tmp_path):
+    """vLLM's max_logprobs (LLM option, serve --max-logprobs): the most logprobs / prompt_logprobs a
+    request may ask for, 20 by default, -1 the whole vocabulary; past it a clear error at add time and
+    the engine goes on. Values past 20 are the model's own, ranked as any."""
+    folder = make_random_hf_folder(tmp_path, CONFIGS["llama-gqa"])
+    kw = dict(max_model_len=64, num_kv_blocks=32, dtype="float32")
+    ids = {"prompt_token_ids": [3, 1, 4, 1, 5]}
+    wide = LLM(folder, max_logprobs=30, **kw)
+    o = wide.generate(ids, SamplingParams(temperature=0, max_tokens=2, logprobs=30, prompt_logprobs=25),
+                      use_tqdm=False)[0]  # fmt: skip
+    top = o.outputs[0].logprobs[0]
+    assert len(top) == 30 and sorted(v.rank for v in top.values()) == list(range(1, 31))
+    assert all(len(p) in (25, 26) for p in o.prompt_logprobs[1:])
+    with pytest.raises(ValueError, match="logprobs=31 is more than the 30 logprobs allowed"):
+        wide.generate(ids, SamplingParams(logprobs=31), use_tqdm=False)
+    narrow = LLM(folder, max_logprobs=0, **kw)
+    with pytest.raises(ValueError, match="prompt_logprobs=1 .*max_logprobs"):
+        narrow.generate(ids, SamplingParams(prompt_logprobs=1), use_tqdm=False)
+    assert len(narrow.generate(ids, SamplingParams(logprobs=0, max_tokens=1), use_tqdm=False)[0].outputs[0].logprobs[0]) == 1
+    assert free(narrow)
+    vocab = LLM(folder, max_logprobs=-1, **kw)
+    v = vocab.llm_engine.vocab_size
+    assert len(vocab.generate(ids, SamplingParams(logprobs=v, max_tokens=1), use_tqdm=False)[0].outputs[0].logprobs[0]) == v
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0, or -1"):
+        LLM(folder, max_logprobs=-2, **kw)

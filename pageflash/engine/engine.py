@@ -96,6 +96,8 @@ class EngineConfig:
     # max_new_tokens} (a dict or its JSON) merged over what generation_config gave ("vllm": over nothing);
     # its max_new_tokens is also the server's ceiling on max_tokens; other keys are ignored, as in vLLM
     override_generation_config: Optional[Union[dict, str]] = None
+    # the most logprobs / prompt_logprobs one request may ask for (vLLM's; -1: the whole vocabulary)
+    max_logprobs: int = 20
     # LoRA adapters (vLLM's options): requests may run under PEFT adapters (lora_request), up to
     # max_loras of them on the device at once, each of rank <= max_lora_rank; max_cpu_loras adapters
     # kept in host memory once read (None: max_loras)
@@ -121,6 +123,9 @@ class EngineConfig:
         positive("max_loras")
         positive("max_lora_rank")
         positive("max_cpu_loras", allow_none=True)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got "
+                             f"{self.max_logprobs!r}")  # fmt: skip
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         gmu = self.gpu_memory_utilization
@@ -475,10 +480,14 @@ class LLMEngine:
             self.structured_outputs().matcher(params.structured_outputs)
         if compile_constraints and params.bad_words:
             self.bad_word_ids(params.bad_words)
+        cap = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size ({self.vocab_size})")
+            if k is not None and cap >= 0 and k > cap:
+                raise ValueError(f"{name}={k} is more than the {cap} logprobs allowed per token (the engine's "
+                                 f"max_logprobs option)")
         if strict_length and params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "

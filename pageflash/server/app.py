@@ -123,7 +123,7 @@ def _validation_error(e: pydantic.ValidationError) -> APIError:
 _REQUEST_FIELDS = frozenset(P.CompletionRequest.model_fields) | frozenset(P.ChatCompletionRequest.model_fields)
 
 # request fields that LLMEngine.validate_request's errors may name (else the prompt is to blame)
-_PARAMS_FIELDS = ("max_tokens", "allowed_token_ids", "logprobs", "structured_outputs", "logit_bias")
+_PARAMS_FIELDS = ("max_tokens", "allowed_token_ids", "prompt_logprobs", "logprobs", "structured_outputs", "logit_bias")
 
 
 def _value_error(e: Exception, fields: Sequence[str] = ()) -> APIError:
@@ -1449,7 +1449,11 @@ class OpenAIServing:
 
 def _in_request_terms(e: APIError, req: P.ChatCompletionRequest) -> APIError:
     """An error about the engine's max_tokens, in the terms of a chat request that set the length
-    limit as max_completion_tokens (OpenAI's newer name, which the openai SDK sends)."""
+    limit as max_completion_tokens (OpenAI's newer name, which the openai SDK sends); one about its
+    logprobs, in terms of top_logprobs (the count a chat request sets)."""
+    if e.param == "logprobs" and req.top_logprobs is not None:
+        e.message = re.sub(r"\blogprobs\b", "top_logprobs", e.message)
+        e.param = "top_logprobs"
     if req.max_completion_tokens is not None:
         e.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", e.message)
         if e.param == "max_tokens":

@@ -106,7 +106,7 @@ class _SamplingFields(_Strict):
     allowed_token_ids: list[StrictInt] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
     # vLLM's: the prompt's tokens' logprobs and top k (completions: per choice; chat: the response's)
-    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0)
     bad_words: list[StrictStr] | None = None
     # vLLM's extra parameters that change the result and that pageflash does not implement: asking
     # for one (anything but null / false) is a 400 naming it, not a silently different result.
@@ -235,7 +235,7 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptType
     echo: StrictBool | None = False  # before max_tokens, whose check reads it
     max_tokens: StrictInt | None = Field(16, ge=0)  # 0: only with echo (the prompt's logprobs, vLLM)
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, ge=0)
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
 
@@ -428,7 +428,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(None, ge=0)
     add_generation_prompt: StrictBool = True
     # Function calling: the tools go to the chat template; tool_choice "required" or a named function
     # constrains the output to their arguments' JSON (structured outputs), answered as tool_calls.
