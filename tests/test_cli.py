@@ -192,3 +192,14 @@ def test_generate_with_structured_outputs_and_bad_words(tmp_path, capfd):
     assert rc == 2 and "regex" in err
     rc, err = run(capfd, ["generate", *common, "--json-schema", "{oops", "x"])
     assert rc == 2 and "--json-schema" in err
+
+
+def test_tensor_parallel_help_does_not_refuse_speculation(capsys):
+    """-tp's help once said "no speculative decoding", which the engine runs over the ranks (README,
+    tests/test_tensor_parallel.py); the help names the CPU's gloo processes too."""
+    for cmd in ("generate", "chat"):
+        with pytest.raises(SystemExit):
+            cli_main([cmd, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "no speculative decoding" not in out
+        assert "speculative decoding works over the ranks" in out and "gloo" in out
