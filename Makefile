@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.pageflash-installed
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-gpu bench-kernels clean
+.PHONY: install demo test test-gpu clean
 
 install: $(STAMP)
 

@@ -46,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N's tokens are processed (default: on for CUDA)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over this many GPUs, cuda:0..N-1 (NCCL); no speculative decoding")
+                   help="split the model over this many GPUs, cuda:0..N-1 (NCCL; on the CPU: N processes over gloo); "
+                        "speculative decoding works over the ranks")
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
                         "(methods: ngram, draft_model, medusa, early_exit; docs/SPEC.md)")

@@ -209,3 +209,14 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line_and_status_130(monkeypat
         assert cli.main(argv) == 130
         err = capsys.readouterr().err
         assert err == "pageflash: interrupted\n"
+
+
+def test_tensor_parallel_help_does_not_refuse_speculation(capsys):
+    """-tp's help once said "no speculative decoding", which the engine runs over the ranks (README,
+    tests/test_tensor_parallel.py); the help names the CPU's gloo processes too."""
+    for cmd in ("generate", "chat"):
+        with pytest.raises(SystemExit):
+            cli_main([cmd, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "no speculative decoding" not in out
+        assert "speculative decoding works over the ranks" in out and "gloo" in out
