@@ -513,7 +513,16 @@ def test_logprobs_are_raw_and_ranks_are_right():
     torch.testing.assert_close(out.logprobs[:, 1:], top.values)
     for i in range(5):
         sampled = ref[i, out.token_ids[i]]
-        assert out.sampled_ranks[i].item() == 1 + int((ref[i] > sampled).sum())
+        assert out.sampled_ranks[i].item() == int((ref[i] >= sampled).sum())
+
+
+def test_a_tied_sampled_token_ranks_as_vllm_counts_it():
+    """vLLM's rank of the sampled token is the number of tokens at least as likely: a token tied with
+    two others at the top ranks 3, one tied with nothing ranks by the tokens above it plus 1."""
+    logits = torch.tensor([[5.0, 5.0, 1.0, 5.0, 0.0], [3.0, 2.0, 2.0, 9.0, 0.0]])
+    params = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.0, logprobs=1)]
+    out = Sampler()(logits, build(params, 5))
+    assert out.token_ids[1].item() == 3 and out.sampled_ranks.tolist() == [3, 1]
 
 
 def test_logprobs_zero_gives_only_the_sampled_token():

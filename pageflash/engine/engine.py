@@ -764,7 +764,7 @@ class LLMEngine:
             lp = torch.log_softmax(self.runner.model.compute_logits(h[a : a + self.PROMPT_LOGPROB_ROWS]).float(), -1)
             own = lp.gather(1, targets[a : a + lp.shape[0], None])
             own_l += own[:, 0].tolist()
-            ranks += ((lp > own).sum(-1) + 1).tolist()
+            ranks += (lp >= own).sum(-1).tolist()  # tokens at least as likely (vLLM's rank)
             if k:
                 top = torch.topk(lp, k, dim=-1)
                 top_v += top.values.tolist()

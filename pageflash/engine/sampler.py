@@ -77,7 +77,8 @@ class SamplerOutput:
         ``params.logprobs`` in the batch; a row that asked for k < K reads columns 0..k.
     logprob_token_ids: int64 [B, K+1] or None, the token ids of the ``logprobs`` columns.
     sampled_ranks: int64 [B] or None, 1-based rank of the sampled token under the raw logits
-        (1 = most likely; tied tokens share the best rank).
+        (1 = most likely): the number of tokens at least as likely, as vLLM counts it (so tied
+        tokens share the worst rank of their tie).
     """
 
     token_ids: torch.Tensor
@@ -635,4 +636,4 @@ def _add_logprobs(out: SamplerOutput, logits: torch.Tensor, k: int) -> None:
     else:
         out.logprobs = sampled_lp
         out.logprob_token_ids = sampled.clone()
-    out.sampled_ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+    out.sampled_ranks = (logprobs >= sampled_lp).sum(dim=-1)  # (vLLM's count: ties rank below)
