@@ -174,7 +174,7 @@ class LLM:
                 if lora is not None:
                     held.append(eng.get_lora(lora))  # read and checked before anything is queued
                 text, ids = eng.tokenize_prompt(p)
-                ids = sp.truncate_prompt(ids)
+                ids = sp.truncate_prompt(ids, eng.max_model_len)
                 eng.validate_request(ids, sp, strict_length=False)  # (as vLLM: stops at the context)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e

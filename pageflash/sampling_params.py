@@ -45,8 +45,10 @@ def _check_float(name: str, value: Any) -> float:
     return value
 
 
-def _truncate(ids: list[int], k: Optional[int]) -> list[int]:
-    """The last k prompt token ids (all for None)."""
+def _truncate(ids: list[int], k: Optional[int], max_len: Optional[int]) -> list[int]:
+    """The last k prompt token ids (all for None; -1: the last max_len, the model's context, as vLLM)."""
+    if k == -1:
+        k = max_len
     return ids[-k:] if k is not None and len(ids) > k else ids
 
 
@@ -151,7 +153,8 @@ class SamplingParams:
         None = no logprobs. At most the engine's max_logprobs (20 by default, as vLLM's).
     prompt_logprobs: the same for each prompt token after the first (RequestOutput.prompt_logprobs;
         the prompt is then computed whole, without prefix-cache hits); None = none.
-    truncate_prompt_tokens: keep only the prompt's last k tokens (left truncation); None = all.
+    truncate_prompt_tokens: keep only the prompt's last k tokens (left truncation); -1 = the last
+        max_model_len (as vLLM); None = all.
     allowed_token_ids: only these tokens may be generated (the others' logits are -inf before
         anything else, so logprobs still report the model's own distribution); None = any. The
         engine refuses a set of stop / EOS tokens only together with min_tokens (nothing could
@@ -232,8 +235,9 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be at least 0 (or None), got {self.logprobs}")
         _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allow_none=True)
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-            raise ValueError(f"truncate_prompt_tokens must be at least 1 (or None), got {self.truncate_prompt_tokens}")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1):
+            raise ValueError(f"truncate_prompt_tokens must be at least 1, -1 (the model's context) or None, got "
+                             f"{self.truncate_prompt_tokens}")
         _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be at least 0 (or None), got {self.prompt_logprobs}")
@@ -353,9 +357,10 @@ class SamplingParams:
             out[tok] = v  # (zeros kept: their ids are still checked against the vocabulary)
         return out
 
-    def truncate_prompt(self, ids: list[int]) -> list[int]:
-        """The prompt token ids this request runs on (truncate_prompt_tokens keeps the last k)."""
-        return _truncate(ids, self.truncate_prompt_tokens)
+    def truncate_prompt(self, ids: list[int], max_len: Optional[int] = None) -> list[int]:
+        """The prompt token ids this request runs on (truncate_prompt_tokens keeps the last k; -1 the last
+        max_len, the engine's max_model_len)."""
+        return _truncate(ids, self.truncate_prompt_tokens, max_len)
 
     @property
     def greedy(self) -> bool:
@@ -405,7 +410,7 @@ class PoolingParams:
     normalize: scale the vector to unit L2 norm (vLLM's default for embeddings).
     dimensions: keep only the first d components (Matryoshka-style truncation), before normalizing;
         None = all of hidden_size.
-    truncate_prompt_tokens: keep only the prompt's last k tokens; None = all.
+    truncate_prompt_tokens: keep only the prompt's last k tokens; -1 = the last max_model_len; None = all.
     """
 
     normalize: bool = True
@@ -418,9 +423,11 @@ class PoolingParams:
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"dimensions must be at least 1 (or None), got {self.dimensions}")
         _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allow_none=True)
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-            raise ValueError(f"truncate_prompt_tokens must be at least 1 (or None), got {self.truncate_prompt_tokens}")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1):
+            raise ValueError(f"truncate_prompt_tokens must be at least 1, -1 (the model's context) or None, got "
+                             f"{self.truncate_prompt_tokens}")
 
-    def truncate_prompt(self, ids: list[int]) -> list[int]:
-        """The prompt token ids this request runs on (truncate_prompt_tokens keeps the last k)."""
-        return _truncate(ids, self.truncate_prompt_tokens)
+    def truncate_prompt(self, ids: list[int], max_len: Optional[int] = None) -> list[int]:
+        """The prompt token ids this request runs on (truncate_prompt_tokens keeps the last k; -1 the last
+        max_len, the engine's max_model_len)."""
+        return _truncate(ids, self.truncate_prompt_tokens, max_len)

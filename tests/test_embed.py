@@ -92,6 +92,14 @@ def test_bad_pooling_params(models):
                       ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
         with pytest.raises((ValueError, TypeError), match=match):
             PoolingParams(**kw)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        PoolingParams(truncate_prompt_tokens=-2)
+    # vLLM's -1: the last max_model_len tokens (an embedding input may fill the context)
+    long = [(7 * i) % 140 + 3 for i in range(300)]
+    cut, want = llm.embed([{"prompt_token_ids": long}, {"prompt_token_ids": long[-128:]}],
+                          [PoolingParams(truncate_prompt_tokens=-1), PoolingParams()], use_tqdm=False)  # fmt: skip
+    assert cut.prompt_token_ids == long[-128:]
+    torch.testing.assert_close(torch.tensor(cut.outputs.embedding), torch.tensor(want.outputs.embedding))
     with pytest.raises(ValueError, match="prompt 0: dimensions=65 exceeds the model's hidden size"):
         llm.embed({"prompt_token_ids": [1, 2]}, PoolingParams(dimensions=65), use_tqdm=False)
     with pytest.raises(TypeError, match="PoolingParams"):

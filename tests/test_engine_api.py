@@ -322,6 +322,12 @@ def test_truncate_prompt_tokens(llm):
     assert got.prompt_token_ids == ids[-3:] and got.outputs[0].token_ids == want.outputs[0].token_ids
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
+    # vLLM's -1: the last max_model_len tokens (offline, generation then stops at the context at once)
+    long = ids * (llm.llm_engine.max_model_len // len(ids) + 2)
+    with pytest.raises(ValueError, match="max_model_len"):  # a full context leaves no room to generate
+        llm.generate({"prompt_token_ids": long}, SamplingParams(max_tokens=2, truncate_prompt_tokens=-1),
+                     use_tqdm=False)  # fmt: skip
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt(long, 5) == long[-5:]
     assert free_all(llm)
 
 

@@ -940,6 +940,10 @@ def test_embeddings_through_the_openai_client(srv: Srv) -> None:
     assert_error(srv.post("/v1/embeddings", {"input": "x", "dimensions": 10**4}), 400, param="dimensions")
     assert_error(srv.post("/v1/embeddings", {"input": "x", "encoding_format": "int8"}), 400, param="encoding_format")
     assert_error(srv.post("/v1/embeddings", {"input": "x " * 400}), 400, param="input")
+    cut = srv.post("/v1/embeddings", {"input": "x " * 400, "truncate_prompt_tokens": -1}).json()  # vLLM's: the
+    assert cut["usage"]["prompt_tokens"] == MAX_MODEL_LEN  # last max_model_len tokens
+    assert_error(srv.post("/v1/embeddings", {"input": "x", "truncate_prompt_tokens": -2}), 400,
+                 param="truncate_prompt_tokens")  # fmt: skip
     before = _metric(srv.http.get("/metrics").text, "pageflash:e2e_request_latency_seconds_count")
     srv.client.embeddings.create(model=MODEL, input="one more")
     assert _metric(srv.http.get("/metrics").text, "pageflash:e2e_request_latency_seconds_count") == before + 1

@@ -519,7 +519,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         adapter = self.get_lora(lora_request) if lora_request is not None else None
         text, ids = self.tokenize_prompt(prompt)
-        ids = params.truncate_prompt(ids)
+        ids = params.truncate_prompt(ids, self.max_model_len)
         # (compiled just below; the server checked max_tokens against the context before)
         self.validate_request(ids, pooling or params, compile_constraints=False, strict_length=False)
         grammar = None

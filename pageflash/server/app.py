@@ -1098,7 +1098,7 @@ class OpenAIServing:
             else:
                 ids = await self.tokenizer.run(lambda t, p=p: list(t.encode(p, add_special_tokens=body.add_special_tokens)),
                                                "Cannot tokenize the input", name)  # fmt: skip
-            ids = pooling.truncate_prompt(ids)
+            ids = pooling.truncate_prompt(ids, self.engine.max_model_len)
             self.validate(ids, pooling, name)
             prompts.append({"prompt_token_ids": ids})
         timer = self.metrics.timer()  # (e2e latency, prompt length and success counts; no tokens are generated)
@@ -1208,7 +1208,7 @@ class OpenAIServing:
             name = "prompt" if len(raw) == 1 else f"prompt[{i}]"
             if isinstance(p, list):
                 self.check_token_ids(p, name)
-                p = raw[i] = params.truncate_prompt(p)
+                p = raw[i] = params.truncate_prompt(p, self.engine.max_model_len)
                 each.append(self.fit_room(p, params))
                 self.validate(p, each[-1], name)
                 prompts.append({"prompt_token_ids": p})
@@ -1219,7 +1219,7 @@ class OpenAIServing:
                 prompts.append(p)  # no tokenizer copy: the engine encodes it (and says if it cannot)
             else:
                 ids = await self.tokenizer.run(lambda t, p=p: list(t.encode(p)), "Cannot tokenize the prompt", name)
-                cut = params.truncate_prompt(ids)
+                cut = params.truncate_prompt(ids, self.engine.max_model_len)
                 if len(cut) < len(ids):  # echo then shows the text that was run
                     ids = raw[i] = cut
                 each.append(self.fit_room(ids, params))
@@ -1353,7 +1353,7 @@ class OpenAIServing:
         try:
             params = self.sampling_params(kw, req.structured_from)
             await self.compile_constraint(params, req.structured_from)
-            prompt_ids = params.truncate_prompt(prompt_ids)
+            prompt_ids = params.truncate_prompt(prompt_ids, self.engine.max_model_len)
             params = self.fit_room(prompt_ids, params)
             self.validate(prompt_ids, params, "messages", "the chat prompt (messages after the chat template)")
         except APIError as e:

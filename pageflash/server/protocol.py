@@ -104,7 +104,7 @@ class _SamplingFields(_Strict):
     guided_grammar: StrictStr | None = None
     guided_whitespace_pattern: Any = None
     allowed_token_ids: list[StrictInt] | None = None
-    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
     # vLLM's: the prompt's tokens' logprobs and top k (completions: per choice; chat: the response's)
     prompt_logprobs: StrictInt | None = Field(None, ge=0)
     bad_words: list[StrictStr] | None = None
@@ -805,7 +805,7 @@ class EmbeddingRequest(_Strict):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(None, ge=1)
     user: StrictStr | None = None
-    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
     add_special_tokens: StrictBool = True
 
     def inputs(self) -> list[str | list[int]]:
