@@ -124,6 +124,7 @@ def assert_error(r: httpx.Response, status: int, *, param: str | None = None, co
 # --------------------------------------------------------------------------- plain endpoints
 def test_health_models_version(srv: Srv) -> None:
     assert srv.http.get("/health").status_code == 200
+    assert srv.http.get("/ping").status_code == 200 and srv.http.post("/ping").status_code == 200  # vLLM's
     assert srv.http.get("/version").json()["version"]
     models = srv.client.models.list()
     assert [m.id for m in models.data] == [MODEL]

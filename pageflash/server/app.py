@@ -1782,6 +1782,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
             return Response(status_code=200)
         return APIError(503, f"The engine is not running: {engine.dead_reason}").response()
 
+    # vLLM's /ping (GET or POST; what SageMaker's health check calls): the same answer as /health
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
