@@ -1,7 +1,7 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3 (NoPE layers), Phi-3; with mixture-of-experts layers:
-Mixtral, Qwen2-MoE, Qwen3-MoE; Gemma 1/2/3, whose differences are ModelConfig flags: GeGLU, (1 + w)
-norms, scaled embeddings, sandwich norms, softcapping, a local rope for sliding layers) over a flat
-varlen token batch.
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3 (NoPE layers), Phi-3;
+with mixture-of-experts layers: Mixtral, Qwen2-MoE, Qwen3-MoE; Gemma 1/2/3, whose differences are
+ModelConfig flags: GeGLU, (1 + w) norms, scaled embeddings, sandwich norms, softcapping, a local rope
+for sliding layers) over a flat varlen token batch.
 
 All sequences of a step are concatenated into one token dimension T; attention goes through the
 backend with the step's plan (see pageflash/layers/attention.py), so prefill chunks, decodes and
