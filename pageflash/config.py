@@ -11,7 +11,8 @@ from typing import Any, Optional
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
-                "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite"}
+                "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite",
+                "SmolLM3ForCausalLM": "smollm3"}
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -37,6 +38,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                         query_pre_attn_scalar=256,
                         sliding_window=4096, final_logit_softcapping=None, attn_logit_softcapping=None),
     "granite": dict(rms_norm_eps=1e-6, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+    # (SmolLM3Config: its rope_theta default, 2e6, is filled in by from_hf_dict)
+    "smollm3": dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768,
+                    rms_norm_eps=1e-6, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=True),
     "phi3": dict(vocab_size=32064, rms_norm_eps=1e-5, max_position_embeddings=4096, bos_token_id=1,
                  eos_token_id=32000, original_max_position_embeddings=4096),
 }
@@ -45,7 +50,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 @dataclass(frozen=True)
 class ModelConfig:
     """The shapes and constants of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2,
-    Phi-3, Gemma 1/2/3, Granite), and of its mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE:
+    Phi-3, Gemma 1/2/3, Granite, SmolLM3), and of its mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE:
     num_experts > 0)."""
 
     vocab_size: int
@@ -76,6 +81,8 @@ class ModelConfig:
     # .. p (transformers' mask); in the layers sliding_layers lists (None: every layer)
     sliding_window: Optional[int] = None
     sliding_layers: Optional[tuple[int, ...]] = None
+    # SmolLM3 (NoPE): the layers that apply no rotary embedding at all (its no_rope_layers[i] == 0)
+    nope_layers: tuple[int, ...] = ()
     # mixture of experts (0 experts: every layer has a dense MLP of intermediate_size)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -131,6 +138,9 @@ class ModelConfig:
                 not isinstance(i, int) or not 0 <= i < self.num_hidden_layers for i in self.sliding_layers):
             raise ValueError(f"model config: sliding_layers must be layer indices in [0, {self.num_hidden_layers}), "
                              f"got {self.sliding_layers!r}")
+        if any(not isinstance(i, int) or not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
+            raise ValueError(f"model config: nope_layers must be layer indices in [0, {self.num_hidden_layers}), "
+                             f"got {self.nope_layers!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"model config: hidden activation {self.hidden_act!r} is not supported "
                              f"({', '.join(ACTIVATIONS)})")
@@ -254,6 +264,10 @@ class ModelConfig:
         if self.sliding_window is None or (self.sliding_layers is not None and i not in self.sliding_layers):
             return None
         return self.sliding_window
+
+    def layer_rope(self, i: int) -> bool:
+        """Whether decoder layer i rotates q and k at all (False: SmolLM3's NoPE layers)."""
+        return i not in self.nope_layers
 
     def layer_rope_local(self, i: int) -> bool:
         """Whether decoder layer i rotates with the local rope base (Gemma 3's sliding layers)."""
@@ -397,6 +411,9 @@ class ModelConfig:
         rope_scaling = _rope_scaling(rope_scaling, d, model_type)
         gemma = model_type in GEMMA_MODEL_TYPES
         gemma23 = model_type in ("gemma2", "gemma3_text")  # (sandwich norms, hidden_activation, scalars)
+        if model_type == "smollm3":
+            _check_smollm3(d)
+            rope_theta = 2_000_000.0 if rope_theta is None else rope_theta  # (SmolLM3Config.default_theta)
         if model_type == "gemma3_text":  # its defaults: 1e6 for the full layers, 1e4 for the sliding ones
             rope_theta = 1_000_000.0 if rope_theta is None else rope_theta
             local_theta = 10_000.0 if local_theta is None else local_theta
@@ -430,6 +447,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=window,
             sliding_layers=window_layers,
+            nope_layers=_nope_layers(d) if model_type == "smollm3" else (),
             num_experts=num_experts,
             num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if num_experts else 0,
             moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]) if num_experts else 0,
@@ -481,6 +499,11 @@ class ModelConfig:
                 d["rope_local_base_freq"] = self.rope_local_theta
         if model_type in ("llama", "qwen3", "qwen3_moe"):
             d["attention_bias"] = self.attention_bias
+        if self.nope_layers and model_type != "smollm3":
+            raise ValueError(f"{model_type}: transformers' config has no NoPE layers (SmolLM3's no_rope_layers)")
+        if model_type == "smollm3":
+            d.update(attention_bias=self.attention_bias, mlp_bias=False,
+                     no_rope_layers=[int(self.layer_rope(i)) for i in range(self.num_hidden_layers)])
         if model_type == "phi3":  # (Phi3Config reads the pretraining context from the top level only)
             d.update(partial_rotary_factor=self.partial_rotary_factor,
                      original_max_position_embeddings=self.rope_original_max)
@@ -533,6 +556,22 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[Optional[int], 
         if not w or not layers:
             return None, None
         return int(w), (None if len(layers) == n else layers)
+    if model_type == "smollm3":
+        # the layers layer_types calls sliding_attention (the mask transformers' SDPA / eager attention
+        # takes; its flash path also wants use_sliding_window); without layer_types, SmolLM3Config
+        # makes the NoPE layers slide when use_sliding_window and sliding_window are set
+        n = int(d["num_hidden_layers"])
+        w = d.get("sliding_window")
+        types = d.get("layer_types")
+        if isinstance(types, list) and len(types) >= n:
+            layers = tuple(i for i in range(n) if types[i] == "sliding_attention")
+        elif d.get("use_sliding_window") and w:
+            layers = _nope_layers(d)
+        else:
+            layers = ()
+        if not w or not layers:
+            return None, None
+        return int(w), (None if len(layers) == n else layers)
     if model_type == "phi3":  # every layer slides when sliding_window is set (transformers' default: none)
         # (Phi-3.5 / Phi-4-mini set 262144, beyond their context: a window that never bites is none)
         w = d.get("sliding_window")
@@ -581,6 +620,31 @@ def _rope_scaling(rs: Any, d: dict[str, Any], model_type: str) -> Optional[dict[
         else:
             rs.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
     return rs
+
+
+def _nope_layers(d: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary embeddings: those whose no_rope_layers entry is 0 (the list may
+    be longer than the model); without the list, every no_rope_layer_interval-th layer (default 4:
+    layers 3, 7, ...), as SmolLM3Config builds it."""
+    n = int(d["num_hidden_layers"])
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        interval = int(d.get("no_rope_layer_interval") or 4)
+        return tuple(i for i in range(n) if (i + 1) % interval == 0)
+    if not isinstance(flags, (list, tuple)) or len(flags) < n or any(
+            isinstance(f, bool) or f not in (0, 1) for f in flags[:n]):
+        raise ValueError(f"model config: no_rope_layers must be a list of at least num_hidden_layers ({n}) "
+                         f"0 / 1 flags, got {flags!r}")
+    return tuple(i for i in range(n) if not flags[i])
+
+
+def _check_smollm3(d: dict[str, Any]) -> None:
+    """What SmolLM3Config allows that this decoder does not run: biases on o_proj (attention_bias puts
+    one on q, k, v and o) and on the MLP's projections."""
+    if d.get("attention_bias"):
+        raise ValueError("model config: SmolLM3's attention_bias (biases on q/k/v and o_proj) is not supported")
+    if d.get("mlp_bias"):
+        raise ValueError("model config: mlp_bias (biases on the MLP's projections) is not supported")
 
 
 def _granite_fields(d: dict[str, Any]) -> dict[str, Any]:

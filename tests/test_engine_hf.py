@@ -2,7 +2,7 @@
 
 The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized by both sides) on raw and chat
 prompts in one batch; small random Llama / Qwen2 / Qwen3 / MQA / GQA / Mixtral / Qwen2-MoE / Qwen3-MoE
-models in float32; again with a KV
+/ Gemma / Phi-3 / Granite / SmolLM3 (NoPE layers) models in float32; again with a KV
 pool so small that preemption must happen, and with prefix-cache hits.
 """
 
@@ -175,6 +175,20 @@ CONFIGS = {
                    sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                    rope_theta=1000000.0, rope_local_base_freq=10000.0,
                    rope_scaling=dict(rope_type="linear", factor=2.0), tie_word_embeddings=True),
+    # SmolLM3: NoPE layers (no_rope_layers 0: layers 0 and 2 apply no rotary embedding), GQA, tied
+    # embeddings, rope base from rope_parameters (transformers 5's layout); pad id inside the vocabulary
+    "smollm3": dict(BASE, model_type="smollm3", architectures=["SmolLM3ForCausalLM"], num_hidden_layers=3,
+                    num_attention_heads=8, num_key_value_heads=2, no_rope_layers=[0, 1, 0],
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0), tie_word_embeddings=True,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # SmolLM3 with use_sliding_window: its NoPE layer (every 2nd: no_rope_layer_interval) slides with a
+    # window of 8, the rotary one attends fully with YaRN; untied
+    "smollm3-window-yarn": dict(BASE, model_type="smollm3", architectures=["SmolLM3ForCausalLM"],
+                                num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2,
+                                use_sliding_window=True, sliding_window=8, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2,
+                                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                     original_max_position_embeddings=32)),
 }
 
 

@@ -108,7 +108,8 @@ def _close(llm) -> None:
                                                    ("qwen3-qk-norm", False), ("qwen3-moe", True),
                                                    ("qwen2-moe", False), ("mistral-window", True),
                                                    ("gemma2", True), ("gemma3", False), ("phi3", False),
-                                                   ("granite", True), ("phi3-longrope", True)])
+                                                   ("granite", True), ("phi3-longrope", True),
+                                                   ("smollm3", False), ("smollm3-window-yarn", True)])
 def test_two_ranks_match_hf(tmp_path, name, async_scheduling):
     """Two ranks give HF's greedy tokens, with chunked prefill (a budget of 24 tokens, blocks of 4) in a
     pool small enough to preempt (a sliding window over every layer: blocks behind it given back); no KV block leaks; the workers stop at shutdown. With async

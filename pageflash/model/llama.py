@@ -1,7 +1,7 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3; with mixture-of-experts layers:
-Mixtral, Qwen2-MoE, Qwen3-MoE; Gemma 1/2/3, whose differences are ModelConfig flags: GeGLU, (1 + w)
-norms, scaled embeddings, sandwich norms, softcapping, a local rope for sliding layers) over a flat
-varlen token batch.
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3 (NoPE layers), Phi-3;
+with mixture-of-experts layers: Mixtral, Qwen2-MoE, Qwen3-MoE; Gemma 1/2/3, whose differences are
+ModelConfig flags: GeGLU, (1 + w) norms, scaled embeddings, sandwich norms, softcapping, a local rope
+for sliding layers) over a flat varlen token batch.
 
 All sequences of a step are concatenated into one token dimension T; attention goes through the
 backend with the step's plan (see pageflash/layers/attention.py), so prefill chunks, decodes and
@@ -54,6 +54,9 @@ class LlamaAttention(_Prefetching, nn.Module):
         # sliding-window layers pass the backend their window (and the positions: a token tree's keys
         # sit at their depth, not at their place in the cache)
         self.window = cfg.layer_window(index)
+        # SmolLM3's NoPE layers: q and k go to the backend unrotated (no rope= either: the fused
+        # rotary-in-store and rotary-in-decode launches then store / attend without rotating)
+        self.use_rope = cfg.layer_rope(index)
         self.softcap = cfg.attn_logit_softcapping  # Gemma 2
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, bias=cfg.attention_bias)
@@ -93,7 +96,10 @@ class LlamaAttention(_Prefetching, nn.Module):
             q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         kv_scales = kv_cache[2:] or None
-        if getattr(backend, "fuses_rope", False) and rotary.fusable(q, k):
+        if not self.use_rope:
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale, kv_scales=kv_scales,
+                                window=self.window, positions=positions, softcap=self.softcap)
+        elif getattr(backend, "fuses_rope", False) and rotary.fusable(q, k):
             # the backend rotates q and k in the launch that stores k and v in the cache
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], plan, self.scale,
                                 rope=(rows, rotary.cos, rotary.sin), kv_scales=kv_scales,
