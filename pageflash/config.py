@@ -12,7 +12,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Q
                 "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
                 "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite",
-                "SmolLM3ForCausalLM": "smollm3"}
+                "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2"}
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -42,6 +42,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "smollm3": dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                     num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768,
                     rms_norm_eps=1e-6, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=True),
+    # Olmo2Config (no bos token; rope_theta 10000 as this reader's fallback)
+    "olmo2": dict(vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-5, eos_token_id=50279,
+                  tie_word_embeddings=False),
     "phi3": dict(vocab_size=32064, rms_norm_eps=1e-5, max_position_embeddings=4096, bos_token_id=1,
                  eos_token_id=32000, original_max_position_embeddings=4096),
 }
@@ -50,7 +54,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 @dataclass(frozen=True)
 class ModelConfig:
     """The shapes and constants of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2,
-    Phi-3, Gemma 1/2/3, Granite, SmolLM3), and of its mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE:
+    Phi-3, Gemma 1/2/3, Granite, SmolLM3, OLMo 2), and of its mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE:
     num_experts > 0)."""
 
     vocab_size: int
@@ -74,6 +78,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope
+    # OLMo 2 (with qk_norm): q_norm / k_norm over the whole q and k projections (num_heads * head_dim
+    # and num_kv_heads * head_dim weights), not per head
+    qk_norm_full: bool = False
     architecture: str = "LlamaForCausalLM"
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
@@ -96,6 +103,12 @@ class ModelConfig:
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32, rounded once
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), rounded to the model's dtype
     sandwich_norm: bool = False  # Gemma 2/3: norms after attention and after the MLP too (4 per layer)
+    # OLMo 2: no norm before attention or the MLP; each block's output is normed (post_attention_layernorm,
+    # post_feedforward_layernorm) before the residual add
+    post_norm: bool = False
+    # OLMo 2: every RMSNorm multiplies its weight in float32 and rounds once (Olmo2RMSNorm), not
+    # weight * (normed x rounded to x's dtype) as LlamaRMSNorm
+    norm_float_weight: bool = False
     query_pre_attn_scalar: Optional[float] = None  # the attention scale is its -1/2 power (else head_dim's)
     rope_local_theta: Optional[float] = None  # Gemma 3: the sliding layers' rope base (without rope_scaling)
     attn_logit_softcapping: Optional[float] = None  # Gemma 2: scores -> cap * tanh(scores / cap)
@@ -141,6 +154,12 @@ class ModelConfig:
         if any(not isinstance(i, int) or not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
             raise ValueError(f"model config: nope_layers must be layer indices in [0, {self.num_hidden_layers}), "
                              f"got {self.nope_layers!r}")
+        if self.qk_norm_full and not self.qk_norm:
+            raise ValueError("model config: qk_norm_full (q/k norms over whole projections) needs qk_norm")
+        if self.post_norm and self.sandwich_norm:
+            raise ValueError("model config: post_norm (OLMo 2) and sandwich_norm (Gemma 2/3) exclude each other")
+        if self.norm_float_weight and self.norm_unit_offset:
+            raise ValueError("model config: norm_float_weight and norm_unit_offset exclude each other")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"model config: hidden activation {self.hidden_act!r} is not supported "
                              f"({', '.join(ACTIVATIONS)})")
@@ -306,7 +325,8 @@ class ModelConfig:
         (e.g. the experts one step activates; None: all of them)."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
-        per_layer += 2 * self.head_dim if self.qk_norm else 0
+        per_layer += (self.q_size + self.kv_size if self.qk_norm_full else 2 * self.head_dim) if self.qk_norm else 0
+        per_layer -= h if self.post_norm else 0  # (no input norm)
         per_layer += 2 * h if self.sandwich_norm else 0
         per_layer += (self.q_size + 2 * self.kv_size) if self.attention_bias else 0
         n = L * per_layer + h + (L - self.num_moe_layers) * 3 * h * i
@@ -327,6 +347,12 @@ class ModelConfig:
         rank holds every expert, a slice of each). Raises naming the size that does not divide."""
         if tp_size == 1:
             return self
+        if self.qk_norm_full:
+            # (each rank would hold a slice of q and k, but the norms' variance is over the whole
+            # projection: that would need an all-reduce of the sums of squares, not implemented)
+            raise ValueError(f"tensor_parallel_size={tp_size}: {self.architecture}'s q_norm / k_norm over the whole "
+                             f"q and k projections are not supported with tensor parallelism (use "
+                             f"tensor_parallel_size=1)")
         dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
         sizes = {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads}
         if dense:
@@ -414,6 +440,8 @@ class ModelConfig:
         if model_type == "smollm3":
             _check_smollm3(d)
             rope_theta = 2_000_000.0 if rope_theta is None else rope_theta  # (SmolLM3Config.default_theta)
+        if model_type == "olmo2":
+            _check_olmo2(d)
         if model_type == "gemma3_text":  # its defaults: 1e6 for the full layers, 1e4 for the sliding ones
             rope_theta = 1_000_000.0 if rope_theta is None else rope_theta
             local_theta = 10_000.0 if local_theta is None else local_theta
@@ -441,7 +469,10 @@ class ModelConfig:
             partial_rotary_factor=1.0 if prf is None else prf,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("qkv_bias", d.get("attention_bias", model_type in ("qwen2", "qwen2_moe")))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"),
+            qk_norm_full=model_type == "olmo2",
+            post_norm=model_type == "olmo2",
+            norm_float_weight=model_type == "olmo2",
             architecture=arch,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -504,6 +535,14 @@ class ModelConfig:
         if model_type == "smollm3":
             d.update(attention_bias=self.attention_bias, mlp_bias=False,
                      no_rope_layers=[int(self.layer_rope(i)) for i in range(self.num_hidden_layers)])
+        olmo = (self.qk_norm_full, self.post_norm, self.norm_float_weight)
+        if model_type == "olmo2":
+            if olmo != (True, True, True) or not self.qk_norm:
+                raise ValueError("olmo2: transformers' OLMo 2 has whole-projection q/k norms and post norms")
+            d["attention_bias"] = self.attention_bias
+        elif any(olmo):
+            raise ValueError(f"{model_type}: transformers' config has no OLMo 2 norms (qk_norm_full, post_norm, "
+                             f"norm_float_weight)")
         if model_type == "phi3":  # (Phi3Config reads the pretraining context from the top level only)
             d.update(partial_rotary_factor=self.partial_rotary_factor,
                      original_max_position_embeddings=self.rope_original_max)
@@ -645,6 +684,13 @@ def _check_smollm3(d: dict[str, Any]) -> None:
         raise ValueError("model config: SmolLM3's attention_bias (biases on q/k/v and o_proj) is not supported")
     if d.get("mlp_bias"):
         raise ValueError("model config: mlp_bias (biases on the MLP's projections) is not supported")
+
+
+def _check_olmo2(d: dict[str, Any]) -> None:
+    """What Olmo2Config allows that this decoder does not run: attention_bias (biases on q/k/v and
+    o_proj)."""
+    if d.get("attention_bias"):
+        raise ValueError("model config: OLMo 2's attention_bias (biases on q/k/v and o_proj) is not supported")
 
 
 def _granite_fields(d: dict[str, Any]) -> dict[str, Any]:

@@ -8,12 +8,16 @@ from torch import nn
 from pageflash.layers import triton_kernel
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
+                 float_weight: bool = False) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back, as transformers' LlamaRMSNorm does; unit_offset: as
-    GemmaRMSNorm does, times (1 + weight) in float32, rounded once to x's dtype."""
+    GemmaRMSNorm does, times (1 + weight) in float32, rounded once to x's dtype; float_weight: as
+    Olmo2RMSNorm does, times weight in float32, rounded once to x's dtype."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if float_weight:
+        return (weight.float() * xf).to(dtype)
     if unit_offset:
         return (xf * (1.0 + weight.float())).to(dtype)
     return weight * xf.to(dtype)
@@ -42,10 +46,13 @@ class RMSNorm(nn.Module):
     (the sum of squares aside, see there); elsewhere rms_norm_ref. Inputs are never modified.
     """
 
-    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False, float_weight: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.unit_offset = unit_offset  # Gemma: scale by (1 + weight); its weights are stored as offsets from 1
+        # OLMo 2: weight times the normed x in float32, rounded once (the Triton kernel does not
+        # implement it: computed with PyTorch ops on every device)
+        self.float_weight = float_weight
         self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size),
                                    requires_grad=False)
 
@@ -55,11 +62,11 @@ class RMSNorm(nn.Module):
         2/3's norm of a block's output, the residual add and the next norm, in one launch on CUDA.
         x_scale (with residual): x * x_scale + residual, normed (Granite's residual_multiplier)."""
         if pre is not None and (residual is None or pre.eps != self.eps or pre.unit_offset != self.unit_offset
-                                or pre.weight.dtype != self.weight.dtype):
+                                or pre.float_weight or pre.weight.dtype != self.weight.dtype):
             x, pre = pre(x), None
         if residual is None and x_scale is not None:
             raise ValueError("RMSNorm: x_scale needs a residual")
-        if _use_fused(x, self.weight) and (
+        if not self.float_weight and _use_fused(x, self.weight) and (
             residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)
         ):
             # new tensors for both outputs: the caller may still hold x or residual
@@ -68,9 +75,9 @@ class RMSNorm(nn.Module):
         if pre is not None:
             x = pre(x)
         if residual is None:
-            return rms_norm_ref(x, self.weight, self.eps, self.unit_offset)
+            return rms_norm_ref(x, self.weight, self.eps, self.unit_offset, self.float_weight)
         x = (x if x_scale is None else x * x_scale) + residual
-        return rms_norm_ref(x, self.weight, self.eps, self.unit_offset), x
+        return rms_norm_ref(x, self.weight, self.eps, self.unit_offset, self.float_weight), x
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3 (NoPE layers), Phi-3;
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3 (NoPE layers), Phi-3,
+OLMo 2 (post norms, q/k norms over whole projections);
 with mixture-of-experts layers: Mixtral, Qwen2-MoE, Qwen3-MoE; Gemma 1/2/3, whose differences are
 ModelConfig flags: GeGLU, (1 + w) norms, scaled embeddings, sandwich norms, softcapping, a local rope
 for sliding layers) over a flat varlen token batch.
@@ -62,10 +63,13 @@ class LlamaAttention(_Prefetching, nn.Module):
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
         self.scale = cfg.attn_scale
-        # Qwen3, Gemma 3: RMSNorm over each head's q and k (one weight per head dim, shared by the heads)
-        off = cfg.norm_unit_offset
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, off) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, off) if cfg.qk_norm else None
+        # Qwen3, Gemma 3: RMSNorm over each head's q and k (one weight per head dim, shared by the heads);
+        # OLMo 2 (qk_norm_full): over the whole q and k projections, before they are split into heads
+        off, fw = cfg.norm_unit_offset, cfg.norm_float_weight
+        self.qk_norm_full = cfg.qk_norm_full
+        q_dim, k_dim = (cfg.q_size, cfg.kv_size) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, off, fw) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, off, fw) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -83,16 +87,19 @@ class LlamaAttention(_Prefetching, nn.Module):
         rows = positions if rope_rows is None else rope_rows
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        fused_qk_norm = _fused_qk_norm(qkv, self.q_norm.weight) if self.q_norm is not None else None
+        fused_qk_norm = _fused_qk_norm(qkv, self.q_norm.weight) \
+            if self.q_norm is not None and not self.qk_norm_full else None
         if fused_qk_norm is not None:  # one launch, in place, instead of two copies and two norms
             fused_qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads,
                           self.num_kv_heads, self.head_dim, unit_offset=self.q_norm.unit_offset)
         q, k, v = self.qkv_proj.split(qkv)
+        if self.qk_norm_full:  # OLMo 2: [T, heads * head_dim] rows normed whole (new tensors)
+            q, k = self.q_norm(q), self.k_norm(k)
         self._prefetch("o", self.o_proj.weight)  # while attention runs
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and fused_qk_norm is None:
+        if self.q_norm is not None and fused_qk_norm is None and not self.qk_norm_full:
             q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         kv_scales = kv_cache[2:] or None
@@ -162,13 +169,20 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
         self.local_rope = cfg.layer_rope_local(index)  # Gemma 3's sliding layers: the model's rotary_local
         self.mlp = _moe_block(cfg) if cfg.is_moe_layer(index) else \
             LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)  # noqa: E731
-        self.input_layernorm = norm()
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset,  # noqa: E731
+                               cfg.norm_float_weight)
+        # OLMo 2 (post_norm): no input norm; post_attention_layernorm and post_feedforward_layernorm
+        # norm the attention's and the MLP's outputs before each residual add
+        self.post_norm = cfg.post_norm
+        if not self.post_norm:
+            self.input_layernorm = norm()
         # Llama: the norm before the MLP; Gemma 2/3 (sandwich): the norm of the attention's output, with
         # pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it
         self.post_attention_layernorm = norm()
         self.residual_scale = cfg.residual_multiplier  # Granite: blocks' outputs scaled before each add
         self.sandwich = cfg.sandwich_norm
+        if self.post_norm:
+            self.post_feedforward_layernorm = norm()
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
@@ -177,7 +191,9 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
         """pre: the previous layer's post_feedforward_layernorm (sandwich norms), applied to x in
         the launch of this layer's input norm; rope_rows: LlamaAttention's. Returns (h, residual): a
         sandwich layer's h is the MLP's output before its post_feedforward_layernorm, which the next
-        norm applies."""
+        norm applies (so is an OLMo 2 layer's: _forward_post_norm)."""
+        if self.post_norm:
+            return self._forward_post_norm(x, residual, positions, rotary, kv_cache, backend, plan, pre, rope_rows)
         self._prefetch("qkv", self.self_attn.qkv_proj.weight)  # while the input norm runs
         if residual is None:
             residual, h = x, self.input_layernorm(x)
@@ -196,6 +212,22 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
         # (the caller adds the residual: the next layer's input norm, or the final norm -- and, with
         # sandwich norms, applies post_feedforward_layernorm first, in the same launch)
         return (_all_reduce(h) if self.tp_size > 1 else h), residual
+
+    def _forward_post_norm(self, x, residual, positions, rotary, kv_cache, backend, plan, pre, rope_rows):
+        """OLMo 2: x + post_attention_layernorm(attention(x)), then the MLP of that. x and residual as
+        forward's: with a residual, x is the previous layer's MLP output, whose norm (pre) is applied
+        before it is added. Returns (the MLP's output, before post_feedforward_layernorm; the stream)."""
+        if residual is not None:
+            x = residual + pre(x)
+        self._prefetch("qkv", self.self_attn.qkv_proj.weight)
+        h = self.self_attn(x, positions, rotary, kv_cache, backend, plan, rope_rows)
+        if self.tp_size > 1:  # (unreachable: ModelConfig.shard refuses OLMo 2's whole-projection q/k norms)
+            h = _all_reduce(h)
+        if isinstance(self.mlp, LlamaMLP):
+            self._prefetch("gate_up", self.mlp.gate_up_proj.weight)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(x)
+        return (_all_reduce(h) if self.tp_size > 1 else h), x
 
 
 class LlamaForCausalLM(_Prefetching, nn.Module):
@@ -218,7 +250,7 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         self.embed_scale = float(cfg.hidden_size) ** 0.5 if cfg.embed_scale else None
         self.embedding_multiplier = cfg.embedding_multiplier  # Granite (not rounded first: transformers' way)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp_size) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset, cfg.norm_float_weight)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lora: Optional[LoRAContext] = None  # once enable_lora has run
         self.lora_targets: list[tuple[int, str, Linear]] = []  # (layer, projection name, module) with LoRA slots
@@ -256,7 +288,7 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
             rotary = self.rotary_local if layer.local_rope else self.rotary
             x, residual = layer(x, residual, positions, rotary, kv_caches[i], backend, plan, pre,
                                 None if layer.local_rope else rows)
-            pre = layer.post_feedforward_layernorm if layer.sandwich else None
+            pre = layer.post_feedforward_layernorm if layer.sandwich or layer.post_norm else None
         self._prefetch("lm_head", self.head_weight)
         x, _ = self.norm(x, residual, pre=pre, x_scale=self.cfg.residual_multiplier)
         if self.prefetcher is not None:
