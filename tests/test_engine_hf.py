@@ -189,6 +189,17 @@ CONFIGS = {
                                 eos_token_id=2,
                                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                                      original_max_position_embeddings=32)),
+    # OLMo 2: no input norms, post_attention_layernorm / post_feedforward_layernorm on each block's output
+    # before the residual add, q_norm / k_norm over the whole q and k projections; GQA, untied
+    "olmo2": dict(BASE, model_type="olmo2", architectures=["Olmo2ForCausalLM"], num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, rope_theta=500000.0, pad_token_id=1,
+                  bos_token_id=None, eos_token_id=2),
+    # OLMo 2 with head_dim * heads != hidden_size (q / k norms of 128 and 64), tied, linear rope
+    # scaling in transformers 5's rope_parameters
+    "olmo2-headdim-tied-linear": dict(BASE, model_type="olmo2", architectures=["Olmo2ForCausalLM"],
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      tie_word_embeddings=True, pad_token_id=1, eos_token_id=2,
+                                      rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
 }
 
 
