@@ -100,6 +100,81 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+def triton_paths_match_hf(tmp_path, monkeypatch, cfg_dict: dict, mode: str, prompts: list[list[int]],
+                          max_new_tokens: int = 10) -> list[bool]:
+    """A random model of cfg_dict through the Triton backend (under the interpreter on the CPU), float32,
+    against HF's greedy tokens. mode "fused": the rotary embedding inside the K/V store (prefill) and
+    the decode launch (rotary's fused path forced on); returns, per backend attention call, whether
+    it was given rope=. "speculative": the model drafting for itself (draft_model), verified through
+    the static-buffer step path (StepGraphs, eager); returns []. Both end with every block free."""
+    from transformers import AutoModelForCausalLM
+
+    from pageflash import LLM, SamplingParams
+    from pageflash.kernels import backend as backend_mod
+    from pageflash.layers import rotary as rotary_layer
+
+    folder = make_random_hf_folder(tmp_path, cfg_dict)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    kw = dict(block_size=4, max_num_batched_tokens=32, max_model_len=64, num_kv_blocks=96, dtype="float32",
+              attention_backend="triton")
+    ropes: list[bool] = []
+    if mode == "fused":
+        monkeypatch.setattr(rotary_layer, "_use_fused", lambda q, k: True)
+        real = backend_mod.TritonBackend.forward
+
+        def spy(self, *a, rope=None, **k):
+            ropes.append(rope is not None)
+            return real(self, *a, rope=rope, **k)
+
+        monkeypatch.setattr(backend_mod.TritonBackend, "forward", spy)
+    else:
+        kw["speculative_config"] = dict(method="draft_model", model=folder, num_speculative_tokens=3)
+    llm = LLM(folder, **kw)
+    eng = llm.llm_engine
+    if mode == "speculative":
+        for r in (eng.runner, eng.spec.draft_runner):
+            r.enable_step_graphs(4, cuda_graphs=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, max_new_tokens)
+    assert eng.runner.backend.decode_rope
+    if mode == "speculative":
+        assert eng.runner.step_graphs.replays > 0
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+    return ropes
+
+
+def prefix_hits_and_prompt_logprobs_match_hf(folder: str, hf, shared: list[int], tails: list[list[int]]) -> None:
+    """Prompts shared + tail hit the prefix cache (blocks of 4, prefill chunks of 8) and give HF's
+    greedy tokens; prompt log-probabilities equal HF's log-softmax over the prompt, position by
+    position; every block is free at the end. tails: at least 2; the shared part >= 20 tokens."""
+    import pytest
+
+    from pageflash import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = LLM(folder, block_size=4, max_num_batched_tokens=8, max_model_len=64, num_kv_blocks=96)
+    eng = llm.llm_engine
+    first = shared + tails[0]
+    assert llm.generate([{"prompt_token_ids": first}], greedy, use_tqdm=False)[0].outputs[0].token_ids == \
+        hf_greedy(hf, first, 10)
+    hits0 = eng.get_stats()["prefix_cache_hits"]
+    rest = [shared + t for t in tails[1:]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in rest], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in rest]
+    assert eng.get_stats()["prefix_cache_hits"] - hits0 >= len(rest) * (len(shared) // 4 * 4)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    p = rest[0]
+    plp = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].prompt_logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1)
+    assert plp[0] is None
+    for t in range(1, len(p)):
+        assert plp[t][p[t]].logprob == pytest.approx(ref[t - 1, p[t]].item(), abs=1e-4)
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+
+
 @torch.no_grad()
 def hf_greedy_processed(model, prompt_ids: list[int], process, max_new_tokens: int, eos_ids) -> list[int]:
     """A plain greedy reference with a logits processor: HF forward over the whole sequence each step,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_ref import hf_greedy, make_random_hf_folder
+from hf_ref import hf_greedy, make_random_hf_folder, prefix_hits_and_prompt_logprobs_match_hf, triton_paths_match_hf
 from pageflash import LLM, SamplingParams
 from pageflash.config import ModelConfig
 from test_engine_hf import CONFIGS
@@ -104,27 +104,7 @@ def test_prefix_hits_and_prompt_logprobs_match_hf(smollm3):
     tokens; prompt log-probabilities equal HF's log-softmax over the prompt (its logits, position by
     position, through the NoPE and rotary layers)."""
     folder, hf = smollm3
-    shared = _prompts(6, (21,))[0]
-    tails = _prompts(7, (3, 6, 1))
-    llm = LLM(folder, block_size=4, max_num_batched_tokens=8, max_model_len=64, num_kv_blocks=96)
-    eng = llm.llm_engine
-    first = shared + tails[0]
-    assert llm.generate([{"prompt_token_ids": first}], _greedy(10), use_tqdm=False)[0].outputs[0].token_ids == \
-        hf_greedy(hf, first, 10)
-    hits0 = eng.get_stats()["prefix_cache_hits"]
-    rest = [shared + t for t in tails[1:]]
-    outs = llm.generate([{"prompt_token_ids": p} for p in rest], _greedy(10), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in rest]
-    assert eng.get_stats()["prefix_cache_hits"] - hits0 >= 2 * 20
-    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
-    p = rest[0]
-    plp = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].prompt_logprobs
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1)
-    assert plp[0] is None
-    for t in range(1, len(p)):
-        assert plp[t][p[t]].logprob == pytest.approx(ref[t - 1, p[t]].item(), abs=1e-4)
-    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+    prefix_hits_and_prompt_logprobs_match_hf(folder, hf, _prompts(6, (21,))[0], _prompts(7, (3, 6, 1)))
 
 
 @pytest.mark.parametrize("mode", ["fused", "speculative"])
@@ -133,40 +113,7 @@ def test_triton_backend_and_drafts_match_hf(tmp_path, monkeypatch, mode):
     (prefill) and inside the decode launch for the rotary layers, the NoPE layers given no rope=
     (the sliding NoPE layer of "smollm3-window-yarn"). "speculative": the model drafting for itself
     (draft_model), verified through the static-buffer step path (StepGraphs, eager). HF's greedy tokens."""
-    from transformers import AutoModelForCausalLM
-
-    from pageflash.kernels import backend as backend_mod
-    from pageflash.layers import rotary as rotary_layer
-
     name = "smollm3-window-yarn" if mode == "fused" else "smollm3"
-    folder = make_random_hf_folder(tmp_path, CONFIGS[name])
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    kw = dict(block_size=4, max_num_batched_tokens=32, max_model_len=64, num_kv_blocks=96, dtype="float32",
-              attention_backend="triton")
-    ropes = []
-    if mode == "fused":
-        monkeypatch.setattr(rotary_layer, "_use_fused", lambda q, k: True)
-        real = backend_mod.TritonBackend.forward
-
-        def spy(self, *a, rope=None, **k):
-            ropes.append(rope is not None)
-            return real(self, *a, rope=rope, **k)
-
-        monkeypatch.setattr(backend_mod.TritonBackend, "forward", spy)
-    else:
-        kw["speculative_config"] = dict(method="draft_model", model=folder, num_speculative_tokens=3)
-    prompts = _prompts(4, (11, 26))
-    llm = LLM(folder, **kw)
-    eng = llm.llm_engine
-    if mode == "speculative":
-        for r in (eng.runner, eng.spec.draft_runner):
-            r.enable_step_graphs(4, cuda_graphs=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(10), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(hf, p, 10)
-    assert eng.runner.backend.decode_rope
+    ropes = triton_paths_match_hf(tmp_path, monkeypatch, CONFIGS[name], mode, _prompts(4, (11, 26)))
     if mode == "fused":  # layer 0 rotates in the backend, layer 1 (NoPE) passes no rope
         assert ropes[0::2] == [True] * (len(ropes) // 2) and not any(ropes[1::2])
-    else:
-        assert eng.runner.step_graphs.replays > 0
-    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
