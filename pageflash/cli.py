@@ -17,6 +17,7 @@ import sys
 from typing import Optional
 
 from pageflash.model.registry import DEFAULT_MODEL
+from pageflash.sampling_params import MAX_LOGPROBS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the model folder's generation_config.json gives EOS ids and the default "
                         "temperature / top_p / top_k / min_p / repetition_penalty / max_new_tokens (as vLLM); "
                         "vllm: ignore it; a folder: its generation_config.json instead")
-    g.add_argument("--max-logprobs", type=int, default=20,
+    g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                    help="the most logprobs / prompt_logprobs a request may ask for per token (-1: the whole "
                         "vocabulary; default: %(default)s, as vLLM)")
     g.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
@@ -105,7 +106,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         generation_config=getattr(a, "generation_config", "auto"),
         override_generation_config=getattr(a, "override_generation_config", None),
-        max_logprobs=getattr(a, "max_logprobs", 20),
+        max_logprobs=getattr(a, "max_logprobs", MAX_LOGPROBS),
         enable_lora=getattr(a, "enable_lora", False), max_loras=getattr(a, "max_loras", 1),
         max_lora_rank=getattr(a, "max_lora_rank", 16), max_cpu_loras=getattr(a, "max_cpu_loras", None),
     )

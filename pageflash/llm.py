@@ -12,7 +12,7 @@ from pageflash.engine.engine import EngineConfig, LLMEngine, PromptType, check_t
 from pageflash.lora.request import LoRARequest
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import RequestOutput
-from pageflash.sampling_params import PoolingParams, SamplingParams
+from pageflash.sampling_params import MAX_LOGPROBS, PoolingParams, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -78,7 +78,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         generation_config: str = "auto",
         override_generation_config: Optional[Union[dict, str]] = None,
-        max_logprobs: int = 20,
+        max_logprobs: int = MAX_LOGPROBS,
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,

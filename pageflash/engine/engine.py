@@ -38,7 +38,7 @@ from pageflash.model.loader import (
 )
 from pageflash.model.registry import DEFAULT_MODEL
 from pageflash.outputs import CompletionOutput, Logprob, RequestOutput
-from pageflash.sampling_params import PoolingParams, SamplingParams
+from pageflash.sampling_params import MAX_LOGPROBS, PoolingParams, SamplingParams
 from pageflash.spec.config import SpeculativeConfig
 from pageflash.spec.decoding import SpecDecoder
 
@@ -97,7 +97,7 @@ class EngineConfig:
     # its max_new_tokens is also the server's ceiling on max_tokens; other keys are ignored, as in vLLM
     override_generation_config: Optional[Union[dict, str]] = None
     # the most logprobs / prompt_logprobs one request may ask for (vLLM's; -1: the whole vocabulary)
-    max_logprobs: int = 20
+    max_logprobs: int = MAX_LOGPROBS
     # LoRA adapters (vLLM's options): requests may run under PEFT adapters (lora_request), up to
     # max_loras of them on the device at once, each of rank <= max_lora_rank; max_cpu_loras adapters
     # kept in host memory once read (None: max_loras)

@@ -32,7 +32,6 @@ from pydantic import (
 # A bound on fan-out per HTTP request: choices = prompts x n.
 MAX_N = 128
 MAX_PROMPTS = 256
-MAX_LOGPROBS = 20
 
 Float = float  # strict float: JSON ints are accepted, strings and booleans are not
 
