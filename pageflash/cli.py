@@ -38,8 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "gguf", "safetensors", "pt"])
     g.add_argument("--attention-backend", default="auto")
-    g.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                   help="weight-only quantization of the decoder layers at load (int8: per-row int8 codes)")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8"],
+                   help="quantization of the decoder layers at load: int8 (weight-only, per-row int8 codes) or "
+                        "fp8 (per-row e4m3 codes; W8A8 on FP8 tensor cores for larger products, as vLLM's fp8)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3"],
                    help="KV cache element type (auto: the model's dtype; int8 / fp8 (e4m3): codes with one "
                         "float32 scale per token and KV head, about half the bytes of bf16)")

@@ -73,18 +73,19 @@ def hf_with_adapter(model_folder: str, adapter_dir: str, base=None):
     return PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
-def hf_fake_quantized(folder: str):
+def hf_fake_quantized(folder: str, method: str = "int8"):
     """HF's model with every decoder projection replaced by dequantize(quantize(w)): what the engine's
-    int8 layers compute, run by HF's own code."""
+    int8 / fp8 layers compute (weight-only), run by HF's own code."""
     from transformers import AutoModelForCausalLM
 
-    from pageflash.kernels.w8_linear import dequantize_int8, quantize_int8
+    from pageflash.kernels.w8_linear import dequantize_int8
+    from pageflash.layers.linear import quantize_weight
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, mod in hf.model.layers.named_modules():
             if isinstance(mod, torch.nn.Linear):
-                q, s = quantize_int8(mod.weight)
+                q, s = quantize_weight(mod.weight, method)
                 mod.weight.copy_(dequantize_int8(q, s, torch.float32))
     return hf
 

@@ -298,21 +298,23 @@ def test_routed_moe_beyond_route_align(monkeypatch):
         fm.routed_moe(x, logits, w13, w2, 9, True)
 
 
-# ---------------------------------------------------------------------------------------- INT8 experts
+# ------------------------------------------------------------------------------ INT8 / FP8 experts
 
 
 @pytest.mark.parametrize("t,e,k", [(1, 4, 2), (19, 8, 3), (40, 4, 1)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_experts_equal_the_dequantized_reference(t, e, k, dtype):
-    """Codes widened in registers and the per-row scales applied to the products equal the reference
-    over the dequantized weights (both GEMMs; the gated one scales gate and up rows separately)."""
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_experts_equal_the_dequantized_reference(t, e, k, dtype, method):
+    """Codes (int8 or e4m3) widened in registers and the per-row scales applied to the products equal
+    the reference over the dequantized weights (both GEMMs; the gated one scales gate and up rows
+    separately)."""
     from pageflash.kernels.fused_moe import routed_moe
-    from pageflash.kernels.w8_linear import quantize_int8
+    from pageflash.layers.linear import quantize_weight
     from pageflash.layers.moe import route
 
     x, w13, w2, _, _ = make_inputs(t, 48, 40, e, k, dtype, seed=t + 7)
-    q13, s13 = quantize_int8(w13.reshape(-1, 48))
-    q2, s2 = quantize_int8(w2.reshape(-1, 40))
+    q13, s13 = quantize_weight(w13.reshape(-1, 48), method)
+    q2, s2 = quantize_weight(w2.reshape(-1, 40), method)
     q13, s13, q2, s2 = q13.view(w13.shape), s13.view(e, 80), q2.view(w2.shape), s2.view(e, 48)
     s13[1] *= 3.0  # scales that differ per expert and per row (gate vs up) matter
     logits = torch.randn(t, e, generator=torch.Generator().manual_seed(2)).to(dtype)

@@ -158,51 +158,53 @@ def test_missing_expert_is_reported(tmp_path):
         LLM(folder, max_model_len=64, num_kv_blocks=16)
 
 
-def _fake_quantized_hf(folder):
+def _fake_quantized_hf(folder, method="int8"):
     """HF's model with every decoder projection and every expert matrix replaced by dequantize(quantize(w))
-    per row, the routers and Qwen2-MoE's shared-expert gate left exact: what the engine's int8 layers
-    compute, run by HF's code."""
+    per row, the routers and Qwen2-MoE's shared-expert gate left exact: what the engine's int8 / fp8
+    layers compute (weight-only), run by HF's code."""
     from transformers import AutoModelForCausalLM
 
-    from pageflash.kernels.w8_linear import dequantize_int8, quantize_int8
+    from pageflash.kernels.w8_linear import dequantize_int8
+    from pageflash.layers.linear import quantize_weight
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in hf.model.layers.named_parameters():
             if p.dim() < 2 or name.endswith("mlp.gate.weight") or "shared_expert_gate" in name:
                 continue
-            q, sc = quantize_int8(p.reshape(-1, p.shape[-1]))
+            q, sc = quantize_weight(p.reshape(-1, p.shape[-1]), method)
             p.copy_(dequantize_int8(q, sc, torch.float32).view(p.shape))
     return hf
 
 
-@pytest.mark.parametrize("name", ["qwen2-moe", "mixtral"])
-def test_int8_experts_match_hf_on_fake_quantized_weights(tmp_path, name):
-    """quantization="int8" turns the experts into int8 codes with a scale per row (the routers and the
-    shared-expert gate stay exact); greedy equals HF over the dequantized codes, and differs from the
-    float model's (the quantization is applied)."""
+@pytest.mark.parametrize("name,method", [("qwen2-moe", "int8"), ("mixtral", "int8"), ("qwen2-moe", "fp8")])
+def test_quantized_experts_match_hf_on_fake_quantized_weights(tmp_path, name, method):
+    """quantization="int8" / "fp8" turns the experts into int8 / e4m3 codes with a scale per row (the
+    routers and the shared-expert gate stay exact); greedy equals HF over the dequantized codes, and
+    differs from the float model's (the quantization is applied)."""
     from transformers import AutoModelForCausalLM
 
     folder = make_random_hf_folder(tmp_path, CONFIGS[name], std=0.3)
-    llm = LLM(folder, max_model_len=64, num_kv_blocks=64, quantization="int8")
+    llm = LLM(folder, max_model_len=64, num_kv_blocks=64, quantization=method)
     model = llm.llm_engine.runner.model
     moe = model.layers[0].mlp
     assert isinstance(moe, SparseMoE)
-    assert moe.w13.dtype == torch.int8 and moe.w13_scale.shape == moe.w13.shape[:2]
-    assert moe.w2.dtype == torch.int8 and moe.w2_scale.dtype == torch.float32
+    code = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[method]
+    assert moe.w13.dtype == code and moe.w13_scale.shape == moe.w13.shape[:2]
+    assert moe.w2.dtype == code and moe.w2_scale.dtype == torch.float32
     assert moe.gate.weight_scale is None and moe.gate.weight.dtype == torch.float32
     if name == "qwen2-moe":
         assert isinstance(moe.shared_expert, LlamaMLP) and moe.shared_expert.gate_up_proj.weight_scale is not None
         assert moe.shared_expert_gate.weight_scale is None
     with pytest.raises(ValueError, match="already quantized"):
-        moe.quantize_("int8")
+        moe.quantize_(method)
     with pytest.raises(ValueError, match="loaded before"):
         moe.weight_loader(moe.w2, torch.zeros(moe.w2.shape), None)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 7, 16, 33)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
-    hf_q = _fake_quantized_hf(folder)
+    hf_q = _fake_quantized_hf(folder, method)
     assert got == [hf_greedy(hf_q, p, 10) for p in prompts]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert got != [hf_greedy(hf, p, 10) for p in prompts]

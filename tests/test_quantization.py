@@ -117,7 +117,7 @@ def test_w8_kernels_reject_bad_inputs():
     q, s = quantize_int8(torch.randn(8, 16))
     with pytest.raises(ValueError, match="K=16"):
         w8_gemm(torch.randn(5, 12), q, s)
-    with pytest.raises(ValueError, match="int8 q"):
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn q"):
         w8_gemm(torch.randn(5, 16), q.float(), s)
     with pytest.raises(ValueError, match="float32 s"):
         w8_gemm(torch.randn(5, 16), q, s.half())

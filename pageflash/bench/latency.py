@@ -62,8 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str, copy_bandwid
                    default=None)
     g.add_argument("--seed", type=int, default=0, help="engine seed and random prompts' seed (default: 0)")
     g.add_argument("--attention-backend", default=None)
-    g.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                   help="weight-only quantization at load (default: none)")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8"],
+                   help="quantization at load: int8 or fp8 (default: none)")
     g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8", "fp8_e4m3"],
                    help="KV cache element type (default: auto, the model's dtype)")
     g.add_argument("--enforce-eager", action="store_const", const=True, default=None,

@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                   help="weight-only quantization of the target at load (default: none)")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8"],
+                   help="quantization of the target at load: int8 or fp8 (default: none)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3"],
                    help="KV cache element type (default: the model's dtype)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

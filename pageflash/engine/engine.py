@@ -71,8 +71,9 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     attention_backend: str = "auto"
-    # weight-only quantization of the decoder layers' projections at load (None: as loaded); "int8":
-    # per-row symmetric int8 codes (layers/linear.py, kernels/w8_linear.py)
+    # quantization of the decoder layers' projections at load (None: as loaded); "int8": per-row
+    # symmetric int8 codes, weight-only (kernels/w8_linear.py); "fp8": per-row e4m3 codes, W8A8 for
+    # larger products (kernels/fp8_linear.py); layers/linear.py QUANTIZATION_METHODS
     quantization: Optional[str] = None
     # the KV cache's element type: "auto" (the model's dtype), or quantized codes with one float32
     # scale per (token, KV head): "int8", "fp8" / "fp8_e4m3" (layers/attention.py)

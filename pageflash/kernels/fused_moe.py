@@ -312,7 +312,7 @@ def _moe_gemm_kernel(
     # GATED: W holds [gate; up] rows ([E, 2N, K]); C[pair] = silu(A W_gate^T) * (A W_up^T), N columns,
     # each product rounded to C's dtype first and the SiLU computed as kernels/activation.py does.
     # C[pair] = A[pair // A_ROW_DIV] @ W[expert of the block]^T (* Scale[pair]); W is [E, N, K].
-    # W_SCALED: W holds INT8 codes, widened to A's dtype in registers; the products are multiplied by
+    # W_SCALED: W holds INT8 (or e4m3) codes, widened to A's dtype in registers; the products are multiplied by
     # WScale[expert, row] (float32, one per weight row) before anything else.
     # 1-D grid over NUM_M_BLOCKS * cdiv(N, BLOCK_N), grouped GROUP_M m-blocks at a time.
     pid = tl.program_id(0)
@@ -345,12 +345,12 @@ def _moe_gemm_kernel(
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if W_SCALED:
             b = b.to(A.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=PREC)
         if GATED:
-            bu = tl.load(w_ptrs + up_off, mask=k_mask[:, None] & n_mask[None, :], other=0)
+            bu = tl.load(w_ptrs + up_off, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if W_SCALED:
                 bu = bu.to(A.dtype.element_ty)
             acc_up = tl.dot(a, bu, acc_up, input_precision=PREC)
@@ -419,6 +419,9 @@ def _grouped_gemm(
 # ------------------------------------------------------------------------------------------ public
 
 
+_CODES = (torch.int8, torch.float8_e4m3fn)  # quantized experts' codes (layers/moe.py SparseMoE.quantize_)
+
+
 def _check(x, w13, w2, topk_weights, topk_ids, out, w13_scale=None, w2_scale=None) -> tuple[int, int, int, int, int]:
     """Returns (T, H, E, I, k) after validating shapes, dtypes, devices and contiguity."""
     if x.dim() != 2:
@@ -448,8 +451,9 @@ def _check(x, w13, w2, topk_weights, topk_ids, out, w13_scale=None, w2_scale=Non
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("fused_moe: INT8 experts need both w13_scale and w2_scale")
     if w13_scale is not None:
-        if w13.dtype != torch.int8 or w2.dtype != torch.int8:
-            raise ValueError(f"fused_moe: with scales, w13 and w2 hold int8 codes, got {w13.dtype} and {w2.dtype}")
+        if w13.dtype not in _CODES or w2.dtype != w13.dtype:
+            raise ValueError(f"fused_moe: with scales, w13 and w2 hold int8 codes or float8_e4m3fn codes of "
+                             f"one dtype, got {w13.dtype} and {w2.dtype}")
         for name, sc, rows in (("w13_scale", w13_scale, two_i), ("w2_scale", w2_scale, h)):
             if tuple(sc.shape) != (e, rows) or sc.dtype != torch.float32 or not sc.is_contiguous():
                 raise ValueError(f"fused_moe: {name} must be contiguous float32 [{e}, {rows}], got "

@@ -105,8 +105,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
     in x's dtype, or in out ([M, N], x's dtype or float32: the product rounded to x's dtype, then
     widened). rows: rows of W per program (a multiple of r); r x bk: the tile.
 
-    scale: float32 [N], one per row of w, which then holds int8 codes: the product is
-    x (w * scale[:, None])^T, the scale applied to each row's fp32 sum (weight-only INT8).
+    scale: float32 [N], one per row of w, which then holds int8 (or float8_e4m3fn) codes: the product
+    is x (w * scale[:, None])^T, the scale applied to each row's fp32 sum (weight-only INT8 / FP8).
 
     silu_mul: w is a fused gate/up projection ([gate; up], N = 2 * I): returns silu(x gate^T) * (x up^T),
     [M, I], exactly as ``silu_and_mul`` of the plain product would (rows must be a multiple of 2 * r);
@@ -120,8 +120,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
     if not 1 <= m <= MAX_M:
         raise ValueError(f"gemv is for 1 <= M <= {MAX_M} rows, got {m}")
     if scale is not None:
-        if w.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != (n,) or scale.stride(0) != 1:
-            raise ValueError(f"gemv: a scale needs int8 w and a contiguous float32 [{n}] scale; got w {w.dtype}, "
+        if w.dtype not in (torch.int8, torch.float8_e4m3fn) or scale.dtype != torch.float32 or scale.shape != (n,) or scale.stride(0) != 1:
+            raise ValueError(f"gemv: a scale needs int8 or float8_e4m3fn w and a contiguous float32 [{n}] scale; got w {w.dtype}, "
                              f"scale {scale.dtype} {tuple(scale.shape)}")
         if not x.is_floating_point():
             raise ValueError(f"gemv: x must be a float tensor, got {x.dtype}")

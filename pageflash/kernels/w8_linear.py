@@ -39,7 +39,11 @@ from pageflash.kernels.gemv import gemv
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
 
-__all__ = ["quantize_int8", "dequantize_int8", "dequantize_int8_fast", "w8_linear", "w8_linear_ref", "w8_gemm"]
+# the weight codes these kernels read: int8 (this module) and float8_e4m3fn (kernels/fp8_linear.py,
+# whose small-M products run here); both widen exactly to bf16 / fp16 / float32
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+__all__ = ["CODE_DTYPES", "quantize_int8", "dequantize_int8", "dequantize_int8_fast", "w8_linear", "w8_linear_ref", "w8_gemm"]
 
 
 def quantize_int8(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +86,7 @@ def _dequant_int8_kernel(Q, S, W, K, stride_qn, stride_wn, BK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BK + tl.arange(0, BK)
     ok = offs < K
-    q = tl.load(Q + row * stride_qn + offs, mask=ok, other=0)
+    q = tl.load(Q + row * stride_qn + offs, mask=ok, other=0.0)
     tl.store(W + row * stride_wn + offs, (q.to(tl.float32) * tl.load(S + row)).to(W.dtype.element_ty), mask=ok)
 
 
@@ -132,8 +136,8 @@ def _w8_gemm_kernel(
     for k0 in range(k_start, tl.minimum(k_start + k_per, K), BK):
         k_ok = (k0 + offs_k) < K
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
-        wt = tl.trans(w.to(x.dtype))  # int8 -> x's dtype: exact for |q| <= 127
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.trans(w.to(x.dtype))  # int8 / e4m3 codes -> x's dtype: exact
         if IEEE:  # float32 activations (tests, CPU parity): no TF32 rounding
             acc = tl.dot(x, wt, acc, input_precision="ieee")
         else:
@@ -155,9 +159,9 @@ def _check(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[tor
         raise ValueError(f"{who}: expected 2-D x and q, got {tuple(x.shape)} and {tuple(q.shape)}")
     if x.shape[1] != q.shape[1]:
         raise ValueError(f"{who}: x has K={x.shape[1]}, q has K={q.shape[1]}")
-    if q.dtype != torch.int8 or s.dtype != torch.float32 or s.shape != (q.shape[0],):
-        raise ValueError(f"{who}: expected int8 q [N, K] and float32 s [N]; got q {q.dtype}, s {s.dtype} "
-                         f"{tuple(s.shape)}")
+    if q.dtype not in CODE_DTYPES or s.dtype != torch.float32 or s.shape != (q.shape[0],):
+        raise ValueError(f"{who}: expected int8 or float8_e4m3fn q [N, K] and float32 s [N]; got q {q.dtype}, "
+                         f"s {s.dtype} {tuple(s.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"{who}: x must be a float tensor, got {x.dtype}")
     if x.stride(1) != 1 or q.stride(1) != 1 or s.stride(0) != 1:

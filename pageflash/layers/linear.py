@@ -3,7 +3,8 @@
 Tensor parallelism will swap these per module: a loader knows which slice of a checkpoint tensor it
 takes (today: the whole tensor, or one shard of a merged projection). Quantized weights are a state
 of the same module: ``Linear.quantize_("int8")`` replaces its loaded weight by int8 codes and a
-per-row scale (weight-only INT8, kernels/w8_linear.py); forward then reads the codes.
+per-row scale (weight-only INT8, kernels/w8_linear.py), ``"fp8"`` by e4m3 codes and a per-row scale
+(kernels/fp8_linear.py); forward then reads the codes.
 """
 
 from __future__ import annotations
@@ -30,8 +31,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Triton skinny GEMM, timed once per shape; large=True times it for weights past the skinny
     dispatch's size limit too (the LM head). float_out: the result as float32 (the product rounded
     to x's dtype, then widened: what ``.float()`` of it gives), written so by the GEMV directly.
-    scale: float32 [N] when weight holds INT8 codes (W = weight * scale[:, None]): the INT8 kernels."""
+    scale: float32 [N] when weight holds INT8 or e4m3 codes (W = weight * scale[:, None]): the INT8 /
+    FP8 kernels."""
     if scale is not None:
+        if weight.dtype == torch.float8_e4m3fn:
+            from pageflash.kernels.fp8_linear import fp8_linear
+
+            return fp8_linear(x, weight, scale, bias, float_out)
         from pageflash.kernels.w8_linear import w8_linear
 
         return w8_linear(x, weight, scale, bias, float_out)
@@ -67,7 +73,21 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Te
     return None
 
 
-QUANTIZATION_METHODS = ("int8",)
+# "int8": weight-only INT8 (kernels/w8_linear.py); "fp8": e4m3 weights, W8A8 on FP8 tensor cores for
+# larger products (kernels/fp8_linear.py), as vLLM's dynamic "fp8"
+QUANTIZATION_METHODS = ("int8", "fp8")
+
+
+def quantize_weight(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, float32 scale per row) of a 2-D weight for a quantization method."""
+    check_quantization_method(method)
+    if method == "fp8":
+        from pageflash.kernels.fp8_linear import quantize_fp8
+
+        return quantize_fp8(w)
+    from pageflash.kernels.w8_linear import quantize_int8
+
+    return quantize_int8(w)
 
 
 def check_quantization_method(method: str) -> None:
@@ -101,13 +121,12 @@ class Linear(nn.Module):
 
     def quantize_(self, method: str) -> None:
         """Replace the loaded weight by its quantized form, in place (method: QUANTIZATION_METHODS).
-        "int8": symmetric per-row int8 codes and a float32 scale per output feature."""
+        "int8": symmetric per-row int8 codes and a float32 scale per output feature; "fp8": e4m3 codes
+        and a float32 scale per output feature."""
         check_quantization_method(method)
         if self.weight_scale is not None:
             raise ValueError("this linear layer is already quantized")
-        from pageflash.kernels.w8_linear import quantize_int8
-
-        q, s = quantize_int8(self.weight.data)
+        q, s = quantize_weight(self.weight.data, method)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", s)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pageflash.layers import triton_kernel
-from pageflash.layers.linear import Linear, check_quantization_method
+from pageflash.layers.linear import Linear, check_quantization_method, quantize_weight
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,16 +107,15 @@ class SparseMoE(nn.Module):
         return out
 
     def quantize_(self, method: str) -> None:
-        """Weight-only INT8 experts, in place: symmetric codes with a float32 scale per row of each
-        expert's matrices (as Linear.quantize_ does per output feature). The router stays exact."""
-        from pageflash.kernels.w8_linear import quantize_int8
-
+        """Quantized experts, in place: int8 (symmetric) or e4m3 ("fp8") codes with a float32 scale per
+        row of each expert's matrices (as Linear.quantize_ does per output feature), read weight-only by
+        the grouped GEMMs. The router stays exact."""
         check_quantization_method(method)
         if self.w13_scale is not None:
             raise ValueError("these experts are already quantized")
         for name in ("w13", "w2"):
             w = getattr(self, name).data
-            q, sc = quantize_int8(w.reshape(-1, w.shape[-1]))
+            q, sc = quantize_weight(w.reshape(-1, w.shape[-1]), method)
             setattr(self, name, nn.Parameter(q.view(w.shape), requires_grad=False))
             self.register_buffer(f"{name}_scale", sc.view(w.shape[0], w.shape[1]))
 

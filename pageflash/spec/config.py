@@ -34,7 +34,7 @@ class SpeculativeConfig:
     draft_dtype:            dtype of the draft model's weights and KV ("auto": the target's).
     draft_load_format:      load format of the draft ("auto", "dummy", ...).
     draft_num_kv_blocks:    blocks of the draft's paged KV cache (default: as many as the target's).
-    quantization:           weight-only quantization of the draft model at load ("int8"; vLLM's key
+    quantization:           weight-only quantization of the draft model at load ("int8" / "fp8"; vLLM's key
                             for the draft's quantization): the target's own checkpoint as ``model``
                             with "int8" is a quantized self-draft (draft_model).
     medusa_path:            heads file written by ``pageflash train-medusa`` (medusa).

@@ -1,0 +1,289 @@
+"""FP8 (e4m3) linear layers: vLLM's ``quantization="fp8"`` for 16-bit checkpoints.
+
+Weights: float8_e4m3fn codes [N, K] with one float32 scale per output row, s = max|w_row| / 448
+(round to nearest even; an all-zero row gets s = 1), made at load (``quantize_fp8``). Half the bytes
+of bf16, like weight-only INT8, with 3 mantissa bits and a wide exponent instead of 7 bits of a
+linear grid. What runs, by rows of x (M), on CUDA:
+
+- M < ``PAGEFLASH_FP8_MM_M`` (default 3: decode at batch 1-2): weight-only, the row-streaming GEMV
+  of kernels/gemv.py reading e4m3 codes (every e4m3 value is exact in bf16), so these products equal
+  the dequantized weight's (a biased product takes w8_linear's widening GEMM instead).
+- From there, bf16 activations go W8A8 on the FP8 tensor cores. Each row of x is quantized to e4m3
+  with its own dynamic scale (``quantize_rows_fp8``: max|x_row| / 448, one Triton pass), and the
+  codes are multiplied with the weight's, float32 sums times both scales, rounded to bf16:
+  - up to ``PAGEFLASH_FP8_CUBLAS_M`` - 1 rows (default 128) by ``fp8_mm``, a Triton kernel computing
+    y^T = W x^T (the weight rows on the tensor-core instruction's long side, the few tokens on its
+    short side), tiles per M and N (``_mm_config``);
+  - from there by ``torch._scaled_mm`` (cuBLASLt / CUTLASS) with row-wise scales, which is slow at
+    small M (run 54: 0.77-0.93x of bf16 up to 64 rows) and ahead from 256 on.
+  This is what vLLM's dynamic FP8 does (its default is one scale per tensor for both; per-row scales
+  here). fp16 / float32 activations and GPUs without FP8 tensor cores keep the weight-only kernels
+  (w8_linear: GEMV, widening GEMM, dequantize + cuBLAS from 512 rows, as INT8).
+- ``PAGEFLASH_FP8_MM_M`` set huge keeps every product weight-only; ``PAGEFLASH_W8_KERNELS=0`` is the
+  dequantize-then-F.linear reference, as for INT8.
+
+On CPU every product is the dequantized weight through F.linear (torch has an FP8 ``_scaled_mm`` on
+CPU too, but the point there is a reference); ``fp8_scaled_mm_ref`` is the plain reference of the
+W8A8 path, which ``fp8_scaled_mm`` is tested against.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pageflash.kernels.host_math import next_pow2
+from pageflash.kernels.kv_store import e4m3_round
+from pageflash.kernels.launch import fast_launch
+
+__all__ = ["FP8", "FP8_MAX", "quantize_fp8", "quantize_rows_fp8", "quantize_rows_fp8_ref", "fp8_scaled_mm",
+           "fp8_scaled_mm_ref", "fp8_linear"]
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_INV_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # 1/448 rounded to float32
+# rows of bf16 x: W8A8 from _MM_M on (below, the weight-only GEMV), through torch._scaled_mm from
+# _CUBLAS_M on (below, the Triton kernel): scripts/fp8_probe.py, docs/BENCHMARKS.md run 54
+_MM_M = 3
+_CUBLAS_M = 129
+
+
+def quantize_fp8(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 codes of w [N, K]: (q float8_e4m3fn [N, K], s float32 [N]) with w ~= q * s[:, None],
+    s = max|w_row| / 448 (an all-zero row gets s = 1), rounded to nearest even. Computed in float32,
+    rows_per_chunk rows at a time (bounded scratch memory on large weights)."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_fp8: expected a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
+    n = w.shape[0]
+    q = torch.empty(w.shape, dtype=FP8, device=w.device)
+    s = torch.empty(n, dtype=torch.float32, device=w.device)
+    for r0 in range(0, n, rows_per_chunk):
+        wf = w[r0: r0 + rows_per_chunk].float()
+        amax = wf.abs().amax(dim=1)
+        if not torch.isfinite(amax).all():
+            raise ValueError("quantize_fp8: the weight holds inf or nan")
+        sc = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q[r0: r0 + rows_per_chunk] = (wf / sc[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        s[r0: r0 + rows_per_chunk] = sc
+    return q, s
+
+
+def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row e4m3 codes of activations x [M, K]: (codes [M, K], scales float32 [M, 1]),
+    s = max|x_row| / 448 (1 for an all-zero row), codes = x / s rounded to nearest even."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    # times the float32 reciprocal, as torch's CUDA division by a scalar computes it (and the kernel)
+    s = torch.where(amax > 0, amax * _INV_MAX, torch.ones_like(amax))
+    return (xf / s).clamp_(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+@triton.jit
+def _quant_rows_kernel(X, Q, S, K, stride_xm, stride_qm, INV_MAX: tl.constexpr, BK: tl.constexpr,
+                       ONE_PASS: tl.constexpr):
+    # one row per program: its max |x| (a first pass over K unless the row fits one tile), the scale,
+    # then the codes, rounded by e4m3_round so that the interpreter, the GPU and torch agree
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BK)
+    if ONE_PASS:
+        ok = offs < K
+        x = tl.load(X + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), 0)
+    else:
+        m = tl.zeros([BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            ok = (k0 + offs) < K
+            m = tl.maximum(m, tl.abs(tl.load(X + row * stride_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)))
+        amax = tl.max(m, 0)
+    s = tl.where(amax > 0.0, amax * INV_MAX, 1.0)
+    tl.store(S + row, s)
+    if ONE_PASS:
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
+        tl.store(Q + row * stride_qm + offs, e4m3_round(y).to(Q.dtype.element_ty), mask=ok)
+    else:
+        for k0 in range(0, K, BK):
+            ok = (k0 + offs) < K
+            x = tl.load(X + row * stride_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+            y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
+            tl.store(Q + row * stride_qm + k0 + offs, e4m3_round(y).to(Q.dtype.element_ty), mask=ok)
+
+
+_quant_rows_kernel = fast_launch(_quant_rows_kernel)
+
+
+def quantize_rows_fp8(x: torch.Tensor, max_tile: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_fp8_ref in one launch (a program per row; rows of up to max_tile elements in one
+    pass, longer ones in two). Same codes and scales as the reference."""
+    if x.dim() != 2 or not x.is_floating_point() or x.stride(1) != 1:
+        raise ValueError(f"quantize_rows_fp8: expected a 2-D float x contiguous along K, got {tuple(x.shape)} "
+                         f"{x.dtype}")
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, s
+    one_pass = k <= max_tile
+    bk = next_pow2(k) if one_pass else 2048
+    _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), INV_MAX=_INV_MAX, BK=bk, ONE_PASS=one_pass,
+                             num_warps=16 if bk >= 16384 else 8 if bk >= 4096 else 4)
+    return q, s
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_mm_kernel(
+    XQ, SX, W, SW, BIAS, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    # y^T = W x^T ("swap AB"): the weight's rows fill the tensor-core instruction's long M side and
+    # the few tokens its short N side, both operands e4m3 and K-contiguous, products in float32.
+    # Grid (N blocks, M blocks, SPLIT_K); SPLIT_K > 1: each K range's scaled float32 partial goes to
+    # Y + pid_k * stride_ys (the caller sums them, then adds the bias).
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    k_per = tl.cdiv(K, SPLIT_K * BK) * BK
+    k_start = pid_k * k_per
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = XQ + offs_m[None, :].to(tl.int64) * stride_xm + (k_start + offs_k)[:, None]
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per, K), BK):
+        k_ok = (k0 + offs_k) < K
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        acc = tl.dot(w, x, acc)
+        w_ptrs += BK
+        x_ptrs += BK
+    acc = acc * tl.load(SW + offs_n, mask=n_ok, other=0.0)[:, None] * tl.load(SX + offs_m, mask=m_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(Y + pid_k * stride_ys + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None],
+             acc.to(Y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+_fp8_mm_kernel = fast_launch(_fp8_mm_kernel)
+
+
+def _mm_config(m: int, n: int, k: int) -> tuple[int, ...]:
+    """(BN, BM, BK, SPLIT_K, num_warps, num_stages) of the Triton W8A8 kernel for M rows of x: the
+    winners of scripts/fp8_probe.py on an H200 over llama-3-8b's projections (docs/BENCHMARKS.md run
+    54). 64 weight rows a program, 256-deep K steps, 4 stages; gate_up (N >= 16384) 128 rows and 3
+    stages up to 16 tokens, 128-deep steps above; large M 128 x 128 tiles."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    if m > 128:
+        return 128, 128, 128, 1, 8, 3
+    if n >= 16384:
+        return (128, 16, 256, 1, 4, 3) if m <= 16 else (64, bm, 128, 1, 4, 3)
+    return 64, bm, 256, 1, 4, 4
+
+
+def fp8_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           config: Optional[tuple[int, ...]] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W8A8 in Triton: x [M, K] (16-bit or float32) quantized per row (quantize_rows_fp8), times
+    q [N, K] e4m3 with s [N] on the tensor cores (y^T = W x^T); out in x's dtype (+ bias, added in
+    float32 before the one rounding). config: (BN, BM, BK, SPLIT_K, num_warps, num_stages)."""
+    _check(x, q, s, bias, "fp8_mm")
+    m, k = x.shape
+    n = q.shape[0]
+    bn, bm, bk, split_k, warps, stages = config or _mm_config(m, n, k)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    xq, sx = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous())
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split_k)
+    if split_k == 1:
+        _fp8_mm_kernel[grid](xq, sx, q, s, s if bias is None else bias, out, m, n, k, xq.stride(0), q.stride(0),
+                             out.stride(0), 0, BN=bn, BM=bm, BK=bk, SPLIT_K=1, HAS_BIAS=bias is not None,
+                             num_warps=warps, num_stages=stages)
+        return out
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    _fp8_mm_kernel[grid](xq, sx, q, s, s, part, m, n, k, xq.stride(0), q.stride(0), part.stride(1),
+                         part.stride(0), BN=bn, BM=bm, BK=bk, SPLIT_K=split_k, HAS_BIAS=False,
+                         num_warps=warps, num_stages=stages)
+    y = part.sum(0)
+    if bias is not None:
+        y += bias.float()
+    out.copy_(y)
+    return out
+
+
+def _check(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor], who: str) -> None:
+    if x.dim() != 2 or q.dim() != 2 or x.shape[1] != q.shape[1]:
+        raise ValueError(f"{who}: expected x [M, K] and q [N, K], got {tuple(x.shape)} and {tuple(q.shape)}")
+    if q.dtype != FP8 or s.dtype != torch.float32 or s.shape != (q.shape[0],):
+        raise ValueError(f"{who}: expected float8_e4m3fn q [N, K] and float32 s [N]; got q {q.dtype}, "
+                         f"s {s.dtype} {tuple(s.shape)}")
+    if bias is not None and bias.shape != (q.shape[0],):
+        raise ValueError(f"{who}: bias must be [{q.shape[0]}], got {tuple(bias.shape)}")
+
+
+def fp8_scaled_mm_ref(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The W8A8 reference: x's rows quantized (quantize_rows_fp8_ref), the product of the codes in
+    float32 times both scales (+ bias), rounded to x's dtype."""
+    _check(x, q, s, bias, "fp8_scaled_mm_ref")
+    xq, sx = quantize_rows_fp8_ref(x)
+    y = (xq.float() @ q.float().t()) * sx * s
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def scaled_mm_applies(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether fp8_scaled_mm can run this product: CUDA, bf16 x, K and N multiples of 16
+    (cuBLASLt's FP8 layouts), and a GPU with FP8 tensor cores (compute capability >= 8.9)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and q.shape[0] % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def fp8_scaled_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W8A8: x [M, K] bf16 quantized per row (quantize_rows_fp8), times q [N, K] e4m3 with s [N], on
+    the FP8 tensor cores through torch._scaled_mm's row-wise scaling; bf16 out (+ bias, added after the
+    rounding). Only where scaled_mm_applies."""
+    _check(x, q, s, bias, "fp8_scaled_mm")
+    if not scaled_mm_applies(x, q):
+        raise ValueError("fp8_scaled_mm: needs CUDA (compute capability >= 8.9), bf16 x and K, N multiples of 16")
+    xq, sx = quantize_rows_fp8(x.contiguous() if x.stride(1) != 1 else x)
+    y = torch._scaled_mm(xq, q.t(), scale_a=sx, scale_b=s.view(1, -1), out_dtype=torch.bfloat16)
+    return y if bias is None else y + bias
+
+
+def _env_m(name: str, default: int) -> int:
+    v = os.environ.get(name, "")
+    return int(v) if v.strip() else default
+
+
+def _mm_min_m() -> int:
+    """Rows of bf16 x from which products go W8A8 (PAGEFLASH_FP8_MM_M; below: the weight-only GEMV)."""
+    if os.environ.get("PAGEFLASH_W8_KERNELS", "1") == "0":
+        return 1 << 62
+    return _env_m("PAGEFLASH_FP8_MM_M", _MM_M)
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               float_out: bool = False) -> torch.Tensor:
+    """x [M, K] @ (q * s)^T (+ bias) for e4m3 weights. bf16 x on CUDA with FP8 tensor cores: the
+    weight-only GEMV below PAGEFLASH_FP8_MM_M rows (unbiased), then W8A8: the Triton kernel (fp8_mm)
+    up to PAGEFLASH_FP8_CUBLAS_M - 1 rows, torch._scaled_mm from there. Otherwise the weight-only 8-bit
+    kernels (w8_linear; the dequantized weight on CPU). float_out: widened to float32 after the
+    rounding."""
+    m = x.shape[0] if x.dim() == 2 else 0
+    if m >= max(1, _mm_min_m()) and scaled_mm_applies(x, q):
+        if m >= _env_m("PAGEFLASH_FP8_CUBLAS_M", _CUBLAS_M):
+            y = fp8_scaled_mm(x, q, s, bias)
+        else:
+            y = fp8_mm(x, q, s, bias)
+        return y.float() if float_out else y
+    from pageflash.kernels.w8_linear import w8_linear
+
+    return w8_linear(x, q, s, bias, float_out)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool): FP8 weights (quantization="fp8"), logs under $OUT.
+#   scripts/gpu_fp8.sh [tests] [probe] [latency] [offline]
+# tests: the FP8 GPU tests with the INT8 / MoE ones they share kernels with; probe: scripts/fp8_probe.py
+# (per projection, bf16 / int8 / fp8 weight-only / W8A8); latency: llama-3-8b batch 1 / 16 / 64 for
+# bf16, int8, fp8 in one call; offline: W-offline llama-3-8b, bf16 then fp8.
+set -o pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
+for what in "$@"; do
+  case $what in
+    tests) $PY -m pytest -q -ra -p no:cacheprovider tests/gpu/test_fp8_gpu.py tests/gpu/test_quant_gpu.py \
+             tests/gpu/test_moe_gpu.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -15 ;;
+    probe) PYTHONPATH=. $PY scripts/fp8_probe.py "$OUT/fp8_probe.json" 2>&1 | tee "$OUT/fp8_probe.log" | tail -22 ;;
+    latency) for q in none int8 fp8; do
+               qa=$([ $q = none ] || echo "-q $q")
+               $PY -m pageflash.cli bench latency --model llama-3-8b --input-len 128 --output-len 128 \
+                 --batch-size 1 16 64 --num-iters 2 $qa --json "$OUT/lat_$q.json" 2>&1 \
+                 | tee "$OUT/lat_$q.log" | grep -v "it/s" | tail -6
+             done ;;
+    offline) for q in none fp8; do
+               qa=$([ $q = none ] || echo "-q $q")
+               $PY -m pageflash.cli bench throughput --model llama-3-8b $qa --json "$OUT/offline_$q.json" 2>&1 \
+                 | tee "$OUT/offline_$q.log" | grep -v "it/s" | tail -5
+             done ;;
+  esac
+done

@@ -1,0 +1,193 @@
+"""FP8 weights (quantization="fp8"): the e4m3 codes, the activation quantizer kernel and the 8-bit
+kernels over e4m3 codes against their references under the Triton interpreter, the W8A8 reference
+against torch's own FP8 ``_scaled_mm`` (CPU), and the engine's greedy output against HF transformers
+running the same quantize-dequantized weights. The W8A8 path itself runs on CUDA only
+(tests/gpu/test_quant_gpu.py)."""
+
+import pytest
+import torch
+
+from hf_ref import hf_fake_quantized, hf_greedy, make_random_hf_folder
+from pageflash import LLM, SamplingParams
+from pageflash.kernels.fp8_linear import (FP8, fp8_linear, fp8_mm, fp8_scaled_mm, fp8_scaled_mm_ref, quantize_fp8,
+                                          quantize_rows_fp8, quantize_rows_fp8_ref, scaled_mm_applies)
+from pageflash.kernels.gemv import gemv
+from pageflash.kernels.w8_linear import dequantize_int8, w8_gemm, w8_linear_ref
+
+
+def _w(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    # rows of very different magnitude: one scale per row must follow them
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, n)[torch.randperm(n, generator=g)][:, None]
+    return w, g
+
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+def test_quantize_fp8_codes_and_error_bound():
+    w, _ = _w(37, 300, 0)
+    w[5] = 0.0  # an all-zero row
+    q, s = quantize_fp8(w, rows_per_chunk=8)  # several chunks, the last one ragged
+    assert q.dtype == FP8 and s.dtype == torch.float32 and q.shape == w.shape and s.shape == (37,)
+    assert float(q.float().abs().max()) == 448.0
+    assert torch.equal(q[5].float(), torch.zeros(300)) and s[5] == 1.0
+    amax = w.abs().amax(1)
+    nz = amax > 0
+    assert torch.allclose(s[nz], amax[nz] / 448)
+    # e4m3: 3 mantissa bits -> relative error <= 2**-4 for normals (|y| >= 2**-6), <= 2**-10 absolute below
+    y = w / s[:, None]
+    err = (q.float() - y).abs()
+    assert (err <= torch.maximum(y.abs() * 2 ** -4, torch.full_like(y, 2 ** -10)) * (1 + 1e-6)).all()
+    # round to nearest even, as torch's own conversion: the codes are torch's
+    assert torch.equal(_bits(q), _bits((w / s[:, None]).clamp(-448, 448).to(FP8)))
+    # bf16 input: the same codes as its float32 copy
+    qb, sb = quantize_fp8(w.to(torch.bfloat16))
+    q32, s32 = quantize_fp8(w.to(torch.bfloat16).float())
+    assert torch.equal(_bits(qb), _bits(q32)) and torch.equal(sb, s32)
+
+
+def test_quantize_fp8_rejects_bad_weights():
+    with pytest.raises(ValueError, match="2-D float"):
+        quantize_fp8(torch.ones(4))
+    w = torch.ones(3, 4)
+    w[2, 1] = float("inf")
+    with pytest.raises(ValueError, match="inf or nan"):
+        quantize_fp8(w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("max_tile", [8192, 64])  # one pass over a row, or two (amax, then codes)
+def test_quantize_rows_kernel_equals_reference(dtype, max_tile):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 300, generator=g) * torch.logspace(-4, 2, 6)[:, None]).to(dtype)
+    x[2] = 0.0  # an all-zero row: scale 1, zero codes
+    x[4, 7] = 1e-6  # far below the row's scale: e4m3 subnormals / zero
+    q, s = quantize_rows_fp8(x, max_tile=max_tile)
+    rq, rs = quantize_rows_fp8_ref(x)
+    assert q.dtype == FP8 and s.shape == (6, 1) and s.dtype == torch.float32
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
+    assert s[2, 0] == 1.0 and float(q[2].float().abs().max()) == 0.0
+    e, es = quantize_rows_fp8(x[:0])
+    assert e.shape == (0, 300) and es.shape == (0, 1)
+
+
+def test_w8a8_reference_equals_torch_scaled_mm():
+    """The reference of the W8A8 path computes what torch._scaled_mm's row-wise scaling computes
+    (torch's CPU kernel, same codes and scales): the kernel the GPU path calls, checked for meaning."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    q, s = quantize_fp8(torch.randn(48, 64, generator=g) * 0.1)
+    ref = fp8_scaled_mm_ref(x, q, s)
+    xq, sx = quantize_rows_fp8_ref(x)
+    got = torch._scaled_mm(xq, q.t(), scale_a=sx, scale_b=s.view(1, -1), out_dtype=torch.bfloat16)
+    assert torch.allclose(ref.float(), got.float(), rtol=1e-2, atol=1e-3)
+    # and W8A8 stays near the weight-only product (activation codes: ~2**-5 relative each)
+    wo = w8_linear_ref(x.float(), q, s)
+    assert (ref.float() - wo).abs().max() <= 0.08 * wo.abs().max()
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_over_e4m3_codes_matches_reference(m, dtype):
+    w, g = _w(37, 300, m)
+    q, s = quantize_fp8(w)
+    x = torch.randn(m, 300, generator=g).to(dtype)
+    out = torch.full((m, 37), float("nan"), dtype=dtype)
+    y = gemv(x, q, 8, 4, 64, 2, 4, out=out, scale=s)
+    ref = w8_linear_ref(x, q, s)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    assert y is out and torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * float(s.max()) * 300 ** 0.5)
+
+
+@pytest.mark.parametrize("m,cfg", [(5, (16, 16, 32, 1, 4, 1)), (40, (32, 32, 64, 2, 4, 2)), (17, (16, 32, 32, 2, 4, 1, 3))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_w8_gemm_over_e4m3_codes_matches_reference(m, cfg, dtype):
+    w, g = _w(70, 200, m)
+    q, s = quantize_fp8(w)
+    x = torch.randn(m, 200, generator=g).to(dtype)
+    b = torch.randn(70, generator=g).to(dtype)
+    out = torch.full((m, 70), float("nan"), dtype=dtype)
+    y = w8_gemm(x, q, s, b, config=cfg, out=out)
+    ref = w8_linear_ref(x, q, s, b)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    assert y is out and torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * float(s.max()) * 200 ** 0.5)
+
+
+@pytest.mark.parametrize("cfg", [(16, 16, 32, 1, 4, 1), (32, 16, 64, 3, 4, 2), (16, 32, 32, 2, 4, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_mm_matches_w8a8_reference(cfg, dtype):
+    """The Triton W8A8 kernel (activation codes per row, e4m3 x e4m3 dots, both scales in the
+    epilogue; split K summed by the caller) against the reference, ragged M / N / K, with a bias."""
+    w, g = _w(70, 200, cfg[0] + cfg[3])
+    q, s = quantize_fp8(w)
+    x = torch.randn(9, 200, generator=g).to(dtype)
+    b = torch.randn(70, generator=g).to(dtype)
+    y = fp8_mm(x, q, s, b, config=cfg)
+    ref = fp8_scaled_mm_ref(x, q, s, b)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert y.dtype == dtype and torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max()))
+    assert fp8_mm(x[:0], q, s).shape == (0, 70)
+
+
+def test_fp8_linear_on_cpu_is_the_dequantized_weight_and_w8a8_refuses_cpu():
+    w, g = _w(48, 64, 8)
+    q, s = quantize_fp8(w)
+    x = torch.randn(40, 64, generator=g)
+    b = torch.randn(48, generator=g)
+    want = torch.nn.functional.linear(x, dequantize_int8(q, s, torch.float32), b)
+    assert torch.equal(fp8_linear(x, q, s, b), want)
+    assert fp8_linear(x, q, s, float_out=True).dtype == torch.float32
+    assert not scaled_mm_applies(x.bfloat16(), q)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        fp8_scaled_mm(x.bfloat16(), q, s)
+    with pytest.raises(ValueError, match="float8_e4m3fn q"):
+        fp8_scaled_mm_ref(x, q.float(), s)
+    with pytest.raises(ValueError, match="bias"):
+        fp8_scaled_mm_ref(x, q, s, torch.zeros(3))
+
+
+CFG = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
+           rms_norm_eps=1e-6, tie_word_embeddings=False, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+           num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0)
+
+
+def test_engine_fp8_greedy_matches_hf_on_fake_quantized_weights(tmp_path):
+    """A Qwen2 (q/k/v biases) with the projections in e4m3: greedy equals HF over the dequantized codes
+    through chunked prefill and preemption, and differs from the float model's (the codes are used)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_random_hf_folder(tmp_path, CFG, std=0.3)
+    hf_q = hf_fake_quantized(folder, "fp8")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 7, 16, 33)]
+    llm = LLM(folder, quantization="fp8", block_size=4, max_num_batched_tokens=24, max_model_len=96,
+              num_kv_blocks=24)
+    model = llm.llm_engine.runner.model
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
+    assert model.layers[1].mlp.down_proj.weight_scale.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.float32  # the head is kept
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [hf_greedy(hf_q, p, 24) for p in prompts]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert got != [hf_greedy(hf, p, 24) for p in prompts]
+    assert llm.llm_engine.kv.num_free_blocks == 24
+
+
+def test_fp8_is_named_in_quantization_errors():
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \['int8', 'fp8'\], got 'fp4'"):
+        LLM("smollm2-135m", quantization="fp4")
+    from pageflash.layers.linear import Linear
+
+    lin = Linear(16, 8)
+    lin.weight.data.normal_()
+    lin.quantize_("fp8")
+    assert lin.weight.dtype == FP8
+    with pytest.raises(ValueError, match="already quantized"):
+        lin.quantize_("int8")
+    x = torch.randn(3, 16)
+    assert torch.allclose(lin(x), w8_linear_ref(x, lin.weight, lin.weight_scale), rtol=1e-5, atol=1e-5)
