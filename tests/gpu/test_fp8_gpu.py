@@ -41,15 +41,9 @@ def test_quantize_rows_equals_reference_bf16(k, poison_outputs):
     q, s = F8.quantize_rows_fp8(x)
     rq, rs = F8.quantize_rows_fp8_ref(x)
     assert torch.equal(s, rs)
-    # codes: equal to torch's except at a rounding tie missed by float32 division's last bit (the
-    # kernel divides with div_rn; run 54 found 1-2 such codes in 10^6 against torch's CUDA division,
-    # none in 3 x 10^5): there the two codes are neighbours and x / s lies at their midpoint
-    diff = q.view(torch.uint8) != rq.view(torch.uint8)
-    if diff.any():
-        a, b = q[diff].double(), rq[diff].double()
-        y = (x.double() / s.double())[diff]
-        assert int(diff.sum()) <= 8, int(diff.sum())
-        assert ((y - (a + b) / 2).abs() <= 1e-6 * y.abs()).all(), (a, b, y)
+    # the codes' values equal torch's; only a negative number that rounds to zero may come out +0.0
+    # where torch writes -0.0 (run 54: one code in 3 x 10^5)
+    assert torch.equal(q.float(), rq.float())
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 16, 31, 32, 33, 64, 128, 129, 300, 1024])
