@@ -90,6 +90,8 @@ class ModelConfig:
     sliding_layers: Optional[tuple[int, ...]] = None
     # SmolLM3 (NoPE): the layers that apply no rotary embedding at all (its no_rope_layers[i] == 0)
     nope_layers: tuple[int, ...] = ()
+    # weights stored as float8 e4m3 codes with scales (model/fp8_checkpoint.py): "fp8", or None
+    checkpoint_quantization: Optional[str] = None
     # mixture of experts (0 experts: every layer has a dense MLP of intermediate_size)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -388,10 +390,11 @@ class ModelConfig:
         """From a HF config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config / the MoE,
         Gemma and Phi-3 configs' keys, read as transformers 5 reads them)."""
         qc = d.get("quantization_config")
-        if qc:  # weights stored as AWQ / GPTQ / FP8 / bitsandbytes ...: loading them as dense ones would fail late
-            method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
-            raise ValueError(f"model config: quantized checkpoints ({method}) are not supported; load the "
-                             "unquantized (bf16/fp16/fp32) weights, or a GGUF file (dequantized on load)")
+        # FP8 checkpoints are read (model/fp8_checkpoint.py); AWQ / GPTQ / bitsandbytes ... are refused
+        # here, since loading them as dense weights would fail late
+        from pageflash.model.fp8_checkpoint import checkpoint_quantization
+
+        ckpt_quant = checkpoint_quantization(qc) if qc else None
         archs = d.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         model_type = d.get("model_type", "llama")
@@ -479,6 +482,7 @@ class ModelConfig:
             sliding_window=window,
             sliding_layers=window_layers,
             nope_layers=_nope_layers(d) if model_type == "smollm3" else (),
+            checkpoint_quantization=ckpt_quant,
             num_experts=num_experts,
             num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if num_experts else 0,
             moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]) if num_experts else 0,

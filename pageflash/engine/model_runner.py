@@ -71,6 +71,11 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.quantization = quantization
+        if model_cfg.checkpoint_quantization == "fp8":  # weights stored in FP8 (model/fp8_checkpoint.py)
+            if quantization not in (None, "fp8"):
+                raise ValueError("this checkpoint's weights are FP8 (its config.json has a quantization_config); "
+                                 f"quantization must be None or 'fp8', got {quantization!r}")
+            self.quantization = "fp8"
         if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         # the cache's element type: the model's, or the codes' of a quantized cache
@@ -112,7 +117,9 @@ class ModelRunner:
         else:
             model.load_weights(iter_weights(source, self.full_cfg), origin=f"checkpoint {source.path!r}")
         if self.quantization is not None:
-            model.quantize_(self.quantization, device=self.device if staged else None)
+            # an FP8 checkpoint: only what came dequantized (block scales, experts) is quantized again
+            only = model.fp8_requantize if source.kind != "config" and self.cfg.checkpoint_quantization else None
+            model.quantize_(self.quantization, device=self.device if staged else None, only=only)
         if staged:  # the rotary tables as the device computes them (as an unstaged model has them)
             with torch.device(self.device):
                 model.make_rotary(self.max_model_len)

@@ -1,4 +1,5 @@
-"""FP8 (e4m3) linear layers: vLLM's ``quantization="fp8"`` for 16-bit checkpoints.
+"""FP8 (e4m3) linear layers: vLLM's ``quantization="fp8"`` for 16-bit checkpoints (and what FP8
+checkpoints run as: model/fp8_checkpoint.py).
 
 Weights: float8_e4m3fn codes [N, K] with one float32 scale per output row, s = max|w_row| / 448
 (round to nearest even; an all-zero row gets s = 1), made at load (``quantize_fp8``). Half the bytes

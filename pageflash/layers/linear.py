@@ -130,8 +130,29 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", s)
 
+    def load_fp8_(self, codes: torch.Tensor, scale: torch.Tensor, shard_id: Optional[str] = None) -> None:
+        """An FP8 checkpoint's e4m3 codes [rows, K] and their float32 scale per row [rows] into the
+        weight rows of shard_id (None: all): the layer takes the "fp8" state (e4m3 weight, weight_scale)
+        at the first call, as quantize_("fp8") would leave it (model/fp8_checkpoint.py)."""
+        fp8 = torch.float8_e4m3fn
+        if self.weight.dtype != fp8:
+            if self.weight_scale is not None:
+                raise ValueError("this linear layer is already quantized")
+            dev = self.weight.device
+            self.weight = nn.Parameter(torch.zeros(self.weight.shape, dtype=fp8, device=dev), requires_grad=False)
+            self.register_buffer("weight_scale", torch.ones(self.weight.shape[0], dtype=torch.float32, device=dev))
+        offsets = getattr(self, "shard_offsets", {})
+        off, size = (0, self.weight.shape[0]) if shard_id is None else offsets[shard_id]
+        dst = self.weight.data.narrow(0, off, size)
+        if dst.shape != codes.shape or codes.dtype != fp8 or scale.shape != (size,):
+            raise ValueError(f"FP8 weight shape mismatch{'' if shard_id is None else f' for shard {shard_id!r}'}: "
+                             f"expected {tuple(dst.shape)} e4m3 codes and [{size}] scales, checkpoint has "
+                             f"{tuple(codes.shape)} {codes.dtype} and {tuple(scale.shape)}")
+        dst.copy_(codes)
+        self.weight_scale.narrow(0, off, size).copy_(scale)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[str] = None) -> None:
-        if getattr(self, "weight_scale", None) is not None:
+        if param is self.weight and getattr(self, "weight_scale", None) is not None:
             raise ValueError("weights must be loaded before the layer is quantized")
         if param.shape != loaded.shape:
             raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, checkpoint has {tuple(loaded.shape)}")
@@ -153,8 +174,8 @@ class MergedLinear(Linear):
             off += size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[str] = None) -> None:
-        if shard_id is None or self.weight_scale is not None:
-            return super().weight_loader(param, loaded)
+        if shard_id is None or (param is self.weight and self.weight_scale is not None):
+            return super().weight_loader(param, loaded)  # (the latter: to refuse it)
         off, size = self.shard_offsets[shard_id]
         dst = param.data.narrow(0, off, size)
         if dst.shape != loaded.shape:

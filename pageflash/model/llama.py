@@ -26,6 +26,7 @@ from pageflash.layers.linear import GateUpLinear, Linear, QKVLinear, VocabEmbedd
 from pageflash.layers.moe import SparseMoE
 from pageflash.layers.norm import RMSNorm
 from pageflash.layers.rotary import RotaryEmbedding
+from pageflash.model.fp8_checkpoint import Fp8Pairs, dequantize, per_row_scale
 
 if TYPE_CHECKING:
     from pageflash.lora.layers import LoRAContext
@@ -295,16 +296,21 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
             self.prefetcher.join()
         return x
 
-    def quantize_(self, method: str, device: Optional[torch.device] = None) -> None:
+    def quantize_(self, method: str, device: Optional[torch.device] = None,
+                  only: Optional[set[str]] = None) -> None:
         """Quantize every decoder layer's projections and MoE experts in place (Linear.quantize_,
         SparseMoE.quantize_); the embedding table, the LM head and MoE routers stay in the model's dtype
         (as vLLM's weight-only methods keep them).
         device: move the model there, one decoder layer at a time, each quantized once it arrives (a
-        model loaded in host memory then never occupies the device at its unquantized size)."""
-        for layer in self.layers:
+        model loaded in host memory then never occupies the device at its unquantized size).
+        only: the module names to quantize (an FP8 checkpoint's dequantized ones, ``fp8_requantize``);
+        the rest stay as loaded."""
+        for i, layer in enumerate(self.layers):
             if device is not None:
                 layer.to(device)
-            for m in layer.modules():
+            for sub, m in layer.named_modules():
+                if only is not None and f"layers.{i}.{sub}" not in only:
+                    continue
                 if (isinstance(m, Linear) and m.quantizable) or isinstance(m, SparseMoE):
                     m.quantize_(method)
         if device is not None:
@@ -427,43 +433,72 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
         weights = self._split_fused(weights)
         params = dict(self.named_parameters())
         parts: dict[str, set[Optional[str]]] = {}  # parameter -> the parts loaded (None: the whole tensor)
+        # FP8 checkpoints (model/fp8_checkpoint.py): each e4m3 weight waits for its scale
+        fp8 = Fp8Pairs() if self.cfg.checkpoint_quantization == "fp8" else None
+        self.fp8_requantize: set[str] = set()  # modules whose FP8 weights came dequantized (quantize_ again)
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if fp8 is not None and fp8.wants(name, tensor):
+                for wname, codes, scale in fp8.add(name, tensor):
+                    self._load_one(wname, codes, params, parts, scale)
                 continue
-            if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                                "model.multi_modal_projector.")):
-                continue  # Gemma 3's image encoder (its text decoder alone is run)
-            for prefix in ("language_model.model.", "model.language_model.", "language_model."):
-                if name.startswith(prefix):  # Gemma 3's image-text checkpoints (older and transformers 5 names)
-                    name = "model." + name.removeprefix(prefix)
-                    break
-            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's block name
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding table serves as the head
-            shard = None
-            m = re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.", name)
-            e = re.fullmatch(r"(layers\.\d+\.mlp)\.experts\.(?:(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight"
-                             r"|(gate_up_proj|down_proj))", name)
-            if e:  # routed experts: per-expert matrices, or transformers >= 5's fused [E, ...] tensors
-                part = self._EXPERT_PARTS[e.group(3) or e.group(4)]
-                name = f"{e.group(1)}.{'w2' if part == 'down' else 'w13'}"
-                shard = f"{e.group(2)}:{part}" if e.group(2) is not None else None
-            elif m:
-                target, shard = self._MERGED[m.group(1)]
-                name = name.replace(f".{m.group(1)}.", f".{target}.")
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            if self.tp_size > 1:
-                tensor = self._tp_slice(name, shard, e is not None, tensor)
-            param = params[name]
-            owner = self.get_submodule(name.rsplit(".", 1)[0])
-            owner.weight_loader(param, tensor.to(param.dtype), shard)
-            parts.setdefault(name, set()).add(shard)
+            self._load_one(name, tensor, params, parts)
+        if fp8 is not None:
+            fp8.check_done()
         missing = self._missing_tensors(parts)
         if missing:
             raise ValueError(f"{origin} lacks {len(missing)} tensor(s) the model needs: {missing[:8]}"
                              + (" ..." if len(missing) > 8 else ""))
         return set(parts)
+
+    def _load_one(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
+                  parts: dict[str, set[Optional[str]]], fp8_scale: Optional[torch.Tensor] = None) -> None:
+        """One checkpoint tensor into its parameter (fp8_scale: tensor holds e4m3 codes with this scale)."""
+        if "rotary_emb.inv_freq" in name:
+            return
+        if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                            "model.multi_modal_projector.")):
+            return  # Gemma 3's image encoder (its text decoder alone is run)
+        for prefix in ("language_model.model.", "model.language_model.", "language_model."):
+            if name.startswith(prefix):  # Gemma 3's image-text checkpoints (older and transformers 5 names)
+                name = "model." + name.removeprefix(prefix)
+                break
+        name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's block name
+        if name == "lm_head.weight" and self.lm_head is None:
+            return  # tied: the embedding table serves as the head
+        shard = None
+        m = re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.", name)
+        e = re.fullmatch(r"(layers\.\d+\.mlp)\.experts\.(?:(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight"
+                         r"|(gate_up_proj|down_proj))", name)
+        if e:  # routed experts: per-expert matrices, or transformers >= 5's fused [E, ...] tensors
+            part = self._EXPERT_PARTS[e.group(3) or e.group(4)]
+            name = f"{e.group(1)}.{'w2' if part == 'down' else 'w13'}"
+            shard = f"{e.group(2)}:{part}" if e.group(2) is not None else None
+        elif m:
+            target, shard = self._MERGED[m.group(1)]
+            name = name.replace(f".{m.group(1)}.", f".{target}.")
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+        owner_name, pname = name.rsplit(".", 1)
+        owner = self.get_submodule(owner_name)
+        if fp8_scale is not None:
+            rows = per_row_scale(fp8_scale, tensor.shape[0]) if e is None and tensor.dim() == 2 else None
+            if rows is None or not (isinstance(owner, Linear) and owner.quantizable and owner_name.startswith("layers.")):
+                # block scales, experts: dequantized here, quantized per row after loading
+                tensor = dequantize(tensor, fp8_scale, name)
+                self.fp8_requantize.add(owner_name)
+            else:  # one scale per tensor or per row: the codes kept as they are
+                if self.tp_size > 1:
+                    tensor = self._tp_slice(name, shard, False, tensor)
+                    if shard in ("q", "k", "v", "gate", "up"):  # column parallel: this rank's rows
+                        rows = self._tp_slice(name, shard, False, rows.view(-1, 1)).reshape(-1)
+                owner.load_fp8_(tensor, rows, shard)
+                parts.setdefault(name, set()).add(shard)
+                return
+        if self.tp_size > 1:
+            tensor = self._tp_slice(name, shard, e is not None, tensor)
+        param = getattr(owner, pname)
+        owner.weight_loader(param, tensor.to(param.dtype), shard)
+        parts.setdefault(name, set()).add(shard)
 
     def _missing_tensors(self, parts: dict[str, set[Optional[str]]]) -> list[str]:
         """The checkpoint names (HF's layout for this architecture) of what `parts` leaves unset: whole
