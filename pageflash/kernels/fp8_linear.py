@@ -51,11 +51,13 @@ _INV_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # 1/448 roun
 # _CUBLAS_M on (below, the Triton kernel): scripts/fp8_probe.py, docs/BENCHMARKS.md run 54
 _MM_M = 3
 _CUBLAS_M = 129
+# up to this many rows fp8_mm quantizes x itself (no quantizer launch): run 54 (provisional)
+_FUSED_M = 16
 
 
 def quantize_fp8(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row e4m3 codes of w [N, K]: (q float8_e4m3fn [N, K], s float32 [N]) with w ~= q * s[:, None],
-    s = max|w_row| / 448 (an all-zero row gets s = 1), rounded to nearest even. Computed in float32,
+    s = max|w_row| * float32(1 / 448) (an all-zero row gets s = 1), rounded to nearest even. Computed in float32,
     rows_per_chunk rows at a time (bounded scratch memory on large weights)."""
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_fp8: expected a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
@@ -67,7 +69,9 @@ def quantize_fp8(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Ten
         amax = wf.abs().amax(dim=1)
         if not torch.isfinite(amax).all():
             raise ValueError("quantize_fp8: the weight holds inf or nan")
-        sc = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        # times float32(1/448), as on every device (torch's CUDA division by a scalar multiplies by the
+        # reciprocal, its CPU one divides): the same codes wherever a model is quantized
+        sc = torch.where(amax > 0, amax * _INV_MAX, torch.ones_like(amax))
         q[r0: r0 + rows_per_chunk] = (wf / sc[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
         s[r0: r0 + rows_per_chunk] = sc
     return q, s
@@ -138,11 +142,15 @@ def quantize_rows_fp8(x: torch.Tensor, max_tile: int = 16384) -> tuple[torch.Ten
 def _fp8_mm_kernel(
     XQ, SX, W, SW, BIAS, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FUSED: tl.constexpr = False, HW_CVT: tl.constexpr = False, INV_MAX: tl.constexpr = 1.0,
 ):
     # y^T = W x^T ("swap AB"): the weight's rows fill the tensor-core instruction's long M side and
     # the few tokens its short N side, both operands e4m3 and K-contiguous, products in float32.
     # Grid (N blocks, M blocks, SPLIT_K); SPLIT_K > 1: each K range's scaled float32 partial goes to
     # Y + pid_k * stride_ys (the caller sums them, then adds the bias).
+    # FUSED: XQ is the 16-bit x itself; each program finds its tokens' scales (a first pass over K)
+    # and quantizes its x tiles in registers, as quantize_rows_fp8 would (no quantizer launch).
+    # HW_CVT: the GPU's float-to-e4m3 conversion (round to nearest even, as torch's); else e4m3_round.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -155,15 +163,31 @@ def _fp8_mm_kernel(
     k_start = pid_k * k_per
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = XQ + offs_m[None, :].to(tl.int64) * stride_xm + (k_start + offs_k)[:, None]
+    if FUSED:
+        amax = tl.zeros([BM], dtype=tl.float32)
+        xa_ptrs = XQ + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
+        for k0 in range(0, K, BK):
+            xa = tl.load(xa_ptrs, mask=((k0 + offs_k) < K)[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(xa), 0))
+            xa_ptrs += BK
+        sx = tl.where(amax > 0.0, amax * INV_MAX, 1.0)
+    else:
+        sx = tl.load(SX + offs_m, mask=m_ok, other=0.0)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + k_per, K), BK):
         k_ok = (k0 + offs_k) < K
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        if FUSED:
+            y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), sx[None, :]), -448.0), 448.0)
+            if HW_CVT:
+                x = y.to(W.dtype.element_ty)
+            else:
+                x = e4m3_round(y).to(W.dtype.element_ty)
         acc = tl.dot(w, x, acc)
         w_ptrs += BK
         x_ptrs += BK
-    acc = acc * tl.load(SW + offs_n, mask=n_ok, other=0.0)[:, None] * tl.load(SX + offs_m, mask=m_ok, other=0.0)[None, :]
+    acc = acc * tl.load(SW + offs_n, mask=n_ok, other=0.0)[:, None] * sx[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(Y + pid_k * stride_ys + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None],
@@ -186,11 +210,18 @@ def _mm_config(m: int, n: int, k: int) -> tuple[int, ...]:
     return 64, bm, 256, 1, 4, 4
 
 
+def _fused_max_m() -> int:
+    return _env_m("PAGEFLASH_FP8_FUSED_M", _FUSED_M)
+
+
 def fp8_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           config: Optional[tuple[int, ...]] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """W8A8 in Triton: x [M, K] (16-bit or float32) quantized per row (quantize_rows_fp8), times
-    q [N, K] e4m3 with s [N] on the tensor cores (y^T = W x^T); out in x's dtype (+ bias, added in
-    float32 before the one rounding). config: (BN, BM, BK, SPLIT_K, num_warps, num_stages)."""
+           config: Optional[tuple[int, ...]] = None, out: Optional[torch.Tensor] = None,
+           fused: Optional[bool] = None) -> torch.Tensor:
+    """W8A8 in Triton: x [M, K] (16-bit or float32) quantized per row (quantize_rows_fp8's codes and
+    scales), times q [N, K] e4m3 with s [N] on the tensor cores (y^T = W x^T); out in x's dtype (+ bias,
+    added in float32 before the one rounding). config: (BN, BM, BK, SPLIT_K, num_warps, num_stages).
+    fused: quantize x inside the kernel instead of a quantize_rows_fp8 launch first (None: up to
+    PAGEFLASH_FP8_FUSED_M rows); the same codes either way."""
     _check(x, q, s, bias, "fp8_mm")
     m, k = x.shape
     n = q.shape[0]
@@ -199,17 +230,24 @@ def fp8_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[tor
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    xq, sx = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous())
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if fused is None:
+        fused = m <= _fused_max_m()
+    if fused:
+        xq, sx = x, x
+    else:
+        xq, sx = quantize_rows_fp8(x)
+    kw = dict(BN=bn, BM=bm, BK=bk, FUSED=fused, HW_CVT=fused and x.is_cuda, INV_MAX=_INV_MAX,
+              num_warps=warps, num_stages=stages)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split_k)
     if split_k == 1:
         _fp8_mm_kernel[grid](xq, sx, q, s, s if bias is None else bias, out, m, n, k, xq.stride(0), q.stride(0),
-                             out.stride(0), 0, BN=bn, BM=bm, BK=bk, SPLIT_K=1, HAS_BIAS=bias is not None,
-                             num_warps=warps, num_stages=stages)
+                             out.stride(0), 0, SPLIT_K=1, HAS_BIAS=bias is not None, **kw)
         return out
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     _fp8_mm_kernel[grid](xq, sx, q, s, s, part, m, n, k, xq.stride(0), q.stride(0), part.stride(1),
-                         part.stride(0), BN=bn, BM=bm, BK=bk, SPLIT_K=split_k, HAS_BIAS=False,
-                         num_warps=warps, num_stages=stages)
+                         part.stride(0), SPLIT_K=split_k, HAS_BIAS=False, **kw)
     y = part.sum(0)
     if bias is not None:
         y += bias.float()

@@ -80,7 +80,10 @@ def test_fp8_mm_configs_bias_and_ragged_shapes(cfg, poison_outputs):
         q, s = F8.quantize_fp8(torch.randn(n, k, device="cuda", generator=g) * 0.02)
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         b = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
-        _close_w8a8(F8.fp8_mm(x, q, s, b, config=cfg), F8.fp8_scaled_mm_ref(x, q, s, b))
+        y = F8.fp8_mm(x, q, s, b, config=cfg, fused=False)
+        _close_w8a8(y, F8.fp8_scaled_mm_ref(x, q, s, b))
+        # quantized inside the kernel (the GPU's e4m3 conversion): the same codes, the same result
+        assert torch.equal(F8.fp8_mm(x, q, s, b, config=cfg, fused=True), y)
 
 
 def test_fp16_and_fp32_activations_stay_weight_only():
@@ -130,3 +133,51 @@ def test_engine_w8a8_prefill_agrees_with_weight_only(monkeypatch):
     wo, _, lps = run(dtype="bfloat16", max_tokens=1, logprobs=5)
     assert all(a[0] in lp[0] for a, lp in zip(w8a8, lps))
     assert sum(a == b for a, b in zip(w8a8, wo)) >= 6
+
+
+def test_fp8_checkpoint_runs_as_quantizing_at_load_bf16(tmp_path):
+    """A per-channel FP8 checkpoint (compressed-tensors layout) holding quantize_fp8's own codes and
+    scales of a 16-bit model runs exactly as that model with quantization="fp8": staged loading, decode
+    graphs and W8A8 prefill give the same tokens, and the engines hold the same codes."""
+    import glob
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from hf_ref import make_random_hf_folder
+
+    cfg = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+               max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False, model_type="llama",
+               architectures=["LlamaForCausalLM"], num_attention_heads=8, num_key_value_heads=2, rope_theta=10000.0)
+    src = make_random_hf_folder(tmp_path / "src", cfg, std=0.05)
+    dst = tmp_path / "fp8"
+    os.makedirs(dst)
+    sd = {}
+    for f in glob.glob(os.path.join(src, "*.safetensors")):
+        sd.update(load_file(f))
+    out = {}
+    for name, t in sd.items():
+        if name.endswith("_proj.weight") and ".layers." in name:
+            q, s = F8.quantize_fp8(t.to(torch.bfloat16))  # what the engine makes of the bf16 weight
+            out[name], out[name[: -len("weight")] + "weight_scale"] = q, s.view(-1, 1)
+        else:
+            out[name] = t
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    c = json.load(open(os.path.join(src, "config.json")))
+    c["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}
+    json.dump(c, open(os.path.join(dst, "config.json"), "w"))
+    prompts = [[(3 * i + j) % 997 + 1 for j in range(n)] for i, n in enumerate((5, 40, 100, 1, 64))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = []
+    for folder, quant in ((src, "fp8"), (str(dst), None)):
+        llm = LLM(folder, dtype="bfloat16", quantization=quant, max_model_len=256, num_kv_blocks=128)
+        assert llm.llm_engine.runner.graphs is not None
+        w = llm.llm_engine.runner.model.layers[2].mlp.down_proj
+        runs.append(([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                  params, use_tqdm=False)],
+                     w.weight.view(torch.uint8).clone(), w.weight_scale.clone()))
+        del llm
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
+    assert runs[0][0] == runs[1][0]
