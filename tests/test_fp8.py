@@ -122,18 +122,16 @@ def test_w8_gemm_over_e4m3_codes_matches_reference(m, cfg, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fp8_mm_matches_w8a8_reference(cfg, dtype):
     """The Triton W8A8 kernel (activation codes per row, e4m3 x e4m3 dots, both scales in the
-    epilogue; split K summed by the caller) against the reference, ragged M / N / K, with a bias; with
-    the activations quantized in the kernel (fused) the same result bit for bit."""
+    epilogue; split K summed by the caller) against the reference, ragged M / N / K, with a bias."""
     w, g = _w(70, 200, cfg[0] + cfg[3])
     q, s = quantize_fp8(w)
     x = torch.randn(9, 200, generator=g).to(dtype)
     x[4] = 0.0  # a zero row: scale 1
     b = torch.randn(70, generator=g).to(dtype)
-    y = fp8_mm(x, q, s, b, config=cfg, fused=False)
+    y = fp8_mm(x, q, s, b, config=cfg)
     ref = fp8_scaled_mm_ref(x, q, s, b)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert y.dtype == dtype and torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max()))
-    assert torch.equal(fp8_mm(x, q, s, b, config=cfg, fused=True), y)
     assert fp8_mm(x[:0], q, s).shape == (0, 70)
 
 

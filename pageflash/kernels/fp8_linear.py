@@ -51,8 +51,6 @@ _INV_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # 1/448 roun
 # _CUBLAS_M on (below, the Triton kernel): scripts/fp8_probe.py, docs/BENCHMARKS.md run 54
 _MM_M = 3
 _CUBLAS_M = 129
-# up to this many rows fp8_mm quantizes x itself (no quantizer launch): run 54 (provisional)
-_FUSED_M = 16
 
 
 def quantize_fp8(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,15 +140,11 @@ def quantize_rows_fp8(x: torch.Tensor, max_tile: int = 16384) -> tuple[torch.Ten
 def _fp8_mm_kernel(
     XQ, SX, W, SW, BIAS, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    FUSED: tl.constexpr = False, HW_CVT: tl.constexpr = False, INV_MAX: tl.constexpr = 1.0,
 ):
     # y^T = W x^T ("swap AB"): the weight's rows fill the tensor-core instruction's long M side and
     # the few tokens its short N side, both operands e4m3 and K-contiguous, products in float32.
     # Grid (N blocks, M blocks, SPLIT_K); SPLIT_K > 1: each K range's scaled float32 partial goes to
     # Y + pid_k * stride_ys (the caller sums them, then adds the bias).
-    # FUSED: XQ is the 16-bit x itself; each program finds its tokens' scales (a first pass over K)
-    # and quantizes its x tiles in registers, as quantize_rows_fp8 would (no quantizer launch).
-    # HW_CVT: the GPU's float-to-e4m3 conversion (round to nearest even, as torch's); else e4m3_round.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -163,27 +157,12 @@ def _fp8_mm_kernel(
     k_start = pid_k * k_per
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = XQ + offs_m[None, :].to(tl.int64) * stride_xm + (k_start + offs_k)[:, None]
-    if FUSED:
-        amax = tl.zeros([BM], dtype=tl.float32)
-        xa_ptrs = XQ + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
-        for k0 in range(0, K, BK):
-            xa = tl.load(xa_ptrs, mask=((k0 + offs_k) < K)[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(xa), 0))
-            xa_ptrs += BK
-        sx = tl.where(amax > 0.0, amax * INV_MAX, 1.0)
-    else:
-        sx = tl.load(SX + offs_m, mask=m_ok, other=0.0)
+    sx = tl.load(SX + offs_m, mask=m_ok, other=0.0)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + k_per, K), BK):
         k_ok = (k0 + offs_k) < K
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        if FUSED:
-            y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), sx[None, :]), -448.0), 448.0)
-            if HW_CVT:
-                x = y.to(W.dtype.element_ty)
-            else:
-                x = e4m3_round(y).to(W.dtype.element_ty)
         acc = tl.dot(w, x, acc)
         w_ptrs += BK
         x_ptrs += BK
@@ -210,18 +189,14 @@ def _mm_config(m: int, n: int, k: int) -> tuple[int, ...]:
     return 64, bm, 256, 1, 4, 4
 
 
-def _fused_max_m() -> int:
-    return _env_m("PAGEFLASH_FP8_FUSED_M", _FUSED_M)
-
-
 def fp8_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           config: Optional[tuple[int, ...]] = None, out: Optional[torch.Tensor] = None,
-           fused: Optional[bool] = None) -> torch.Tensor:
+           config: Optional[tuple[int, ...]] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """W8A8 in Triton: x [M, K] (16-bit or float32) quantized per row (quantize_rows_fp8's codes and
     scales), times q [N, K] e4m3 with s [N] on the tensor cores (y^T = W x^T); out in x's dtype (+ bias,
     added in float32 before the one rounding). config: (BN, BM, BK, SPLIT_K, num_warps, num_stages).
-    fused: quantize x inside the kernel instead of a quantize_rows_fp8 launch first (None: up to
-    PAGEFLASH_FP8_FUSED_M rows); the same codes either way."""
+    The activations are quantized by their own launch first: quantizing them inside this kernel (a
+    first pass over K for the scales, then each tile divided and rounded in registers) was 3-10x
+    slower (docs/KERNELS.md, "FP8 linears")."""
     _check(x, q, s, bias, "fp8_mm")
     m, k = x.shape
     n = q.shape[0]
@@ -232,14 +207,8 @@ def fp8_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[tor
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    if fused is None:
-        fused = m <= _fused_max_m()
-    if fused:
-        xq, sx = x, x
-    else:
-        xq, sx = quantize_rows_fp8(x)
-    kw = dict(BN=bn, BM=bm, BK=bk, FUSED=fused, HW_CVT=fused and x.is_cuda, INV_MAX=_INV_MAX,
-              num_warps=warps, num_stages=stages)
+    xq, sx = quantize_rows_fp8(x)
+    kw = dict(BN=bn, BM=bm, BK=bk, num_warps=warps, num_stages=stages)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split_k)
     if split_k == 1:
         _fp8_mm_kernel[grid](xq, sx, q, s, s if bias is None else bias, out, m, n, k, xq.stride(0), q.stride(0),

@@ -80,10 +80,7 @@ def test_fp8_mm_configs_bias_and_ragged_shapes(cfg, poison_outputs):
         q, s = F8.quantize_fp8(torch.randn(n, k, device="cuda", generator=g) * 0.02)
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         b = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
-        y = F8.fp8_mm(x, q, s, b, config=cfg, fused=False)
-        _close_w8a8(y, F8.fp8_scaled_mm_ref(x, q, s, b))
-        # quantized inside the kernel (the GPU's e4m3 conversion): the same codes, the same result
-        assert torch.equal(F8.fp8_mm(x, q, s, b, config=cfg, fused=True), y)
+        _close_w8a8(F8.fp8_mm(x, q, s, b, config=cfg), F8.fp8_scaled_mm_ref(x, q, s, b))
 
 
 def test_fp16_and_fp32_activations_stay_weight_only():
