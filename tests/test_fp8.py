@@ -1,14 +1,13 @@
 """FP8 weights (quantization="fp8"): the e4m3 codes, the activation quantizer kernel and the 8-bit
 kernels over e4m3 codes against their references under the Triton interpreter, the W8A8 reference
-against torch's own FP8 ``_scaled_mm`` (CPU), and the engine's greedy output against HF transformers
-running the same quantize-dequantized weights. The W8A8 path itself runs on CUDA only
-(tests/gpu/test_quant_gpu.py)."""
+against torch's own FP8 ``_scaled_mm`` (CPU). The engine against HF transformers over the
+quantize-dequantized weights: tests/test_quantization.py (both methods). The W8A8 dispatch itself runs
+on CUDA only (tests/gpu/test_fp8_gpu.py)."""
 
 import pytest
 import torch
 
-from hf_ref import hf_fake_quantized, hf_greedy, make_random_hf_folder
-from pageflash import LLM, SamplingParams
+from pageflash import LLM
 from pageflash.kernels.fp8_linear import (FP8, fp8_linear, fp8_mm, fp8_scaled_mm, fp8_scaled_mm_ref, quantize_fp8,
                                           quantize_rows_fp8, quantize_rows_fp8_ref, scaled_mm_applies)
 from pageflash.kernels.gemv import gemv
@@ -150,36 +149,6 @@ def test_fp8_linear_on_cpu_is_the_dequantized_weight_and_w8a8_refuses_cpu():
         fp8_scaled_mm_ref(x, q.float(), s)
     with pytest.raises(ValueError, match="bias"):
         fp8_scaled_mm_ref(x, q, s, torch.zeros(3))
-
-
-CFG = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
-           rms_norm_eps=1e-6, tie_word_embeddings=False, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
-           num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0)
-
-
-def test_engine_fp8_greedy_matches_hf_on_fake_quantized_weights(tmp_path):
-    """A Qwen2 (q/k/v biases) with the projections in e4m3: greedy equals HF over the dequantized codes
-    through chunked prefill and preemption, and differs from the float model's (the codes are used)."""
-    from transformers import AutoModelForCausalLM
-
-    folder = make_random_hf_folder(tmp_path, CFG, std=0.3)
-    hf_q = hf_fake_quantized(folder, "fp8")
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 7, 16, 33)]
-    llm = LLM(folder, quantization="fp8", block_size=4, max_num_batched_tokens=24, max_model_len=96,
-              num_kv_blocks=24)
-    model = llm.llm_engine.runner.model
-    assert model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
-    assert model.layers[1].mlp.down_proj.weight_scale.dtype == torch.float32
-    assert model.lm_head.weight.dtype == torch.float32  # the head is kept
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
-    got = [o.outputs[0].token_ids for o in outs]
-    assert got == [hf_greedy(hf_q, p, 24) for p in prompts]
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert got != [hf_greedy(hf, p, 24) for p in prompts]
-    assert llm.llm_engine.kv.num_free_blocks == 24
 
 
 def test_fp8_is_named_in_quantization_errors():

@@ -138,20 +138,22 @@ CFG = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_laye
            num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0)
 
 
-def test_engine_int8_greedy_matches_hf_on_fake_quantized_weights(tmp_path):
-    """A Qwen2 (q/k/v biases) with the projections in int8: greedy equals HF over the dequantized
-    codes through chunked prefill and preemption; the codes differ from the float weights enough
-    that the float model's output is a different sequence (so the quantization is really applied)."""
+@pytest.mark.parametrize("method,code", [("int8", torch.int8), ("fp8", torch.float8_e4m3fn)])
+def test_engine_quantized_greedy_matches_hf_on_fake_quantized_weights(tmp_path, method, code):
+    """A Qwen2 (q/k/v biases) with the projections in int8 / e4m3: greedy equals HF over the dequantized
+    codes through chunked prefill and preemption (on CPU every product is the dequantized weight); the
+    codes differ from the float weights enough that the float model's output is a different sequence
+    (so the quantization is really applied)."""
     from transformers import AutoModelForCausalLM
 
     folder = make_random_hf_folder(tmp_path, CFG, std=0.3)
-    hf_q = hf_fake_quantized(folder)
+    hf_q = hf_fake_quantized(folder, method)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 7, 16, 33)]
-    llm = LLM(folder, quantization="int8", block_size=4, max_num_batched_tokens=24, max_model_len=96,
+    llm = LLM(folder, quantization=method, block_size=4, max_num_batched_tokens=24, max_model_len=96,
               num_kv_blocks=24)
     layer = llm.llm_engine.runner.model.layers[0]
-    assert layer.self_attn.qkv_proj.weight.dtype == torch.int8
+    assert layer.self_attn.qkv_proj.weight.dtype == code
     assert layer.mlp.down_proj.weight_scale.dtype == torch.float32
     assert llm.llm_engine.runner.model.lm_head.weight.dtype == torch.float32  # the head is kept
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -40,6 +40,7 @@ import triton.language as tl
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.kv_store import e4m3_round
 from pageflash.kernels.launch import fast_launch
+from pageflash.kernels.w8_linear import run_split_k
 
 __all__ = ["FP8", "FP8_MAX", "quantize_fp8", "quantize_rows_fp8", "quantize_rows_fp8_ref", "fp8_scaled_mm",
            "fp8_scaled_mm_ref", "fp8_linear"]
@@ -208,20 +209,14 @@ def fp8_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[tor
     if x.stride(1) != 1:
         x = x.contiguous()
     xq, sx = quantize_rows_fp8(x)
-    kw = dict(BN=bn, BM=bm, BK=bk, num_warps=warps, num_stages=stages)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split_k)
-    if split_k == 1:
-        _fp8_mm_kernel[grid](xq, sx, q, s, s if bias is None else bias, out, m, n, k, xq.stride(0), q.stride(0),
-                             out.stride(0), 0, SPLIT_K=1, HAS_BIAS=bias is not None, **kw)
-        return out
-    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    _fp8_mm_kernel[grid](xq, sx, q, s, s, part, m, n, k, xq.stride(0), q.stride(0), part.stride(1),
-                         part.stride(0), SPLIT_K=split_k, HAS_BIAS=False, **kw)
-    y = part.sum(0)
-    if bias is not None:
-        y += bias.float()
-    out.copy_(y)
-    return out
+
+    def launch(y: torch.Tensor, stride_ym: int, stride_ys: int, b: Optional[torch.Tensor]) -> None:
+        _fp8_mm_kernel[grid](xq, sx, q, s, s if b is None else b, y, m, n, k, xq.stride(0), q.stride(0), stride_ym,
+                             stride_ys, BN=bn, BM=bm, BK=bk, SPLIT_K=split_k, HAS_BIAS=b is not None,
+                             num_warps=warps, num_stages=stages)
+
+    return run_split_k(launch, out, bias, split_k)
 
 
 def _check(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor], who: str) -> None:

@@ -217,23 +217,31 @@ def w8_gemm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[to
     if m == 0:
         return out
     grid = (cdiv(m, bm) * cdiv(n, bn), split_k)
-    if split_k == 1:
+
+    def launch(y: torch.Tensor, stride_ym: int, stride_ys: int, b: Optional[torch.Tensor]) -> None:
         _w8_gemm_kernel[grid](
-            x, q, s, s if bias is None else bias, out, m, n, k, x.stride(0), q.stride(0), out.stride(0), 0,
-            BM=bm, BN=bn, BK=bk, GROUP_M=group_m, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-            SPLIT_K=1, num_warps=warps, num_stages=stages,
+            x, q, s, s if b is None else b, y, m, n, k, x.stride(0), q.stride(0), stride_ym, stride_ys,
+            BM=bm, BN=bn, BK=bk, GROUP_M=group_m, HAS_BIAS=b is not None, IEEE=x.dtype == torch.float32,
+            SPLIT_K=split_k, num_warps=warps, num_stages=stages,
         )
+
+    return run_split_k(launch, out, bias, split_k)
+
+
+def run_split_k(launch, out: torch.Tensor, bias: Optional[torch.Tensor], split_k: int) -> torch.Tensor:
+    """Run a GEMM kernel that takes SPLIT_K ranges of K: launch(y, stride_ym, stride_ys, bias) writes
+    y (out itself with the bias when split_k == 1; else float32 partials [split_k, M, N] without it,
+    summed here, then the bias added, then one rounding into out, as the unsplit kernel rounds)."""
+    if split_k == 1:
+        launch(out, out.stride(0), 0, bias)
         return out
-    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    _w8_gemm_kernel[grid](
-        x, q, s, s, part, m, n, k, x.stride(0), q.stride(0), part.stride(1), part.stride(0),
-        BM=bm, BN=bn, BK=bk, GROUP_M=group_m, HAS_BIAS=False, IEEE=x.dtype == torch.float32,
-        SPLIT_K=split_k, num_warps=warps, num_stages=stages,
-    )
+    m, n = out.shape
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=out.device)
+    launch(part, part.stride(1), part.stride(0), None)
     y = part.sum(0)
     if bias is not None:
         y += bias.float()
-    out.copy_(y)  # one rounding, as the unsplit kernel's
+    out.copy_(y)
     return out
 
 

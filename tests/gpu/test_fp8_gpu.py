@@ -2,7 +2,6 @@
 shapes in bf16 against the float32 references (weight-only below PAGEFLASH_FP8_MM_M rows, W8A8
 through torch._scaled_mm from there), and the engine through them."""
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import test_quant_gpu  # noqa: E402
 from near_ties import assert_parts_only_at_near_ties  # noqa: E402
 from pageflash import LLM, SamplingParams  # noqa: E402
 from pageflash.kernels import fp8_linear as F8  # noqa: E402
@@ -92,15 +92,8 @@ def test_fp16_and_fp32_activations_stay_weight_only():
         _close(F8.fp8_linear(x, q, s), w8_linear_ref(x.float(), q, s))
 
 
-PROMPTS = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 17, 33, 64, 100, 1, 250, 16))]
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
 def run(model="smollm2-135m", logprobs=None, max_tokens=24, **kw):
-    llm = LLM(model, load_format="dummy", max_model_len=512, num_kv_blocks=512, quantization="fp8", **kw)
-    params = dataclasses.replace(GREEDY, logprobs=logprobs, max_tokens=max_tokens)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm, [o.outputs[0].logprobs for o in outs]
+    return test_quant_gpu.run(model, logprobs, "fp8", max_tokens, **kw)
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "qwen3-0.6b"])

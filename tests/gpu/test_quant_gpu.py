@@ -57,10 +57,11 @@ PROMPTS = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def run(model="smollm2-135m", logprobs=None, **kw):
-    """(token ids per prompt, the engine, per-position logprob dicts per prompt or None)."""
-    llm = LLM(model, load_format="dummy", max_model_len=512, num_kv_blocks=512, quantization="int8", **kw)
-    params = dataclasses.replace(GREEDY, logprobs=logprobs)
+def run(model="smollm2-135m", logprobs=None, quantization="int8", max_tokens=24, **kw):
+    """(token ids per prompt, the engine, per-position logprob dicts per prompt or None); also
+    tests/gpu/test_fp8_gpu.py's, with quantization="fp8"."""
+    llm = LLM(model, load_format="dummy", max_model_len=512, num_kv_blocks=512, quantization=quantization, **kw)
+    params = dataclasses.replace(GREEDY, logprobs=logprobs, max_tokens=max_tokens)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm, [o.outputs[0].logprobs for o in outs]
 
