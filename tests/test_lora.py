@@ -117,14 +117,15 @@ def test_n_siblings_share_the_adapter(model):
     assert llm.llm_engine.scheduler.lora_slots.refs == [0, 0]
 
 
-def test_int8_base_with_adapter(tmp_path):
-    """INT8 weights + an adapter: the delta adds to the quantized base's output (HF over the
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_base_with_adapter(tmp_path, method):
+    """INT8 / FP8 weights + an adapter: the delta adds to the quantized base's output (HF over the
     dequantized weights + peft)."""
     folder = make_random_hf_folder(tmp_path / "m", CONFIGS["qwen2-bias"], std=0.3)
     a = make_peft_adapter(folder, tmp_path / "a", ALL, r=8, seed=5)
-    ref = hf_with_adapter(folder, a, base=hf_fake_quantized(folder))
+    ref = hf_with_adapter(folder, a, base=hf_fake_quantized(folder, method))
     prompts = _prompts(5, (3, 19))
-    llm = LLM(folder, quantization="int8", enable_lora=True, max_lora_rank=8, block_size=4, max_model_len=64,
+    llm = LLM(folder, quantization=method, enable_lora=True, max_lora_rank=8, block_size=4, max_model_len=64,
               num_kv_blocks=32)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=LoRARequest("a", 1, a))

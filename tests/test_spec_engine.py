@@ -143,18 +143,21 @@ def test_self_draft_and_full_early_exit_accept_everything(env):
         assert _no_leaks(llm)
 
 
-def test_int8_self_draft_is_lossless(env):
-    """The target's own checkpoint quantized to int8 as the draft: greedy equals plain greedy, the
-    draft's projections hold int8 codes (the target's do not), and it is right most of the time."""
-    spec = dict(method="draft_model", model=env["target"], num_speculative_tokens=3, quantization="int8")
+@pytest.mark.parametrize("method,code,agree", [("int8", torch.int8, 0.8), ("fp8", torch.float8_e4m3fn, 0.6)])
+def test_quantized_self_draft_is_lossless(env, method, code, agree):
+    """The target's own checkpoint quantized to int8 / e4m3 as the draft: greedy equals plain greedy,
+    the draft's projections hold the codes (the target's do not), and it is right most of the time
+    (e4m3's 3 mantissa bits agree less often than int8's per-row grid: 73% against 80%+ of its 3
+    drafts a step on this model)."""
+    spec = dict(method="draft_model", model=env["target"], num_speculative_tokens=3, quantization=method)
     llm = LLM(env["target"], num_kv_blocks=400, speculative_config=spec, **ENGINE)
     outs = _run(llm)
     assert [o.outputs[0].token_ids for o in outs] == env["ref"]
     eng = llm.llm_engine
-    assert eng.spec.draft_runner.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
+    assert eng.spec.draft_runner.model.layers[0].mlp.down_proj.weight.dtype == code
     assert eng.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
     stats = eng.get_stats()["spec"]["draft_model"]
-    assert stats["num_accepted_tokens"] >= 0.8 * 3 * stats["num_steps"], stats
+    assert stats["num_accepted_tokens"] >= agree * 3 * stats["num_steps"], stats
     assert _no_leaks(llm)
     with pytest.raises(ValueError, match="applies to a draft model"):
         LLM(env["target"], speculative_config=dict(method="ngram", num_speculative_tokens=3, quantization="int8"))
