@@ -75,6 +75,8 @@ class ModelRunner:
             if quantization not in (None, "fp8"):
                 raise ValueError("this checkpoint's weights are FP8 (its config.json has a quantization_config); "
                                  f"quantization must be None or 'fp8', got {quantization!r}")
+            if quantization is None and tp_rank == 0:
+                logger.info("the checkpoint's weights are FP8: running with quantization='fp8'")
             self.quantization = "fp8"
         if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
