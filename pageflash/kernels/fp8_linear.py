@@ -181,10 +181,13 @@ def _mm_config(m: int, n: int, k: int) -> tuple[int, ...]:
     """(BN, BM, BK, SPLIT_K, num_warps, num_stages) of the Triton W8A8 kernel for M rows of x: the
     winners of scripts/fp8_probe.py on an H200 over llama-3-8b's projections (docs/BENCHMARKS.md run
     54). 64 weight rows a program, 256-deep K steps, 4 stages; gate_up (N >= 16384) 128 rows and 3
-    stages up to 16 tokens, 128-deep steps above; large M 128 x 128 tiles."""
+    stages up to 16 tokens, 128-deep steps above; 65-128 tokens one 128-token block with 8 warps for
+    the wide projections (the H100 probe of the same run agrees); large M 128 x 128 tiles."""
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     if m > 128:
         return 128, 128, 128, 1, 8, 3
+    if m > 64:  # one block of 128 tokens, 8 warps (H200 and H100: gate_up 1.7x / 1.55x the 64-token tiles)
+        return (128, 128, 128, 1, 8, 3) if n >= 16384 else (64, 128, 256, 1, 8, 4) if n >= 6144 else (64, 64, 256, 1, 4, 4)
     if n >= 16384:
         return (128, 16, 256, 1, 4, 3) if m <= 16 else (64, bm, 128, 1, 4, 3)
     return 64, bm, 256, 1, 4, 4

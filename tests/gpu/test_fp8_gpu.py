@@ -46,7 +46,7 @@ def test_quantize_rows_equals_reference_bf16(k, poison_outputs):
     assert torch.equal(q.float(), rq.float())
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 16, 31, 32, 33, 64, 128, 129, 300, 1024])
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 31, 32, 33, 64, 65, 128, 129, 300, 1024])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_fp8_linear_bf16_matches_reference(m, shape, poison_outputs):
     """Every dispatch range: the GEMV (M <= 2), the Triton W8A8 kernel (3..128), torch._scaled_mm."""
@@ -72,7 +72,7 @@ def test_fp8_linear_bf16_matches_reference(m, shape, poison_outputs):
 
 
 @pytest.mark.parametrize("cfg", [None, (64, 16, 256, 1, 4, 4), (128, 16, 256, 1, 4, 3), (64, 64, 128, 1, 4, 3),
-                                 (128, 128, 128, 1, 8, 3), (64, 32, 128, 3, 4, 4)])
+                                 (128, 128, 128, 1, 8, 3), (64, 128, 256, 1, 8, 4), (64, 32, 128, 3, 4, 4)])
 def test_fp8_mm_configs_bias_and_ragged_shapes(cfg, poison_outputs):
     """The Triton W8A8 kernel over its tile configs (split K included), ragged M / N / K, a bias."""
     g = torch.Generator(device="cuda").manual_seed(7)
