@@ -30,6 +30,7 @@ W8A8 path, which ``fp8_scaled_mm`` is tested against.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -40,7 +41,7 @@ import triton.language as tl
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.kv_store import e4m3_round
 from pageflash.kernels.launch import fast_launch
-from pageflash.kernels.w8_linear import run_split_k
+from pageflash.kernels.w8_linear import run_split_k, w8_linear
 
 __all__ = ["FP8", "FP8_MAX", "quantize_fp8", "quantize_rows_fp8", "quantize_rows_fp8_ref", "fp8_scaled_mm",
            "fp8_scaled_mm_ref", "fp8_linear"]
@@ -248,7 +249,13 @@ def scaled_mm_applies(x: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether fp8_scaled_mm can run this product: CUDA, bf16 x, K and N multiples of 16
     (cuBLASLt's FP8 layouts), and a GPU with FP8 tensor cores (compute capability >= 8.9)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and q.shape[0] % 16 == 0
-            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+            and _fp8_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_tensor_cores(device: int) -> bool:
+    # (cached: asked by every FP8 product of an eager step)
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def fp8_scaled_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
@@ -290,6 +297,4 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional
         else:
             y = fp8_mm(x, q, s, bias)
         return y.float() if float_out else y
-    from pageflash.kernels.w8_linear import w8_linear
-
     return w8_linear(x, q, s, bias, float_out)

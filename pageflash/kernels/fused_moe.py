@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.activation import silu_f32
+from pageflash.kernels.gemv import CODE_DTYPES
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.moe import experts_ref, route
@@ -419,9 +420,6 @@ def _grouped_gemm(
 # ------------------------------------------------------------------------------------------ public
 
 
-_CODES = (torch.int8, torch.float8_e4m3fn)  # quantized experts' codes (layers/moe.py SparseMoE.quantize_)
-
-
 def _check(x, w13, w2, topk_weights, topk_ids, out, w13_scale=None, w2_scale=None) -> tuple[int, int, int, int, int]:
     """Returns (T, H, E, I, k) after validating shapes, dtypes, devices and contiguity."""
     if x.dim() != 2:
@@ -451,7 +449,7 @@ def _check(x, w13, w2, topk_weights, topk_ids, out, w13_scale=None, w2_scale=Non
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("fused_moe: INT8 experts need both w13_scale and w2_scale")
     if w13_scale is not None:
-        if w13.dtype not in _CODES or w2.dtype != w13.dtype:
+        if w13.dtype not in CODE_DTYPES or w2.dtype != w13.dtype:
             raise ValueError(f"fused_moe: with scales, w13 and w2 hold int8 codes or float8_e4m3fn codes of "
                              f"one dtype, got {w13.dtype} and {w2.dtype}")
         for name, sc, rows in (("w13_scale", w13_scale, two_i), ("w2_scale", w2_scale, h)):

@@ -23,9 +23,12 @@ from pageflash.kernels.activation import gelu_tanh_f32, silu_f32
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
 
-__all__ = ["gemv", "gemv_ref", "MAX_M"]
+__all__ = ["gemv", "gemv_ref", "MAX_M", "CODE_DTYPES"]
 
 MAX_M = 4
+# the 8-bit weight codes read with a per-row scale: int8 (kernels/w8_linear.py) and float8_e4m3fn
+# (kernels/fp8_linear.py); both widen exactly to bf16 / fp16 / float32. Also w8_gemm's and fused_moe's.
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 
@@ -120,7 +123,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
     if not 1 <= m <= MAX_M:
         raise ValueError(f"gemv is for 1 <= M <= {MAX_M} rows, got {m}")
     if scale is not None:
-        if w.dtype not in (torch.int8, torch.float8_e4m3fn) or scale.dtype != torch.float32 or scale.shape != (n,) or scale.stride(0) != 1:
+        if w.dtype not in CODE_DTYPES or scale.dtype != torch.float32 or scale.shape != (n,) or scale.stride(0) != 1:
             raise ValueError(f"gemv: a scale needs int8 or float8_e4m3fn w and a contiguous float32 [{n}] scale; got w {w.dtype}, "
                              f"scale {scale.dtype} {tuple(scale.shape)}")
         if not x.is_floating_point():

@@ -35,13 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pageflash.kernels.gemv import gemv
+from pageflash.kernels.gemv import CODE_DTYPES, gemv
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
-
-# the weight codes these kernels read: int8 (this module) and float8_e4m3fn (kernels/fp8_linear.py,
-# whose small-M products run here); both widen exactly to bf16 / fp16 / float32
-CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 __all__ = ["CODE_DTYPES", "quantize_int8", "dequantize_int8", "dequantize_int8_fast", "w8_linear", "w8_linear_ref", "w8_gemm"]
 

@@ -10,7 +10,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import test_quant_gpu  # noqa: E402
-from near_ties import assert_parts_only_at_near_ties  # noqa: E402
 from pageflash import LLM, SamplingParams  # noqa: E402
 from pageflash.kernels import fp8_linear as F8  # noqa: E402
 from pageflash.kernels.w8_linear import w8_linear_ref  # noqa: E402
@@ -94,25 +93,6 @@ def test_fp16_and_fp32_activations_stay_weight_only():
 
 def run(model="smollm2-135m", logprobs=None, max_tokens=24, **kw):
     return test_quant_gpu.run(model, logprobs, "fp8", max_tokens, **kw)
-
-
-@pytest.mark.parametrize("model", ["smollm2-135m", "qwen3-0.6b"])
-def test_engine_fp8_kernels_equal_dequant_path_fp32(model, monkeypatch):
-    """float32 activations: the weight-only kernels over e4m3 codes (decode graphs, prefill) give the
-    tokens of the dequantized weights through F.linear."""
-    fast, llm, _ = run(model, dtype="float32")
-    assert llm.llm_engine.runner.graphs is not None
-    assert llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
-    monkeypatch.setenv("PAGEFLASH_W8_KERNELS", "0")
-    ref, _, _ = run(model, dtype="float32", enforce_eager=True)
-    assert fast == ref
-
-
-def test_engine_fp8_graphs_equal_eager_bf16():
-    eager, _, lps = run(dtype="bfloat16", enforce_eager=True, logprobs=5)
-    graphs, llm, _ = run(dtype="bfloat16")
-    assert llm.llm_engine.runner.graphs is not None
-    assert_parts_only_at_near_ties(graphs, eager, lps, max_parted=2)
 
 
 def test_engine_w8a8_prefill_agrees_with_weight_only(monkeypatch):

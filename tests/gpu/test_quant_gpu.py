@@ -59,31 +59,37 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 def run(model="smollm2-135m", logprobs=None, quantization="int8", max_tokens=24, **kw):
     """(token ids per prompt, the engine, per-position logprob dicts per prompt or None); also
-    tests/gpu/test_fp8_gpu.py's, with quantization="fp8"."""
+    tests/gpu/test_fp8_gpu.py's."""
     llm = LLM(model, load_format="dummy", max_model_len=512, num_kv_blocks=512, quantization=quantization, **kw)
     params = dataclasses.replace(GREEDY, logprobs=logprobs, max_tokens=max_tokens)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm, [o.outputs[0].logprobs for o in outs]
 
 
+CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("method", sorted(CODES))
 @pytest.mark.parametrize("model", ["smollm2-135m", "qwen3-0.6b"])
-def test_engine_int8_kernels_equal_dequant_path_fp32(model, monkeypatch):
-    """The INT8 GEMV / GEMM in the decode graphs and prefill give the tokens of dequantized weights
-    through F.linear, eager (float32: both sides exact up to summation order)."""
-    fast, llm, _ = run(model, dtype="float32")
+def test_engine_quantized_kernels_equal_dequant_path_fp32(model, method, monkeypatch):
+    """The INT8 / FP8 weight-only GEMV / GEMM (float32 activations never take FP8's W8A8 path) in the
+    decode graphs and prefill give the tokens of dequantized weights through F.linear, eager (float32:
+    both sides exact up to summation order)."""
+    fast, llm, _ = run(model, quantization=method, dtype="float32")
     assert llm.llm_engine.runner.graphs is not None
-    assert llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
+    assert llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight.dtype == CODES[method]
     monkeypatch.setenv("PAGEFLASH_W8_KERNELS", "0")
-    ref, _, _ = run(model, dtype="float32", enforce_eager=True)
+    ref, _, _ = run(model, quantization=method, dtype="float32", enforce_eager=True)
     assert fast == ref
 
 
-def test_engine_int8_graphs_equal_eager_bf16():
+@pytest.mark.parametrize("method", sorted(CODES))
+def test_engine_quantized_graphs_equal_eager_bf16(method):
     """bf16: the decode graphs (attention planned for the longest context) and eager steps (planned for
     each step's) give the same tokens up to near-ties. On 2026-11-27 one row of eight parted for one
     token inside a run of repeats (dummy weights), as tests/gpu/test_lora_gpu.py's bf16 rows may."""
-    eager, _, lps = run(dtype="bfloat16", enforce_eager=True, logprobs=5)
-    graphs, llm, _ = run(dtype="bfloat16")
+    eager, _, lps = run(quantization=method, dtype="bfloat16", enforce_eager=True, logprobs=5)
+    graphs, llm, _ = run(quantization=method, dtype="bfloat16")
     assert llm.llm_engine.runner.graphs is not None
     assert_parts_only_at_near_ties(graphs, eager, lps, max_parted=2)
 
