@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): FP8 weights (quantization="fp8"), logs under $OUT.
-#   scripts/gpu_fp8.sh [tests] [probe] [latency] [offline]
+#   scripts/gpu_fp8.sh [tests] [probe] [latency] [offline] [fusedab] [fusedoff]
 # tests: the FP8 GPU tests with the INT8 / MoE ones they share kernels with; probe: scripts/fp8_probe.py
 # (per projection, bf16 / int8 / fp8 weight-only / W8A8); latency: llama-3-8b batch 1 / 16 / 64 for
-# bf16, int8, fp8 in one call; offline: W-offline llama-3-8b, bf16 then fp8.
+# bf16, int8, fp8 in one call; offline: W-offline llama-3-8b, bf16 then fp8; fusedab: llama-3-8b fp8
+# latency at batch 4 / 16 / 64, the activation codes from the norms' / SiLU's launches
+# (PAGEFLASH_FP8_FUSED_QUANT=1) and from their own (=0), alternating, ROUNDS (2) rounds; fusedoff:
+# W-offline fp8, the same A/B.
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -26,5 +29,15 @@ for what in "$@"; do
                $PY -m pageflash.cli bench throughput --model llama-3-8b $qa --json "$OUT/offline_$q.json" 2>&1 \
                  | tee "$OUT/offline_$q.log" | grep -v "it/s" | tail -5
              done ;;
+    fusedab) for i in $(seq 1 ${ROUNDS:-2}); do for f in 1 0; do
+               PAGEFLASH_FP8_FUSED_QUANT=$f $PY -m pageflash.cli bench latency --model llama-3-8b --input-len 128 \
+                 --output-len 128 --batch-size 4 16 64 --num-iters 2 -q fp8 --disable-tqdm \
+                 --json "$OUT/fused${f}_$i.json" 2>&1 | tee "$OUT/fused${f}_$i.log" | grep -v "it/s" | tail -5 | sed "s/^/fused=$f /"
+             done; done ;;
+    fusedoff) for i in $(seq 1 ${ROUNDS:-1}); do for f in 1 0; do
+               PAGEFLASH_FP8_FUSED_QUANT=$f $PY -m pageflash.cli bench throughput --model llama-3-8b -q fp8 \
+                 --disable-tqdm --json "$OUT/fusedoff${f}_$i.json" 2>&1 | tee "$OUT/fusedoff${f}_$i.log" \
+                 | grep "^llama" | sed "s/^/fused=$f /"
+             done; done ;;
   esac
 done

@@ -10,7 +10,10 @@ import torch
 from pageflash import LLM
 from pageflash.kernels.fp8_linear import (FP8, fp8_linear, fp8_mm, fp8_scaled_mm, fp8_scaled_mm_ref, quantize_fp8,
                                           quantize_rows_fp8, quantize_rows_fp8_ref, scaled_mm_applies)
+from pageflash.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+from pageflash.kernels.fp8_quant import Fp8Rows
 from pageflash.kernels.gemv import gemv
+from pageflash.kernels.rms_norm import rms_norm
 from pageflash.kernels.w8_linear import dequantize_int8, w8_gemm, w8_linear_ref
 
 
@@ -132,6 +135,118 @@ def test_fp8_mm_matches_w8a8_reference(cfg, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert y.dtype == dtype and torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max()))
     assert fp8_mm(x[:0], q, s).shape == (0, 70)
+
+
+def _codes_equal(q, s, ref_q, ref_s):
+    # codes compared by value: the kernels may write +0.0 where torch writes -0.0
+    return q.dtype == FP8 and torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("variant", ["plain", "residual", "pre_scale", "unit_offset"])
+def test_rms_norm_with_fp8_codes_equals_quantizer_over_its_output(dtype, variant):
+    """scale_out: the norm's launch writes quantize_rows_fp8's codes and scales of the very output it
+    writes without it (same arithmetic up to the rounding, then the quantizer's), for every form of
+    the norm the decoder layers use; the new residual is unchanged."""
+    g = torch.Generator().manual_seed(11)
+    t, h = 7, 200
+    x = (torch.randn(t, h, generator=g) * torch.logspace(-3, 1, t)[:, None]).to(dtype)
+    x[3] = 0.0
+    w = (torch.rand(h, generator=g) + 0.5).to(dtype)
+    kw = {}
+    if variant != "plain":
+        kw["residual"] = torch.randn(t, h, generator=g).to(dtype)
+    if variant == "pre_scale":
+        kw.update(pre_weight=(torch.rand(h, generator=g) + 0.5).to(dtype), x_scale=0.22)
+    if variant == "unit_offset":
+        kw["unit_offset"] = True
+    plain = rms_norm(x, w, 1e-6, **kw)
+    s = torch.full((t, 1), float("nan"))
+    quant = rms_norm(x, w, 1e-6, scale_out=s, **kw)
+    y, q = (plain, quant) if variant == "plain" else (plain[0], quant[0])
+    assert _codes_equal(q, s, *quantize_rows_fp8_ref(y))
+    if variant != "plain":
+        assert torch.equal(quant[1], plain[1])
+    with pytest.raises(ValueError, match="scale_out must be float32"):
+        rms_norm(x, w, 1e-6, scale_out=torch.empty(t, 2), **kw)
+    with pytest.raises(ValueError, match="output in x's dtype"):  # float32 weight over 16-bit x: a float32 output
+        rms_norm(x.half(), w.float(), 1e-6, scale_out=torch.empty(t, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act", [silu_and_mul, gelu_tanh_and_mul])
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_act_and_mul_with_fp8_codes_equals_quantizer_over_its_output(dtype, act, one_pass, monkeypatch):
+    """scale_out: the activation's launch (a program per row; a row longer than a tile computed
+    twice) writes quantize_rows_fp8's codes and scales of what it writes without it."""
+    import pageflash.kernels.activation as A
+
+    if not one_pass:
+        orig = A.rows_config
+        monkeypatch.setattr(A, "rows_config", lambda k: orig(k, 128))  # 300 columns: three tiles of 128
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(5, 640, generator=g) * 3).to(dtype)[:, 20:620]  # strided rows
+    x[1] = 0.0
+    s = torch.full((5, 1), float("nan"))
+    q = act(x, scale_out=s)
+    assert q.shape == (5, 300) and _codes_equal(q, s, *quantize_rows_fp8_ref(act(x)))
+    assert s[1, 0] == 1.0
+    with pytest.raises(ValueError, match="out must be"):
+        act(x, out=torch.empty(5, 300, dtype=dtype), scale_out=s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_mm_over_fp8_rows_equals_quantizing_itself(dtype):
+    """An Fp8Rows (x's rows quantized by the launch that made x) gives fp8_mm exactly what it
+    computes from x; a malformed one is refused by name."""
+    w, g = _w(70, 200, 5)
+    q, s = quantize_fp8(w)
+    x = torch.randn(9, 200, generator=g).to(dtype)
+    b = torch.randn(70, generator=g).to(dtype)
+    cfg = (16, 16, 32, 2, 4, 1)
+    rows = Fp8Rows(*quantize_rows_fp8(x), dtype)
+    assert rows.shape == (9, 200) and rows.device == x.device
+    y = fp8_mm(rows, q, s, b, config=cfg)
+    assert y.dtype == dtype and torch.equal(y, fp8_mm(x, q, s, b, config=cfg))
+    with pytest.raises(ValueError, match="Fp8Rows needs"):
+        fp8_mm(Fp8Rows(rows.codes, rows.scale.view(-1), dtype), q, s)
+    with pytest.raises(ValueError, match="expected x"):
+        fp8_mm(Fp8Rows(rows.codes[:, :100], rows.scale, dtype), q, s)
+
+
+def test_linear_takes_fp8_rows_only_where_it_would_quantize_them(monkeypatch):
+    """Linear.takes_fp8_rows: only an "fp8" layer without LoRA, on CUDA, from PAGEFLASH_FP8_MM_M rows on
+    (the decision itself is fp8_linear's, checked on the GPU: tests/gpu/test_fp8_gpu.py)."""
+    import pageflash.kernels.fp8_linear as F8
+    from pageflash.layers.linear import Linear
+
+    lin = Linear(64, 32)
+    torch.nn.init.normal_(lin.weight)
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    assert not lin.takes_fp8_rows(x)  # not quantized
+    lin.quantize_("fp8")
+    assert not lin.takes_fp8_rows(x)  # CPU
+    monkeypatch.setattr(F8, "_fp8_tensor_cores", lambda device: True)
+
+    class _Cuda:  # the activations' shape, dtype and device, as the layers ask it
+        shape, dtype, device = (8, 64), torch.bfloat16, torch.device("cuda", 0)
+
+    assert lin.takes_fp8_rows(_Cuda())
+    monkeypatch.setenv("PAGEFLASH_FP8_FUSED_QUANT", "0")
+    assert not lin.takes_fp8_rows(_Cuda())
+    monkeypatch.delenv("PAGEFLASH_FP8_FUSED_QUANT")
+    _Cuda.shape = (2, 64)  # below PAGEFLASH_FP8_MM_M: the weight-only GEMV, which reads x itself
+    assert not lin.takes_fp8_rows(_Cuda())
+    _Cuda.shape, _Cuda.dtype = (8, 64), torch.float16  # fp16 activations: weight-only
+    assert not lin.takes_fp8_rows(_Cuda())
+    _Cuda.dtype = torch.bfloat16
+    lin.lora = torch.nn.Identity()  # LoRA's shrink reads x
+    assert not lin.takes_fp8_rows(_Cuda())
+    lin.lora = None
+    assert lin.takes_fp8_rows(_Cuda())
+    int8 = Linear(64, 32)
+    int8.quantize_("int8")
+    assert not int8.takes_fp8_rows(_Cuda())
 
 
 def test_fp8_linear_on_cpu_is_the_dequantized_weight_and_w8a8_refuses_cpu():

@@ -38,17 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pageflash.kernels.host_math import next_pow2
-from pageflash.kernels.kv_store import e4m3_round
+from pageflash.kernels.fp8_quant import (FP8, FP8_MAX, INV_MAX, Fp8Rows, quantize_rows_fp8,
+                                         quantize_rows_fp8_ref)
 from pageflash.kernels.launch import fast_launch
 from pageflash.kernels.w8_linear import run_split_k, w8_linear
 
-__all__ = ["FP8", "FP8_MAX", "quantize_fp8", "quantize_rows_fp8", "quantize_rows_fp8_ref", "fp8_scaled_mm",
-           "fp8_scaled_mm_ref", "fp8_linear"]
+__all__ = ["FP8", "FP8_MAX", "Fp8Rows", "quantize_fp8", "quantize_rows_fp8", "quantize_rows_fp8_ref", "fp8_mm",
+           "fp8_scaled_mm", "fp8_scaled_mm_ref", "fp8_linear", "takes_fp8_rows"]
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-_INV_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # 1/448 rounded to float32
 # rows of bf16 x: W8A8 from _MM_M on (below, the weight-only GEMV), through torch._scaled_mm from
 # _CUBLAS_M on (below, the Triton kernel): scripts/fp8_probe.py, docs/BENCHMARKS.md run 54
 _MM_M = 3
@@ -71,70 +68,9 @@ def quantize_fp8(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Ten
             raise ValueError("quantize_fp8: the weight holds inf or nan")
         # times float32(1/448), as on every device (torch's CUDA division by a scalar multiplies by the
         # reciprocal, its CPU one divides): the same codes wherever a model is quantized
-        sc = torch.where(amax > 0, amax * _INV_MAX, torch.ones_like(amax))
+        sc = torch.where(amax > 0, amax * INV_MAX, torch.ones_like(amax))
         q[r0: r0 + rows_per_chunk] = (wf / sc[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
         s[r0: r0 + rows_per_chunk] = sc
-    return q, s
-
-
-def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row e4m3 codes of activations x [M, K]: (codes [M, K], scales float32 [M, 1]),
-    s = max|x_row| / 448 (1 for an all-zero row), codes = x / s rounded to nearest even."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=1, keepdim=True)
-    # times the float32 reciprocal, as torch's CUDA division by a scalar computes it (and the kernel)
-    s = torch.where(amax > 0, amax * _INV_MAX, torch.ones_like(amax))
-    return (xf / s).clamp_(-FP8_MAX, FP8_MAX).to(FP8), s
-
-
-@triton.jit
-def _quant_rows_kernel(X, Q, S, K, stride_xm, stride_qm, INV_MAX: tl.constexpr, BK: tl.constexpr,
-                       ONE_PASS: tl.constexpr):
-    # one row per program: its max |x| (a first pass over K unless the row fits one tile), the scale,
-    # then the codes, rounded by e4m3_round so that the interpreter, the GPU and torch agree
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BK)
-    if ONE_PASS:
-        ok = offs < K
-        x = tl.load(X + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), 0)
-    else:
-        m = tl.zeros([BK], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            ok = (k0 + offs) < K
-            m = tl.maximum(m, tl.abs(tl.load(X + row * stride_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)))
-        amax = tl.max(m, 0)
-    s = tl.where(amax > 0.0, amax * INV_MAX, 1.0)
-    tl.store(S + row, s)
-    if ONE_PASS:
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
-        tl.store(Q + row * stride_qm + offs, e4m3_round(y).to(Q.dtype.element_ty), mask=ok)
-    else:
-        for k0 in range(0, K, BK):
-            ok = (k0 + offs) < K
-            x = tl.load(X + row * stride_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)
-            y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
-            tl.store(Q + row * stride_qm + k0 + offs, e4m3_round(y).to(Q.dtype.element_ty), mask=ok)
-
-
-_quant_rows_kernel = fast_launch(_quant_rows_kernel)
-
-
-def quantize_rows_fp8(x: torch.Tensor, max_tile: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows_fp8_ref in one launch (a program per row; rows of up to max_tile elements in one
-    pass, longer ones in two). Same codes and scales as the reference."""
-    if x.dim() != 2 or not x.is_floating_point() or x.stride(1) != 1:
-        raise ValueError(f"quantize_rows_fp8: expected a 2-D float x contiguous along K, got {tuple(x.shape)} "
-                         f"{x.dtype}")
-    m, k = x.shape
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
-    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    if m == 0:
-        return q, s
-    one_pass = k <= max_tile
-    bk = next_pow2(k) if one_pass else 2048
-    _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), INV_MAX=_INV_MAX, BK=bk, ONE_PASS=one_pass,
-                             num_warps=16 if bk >= 16384 else 8 if bk >= 4096 else 4)
     return q, s
 
 
@@ -194,14 +130,23 @@ def _mm_config(m: int, n: int, k: int) -> tuple[int, ...]:
     return 64, bm, 256, 1, 4, 4
 
 
-def fp8_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
+def _rows(x) -> Fp8Rows:
+    """x's rows quantized (quantize_rows_fp8), or x itself when it already is an Fp8Rows."""
+    if isinstance(x, Fp8Rows):
+        return x
+    xq, sx = quantize_rows_fp8(x.contiguous() if x.stride(1) != 1 else x)
+    return Fp8Rows(xq, sx, x.dtype)
+
+
+def fp8_mm(x, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
            config: Optional[tuple[int, ...]] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """W8A8 in Triton: x [M, K] (16-bit or float32) quantized per row (quantize_rows_fp8's codes and
-    scales), times q [N, K] e4m3 with s [N] on the tensor cores (y^T = W x^T); out in x's dtype (+ bias,
-    added in float32 before the one rounding). config: (BN, BM, BK, SPLIT_K, num_warps, num_stages).
-    The activations are quantized by their own launch first: quantizing them inside this kernel (a
-    first pass over K for the scales, then each tile divided and rounded in registers) was 3-10x
-    slower (docs/KERNELS.md, "FP8 linears")."""
+    scales; or an Fp8Rows, x's rows quantized already), times q [N, K] e4m3 with s [N] on the tensor
+    cores (y^T = W x^T); out in x's dtype (+ bias, added in float32 before the one rounding). config:
+    (BN, BM, BK, SPLIT_K, num_warps, num_stages). The activations are quantized by their own launch
+    first, or by the launch that made them (Fp8Rows): quantizing them inside this kernel (a first pass
+    over K for the scales, then each tile divided and rounded in registers) was 3-10x slower
+    (docs/KERNELS.md, "FP8 linears")."""
     _check(x, q, s, bias, "fp8_mm")
     m, k = x.shape
     n = q.shape[0]
@@ -210,9 +155,7 @@ def fp8_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[tor
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    xq, sx = quantize_rows_fp8(x)
+    xq, sx, _ = _rows(x)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split_k)
 
     def launch(y: torch.Tensor, stride_ym: int, stride_ys: int, b: Optional[torch.Tensor]) -> None:
@@ -223,14 +166,19 @@ def fp8_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[tor
     return run_split_k(launch, out, bias, split_k)
 
 
-def _check(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor], who: str) -> None:
-    if x.dim() != 2 or q.dim() != 2 or x.shape[1] != q.shape[1]:
+def _check(x, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor], who: str) -> None:
+    if len(x.shape) != 2 or q.dim() != 2 or x.shape[1] != q.shape[1]:
         raise ValueError(f"{who}: expected x [M, K] and q [N, K], got {tuple(x.shape)} and {tuple(q.shape)}")
     if q.dtype != FP8 or s.dtype != torch.float32 or s.shape != (q.shape[0],):
         raise ValueError(f"{who}: expected float8_e4m3fn q [N, K] and float32 s [N]; got q {q.dtype}, "
                          f"s {s.dtype} {tuple(s.shape)}")
     if bias is not None and bias.shape != (q.shape[0],):
         raise ValueError(f"{who}: bias must be [{q.shape[0]}], got {tuple(bias.shape)}")
+    if isinstance(x, Fp8Rows) and (x.codes.dtype != FP8 or x.codes.stride(1) != 1 or x.scale.dtype != torch.float32
+                                   or x.scale.shape != (x.shape[0], 1)):
+        raise ValueError(f"{who}: an Fp8Rows needs K-contiguous float8_e4m3fn codes [M, K] and float32 scales "
+                         f"[M, 1]; got {x.codes.dtype} codes {tuple(x.codes.shape)} strides {x.codes.stride()}, "
+                         f"{x.scale.dtype} scales {tuple(x.scale.shape)}")
 
 
 def fp8_scaled_mm_ref(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
@@ -245,11 +193,12 @@ def fp8_scaled_mm_ref(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
     return y.to(x.dtype)
 
 
-def scaled_mm_applies(x: torch.Tensor, q: torch.Tensor) -> bool:
+def scaled_mm_applies(x, q: torch.Tensor) -> bool:
     """Whether fp8_scaled_mm can run this product: CUDA, bf16 x, K and N multiples of 16
     (cuBLASLt's FP8 layouts), and a GPU with FP8 tensor cores (compute capability >= 8.9)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and q.shape[0] % 16 == 0
-            and _fp8_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    dev = x.device
+    return (dev.type == "cuda" and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and q.shape[0] % 16 == 0
+            and _fp8_tensor_cores(dev.index if dev.index is not None else torch.cuda.current_device()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,15 +207,15 @@ def _fp8_tensor_cores(device: int) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def fp8_scaled_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+def fp8_scaled_mm(x, q: torch.Tensor, s: torch.Tensor,
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """W8A8: x [M, K] bf16 quantized per row (quantize_rows_fp8), times q [N, K] e4m3 with s [N], on
-    the FP8 tensor cores through torch._scaled_mm's row-wise scaling; bf16 out (+ bias, added after the
-    rounding). Only where scaled_mm_applies."""
+    """W8A8: x [M, K] bf16 quantized per row (quantize_rows_fp8; or an Fp8Rows of bf16 activations),
+    times q [N, K] e4m3 with s [N], on the FP8 tensor cores through torch._scaled_mm's row-wise
+    scaling; bf16 out (+ bias, added after the rounding). Only where scaled_mm_applies."""
     _check(x, q, s, bias, "fp8_scaled_mm")
     if not scaled_mm_applies(x, q):
         raise ValueError("fp8_scaled_mm: needs CUDA (compute capability >= 8.9), bf16 x and K, N multiples of 16")
-    xq, sx = quantize_rows_fp8(x.contiguous() if x.stride(1) != 1 else x)
+    xq, sx, _ = _rows(x)
     y = torch._scaled_mm(xq, q.t(), scale_a=sx, scale_b=s.view(1, -1), out_dtype=torch.bfloat16)
     return y if bias is None else y + bias
 
@@ -283,16 +232,28 @@ def _mm_min_m() -> int:
     return _env_m("PAGEFLASH_FP8_MM_M", _MM_M)
 
 
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
+def _w8a8(x, q: torch.Tensor) -> bool:
+    """Whether fp8_linear runs x [M, K] times the e4m3 q W8A8 (quantizing x's rows), not weight-only."""
+    return len(x.shape) == 2 and x.shape[0] >= max(1, _mm_min_m()) and scaled_mm_applies(x, q)
+
+
+def takes_fp8_rows(x, q: torch.Tensor) -> bool:
+    """Whether fp8_linear(x, q, ...) would quantize x's rows: then the launch that computes x may
+    quantize them itself and hand the product an Fp8Rows instead (x: the activations, or anything
+    with their shape, dtype and device). PAGEFLASH_FP8_FUSED_QUANT=0: never (each product quantizes
+    its own input, one launch more)."""
+    return os.environ.get("PAGEFLASH_FP8_FUSED_QUANT", "1") != "0" and _w8a8(x, q)
+
+
+def fp8_linear(x, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
                float_out: bool = False) -> torch.Tensor:
     """x [M, K] @ (q * s)^T (+ bias) for e4m3 weights. bf16 x on CUDA with FP8 tensor cores: the
     weight-only GEMV below PAGEFLASH_FP8_MM_M rows (unbiased), then W8A8: the Triton kernel (fp8_mm)
     up to PAGEFLASH_FP8_CUBLAS_M - 1 rows, torch._scaled_mm from there. Otherwise the weight-only 8-bit
-    kernels (w8_linear; the dequantized weight on CPU). float_out: widened to float32 after the
-    rounding."""
-    m = x.shape[0] if x.dim() == 2 else 0
-    if m >= max(1, _mm_min_m()) and scaled_mm_applies(x, q):
-        if m >= _env_m("PAGEFLASH_FP8_CUBLAS_M", _CUBLAS_M):
+    kernels (w8_linear; the dequantized weight on CPU). x may be an Fp8Rows (rows quantized already,
+    where takes_fp8_rows said so): W8A8 by its rows. float_out: widened to float32 after the rounding."""
+    if isinstance(x, Fp8Rows) or _w8a8(x, q):
+        if x.shape[0] >= _env_m("PAGEFLASH_FP8_CUBLAS_M", _CUBLAS_M) and x.dtype == torch.bfloat16:
             y = fp8_scaled_mm(x, q, s, bias)
         else:
             y = fp8_mm(x, q, s, bias)

@@ -32,6 +32,7 @@ try:  # libdevice's rsqrtf, the function ATen's rsqrt calls (tl.math.rsqrt may l
 except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra.cuda import libdevice
 
+from pageflash.kernels.fp8_quant import FP8, INV_MAX, fp8_codes, fp8_row_scale
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.launch import fast_launch
 from pageflash.layers.norm import rms_norm_ref
@@ -61,11 +62,11 @@ def _normed(x, w, inv_h, eps, LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr
 
 @triton.jit
 def _rms_norm_kernel(
-    X, R, W, O, RO, PW,
+    X, R, W, O, RO, PW, OS,
     stride_x, stride_r, stride_o, stride_ro,
     H, inv_h, eps, x_scale,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-    PRE: tl.constexpr, SCALE_X: tl.constexpr,
+    PRE: tl.constexpr, SCALE_X: tl.constexpr, QUANT: tl.constexpr, INV_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -84,7 +85,13 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(RO + t * stride_ro + cols, x, mask=mask)
     y = _normed(x, w, inv_h, eps, LIBDEVICE, UNIT_OFFSET)
-    tl.store(O + t * stride_o + cols, y.to(O.dtype.element_ty), mask=mask)
+    if QUANT:  # the rounded output's e4m3 codes and scale (OS), as quantize_rows_fp8 would make them
+        y = y.to(X.dtype.element_ty).to(tl.float32)
+        s = fp8_row_scale(tl.max(tl.abs(y), 0), INV_MAX)
+        tl.store(OS + t, s)
+        tl.store(O + t * stride_o + cols, fp8_codes(y, s).to(O.dtype.element_ty), mask=mask)
+    else:
+        tl.store(O + t * stride_o + cols, y.to(O.dtype.element_ty), mask=mask)
 
 
 _rms_norm_kernel = fast_launch(_rms_norm_kernel)  # host launches via the cached CompiledKernel
@@ -120,6 +127,7 @@ def rms_norm(
     unit_offset: bool = False,
     pre_weight: Optional[torch.Tensor] = None,
     x_scale: Optional[float] = None,
+    scale_out: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm of each row of x, optionally after adding residual (unit_offset: Gemma's, scaled by
     1 + weight, the output in x's dtype). pre_weight (with residual; x's dtype, as weight): x is
@@ -130,6 +138,12 @@ def rms_norm(
     x: [T, H] float16/bfloat16/float32, rows may be strided (H contiguous). weight: [H], contiguous.
     residual: [T, H], x's dtype. Returns out [T, H] in promote(x.dtype, weight.dtype); with residual,
     (out, new_residual) where new_residual = x + residual ([T, H], x's dtype) and out is its norm.
+
+    scale_out (float32 [T, 1]; x's dtype the output's): out holds float8_e4m3fn codes of the rows
+    instead, each with its scale in scale_out, as quantize_rows_fp8 would make them of the output
+    (for an FP8 product next: kernels/fp8_quant.py). On the GPU this is its own compile of the
+    kernel, whose sum of squares may be added in another order than the unquantized launch's (the
+    1-byte store can change the layout), so a rare element may round the other way.
 
     out / residual_out: where to write (default: new contiguous tensors). Each may alias x or
     residual (every program reads its row before writing it), so ``residual_out=residual`` updates the
@@ -165,6 +179,12 @@ def rms_norm(
         tensors += [("residual", residual), ("residual_out", residual_out)]
     elif residual_out is not None:
         raise ValueError("rms_norm: residual_out given without residual")
+    if scale_out is not None:
+        if out_dtype != x.dtype or scale_out.shape != (t, 1) or scale_out.dtype != torch.float32 \
+                or scale_out.device != x.device:
+            raise ValueError(f"rms_norm: scale_out must be float32 [{t}, 1] on {x.device}, and the output in x's "
+                             f"dtype (x {x.dtype}, weight {weight.dtype})")
+        out_dtype = FP8
     if out is None:
         out = torch.empty((t, h), device=x.device, dtype=out_dtype)
     if out.shape != x.shape or out.dtype != out_dtype:
@@ -182,14 +202,14 @@ def rms_norm(
         # without a residual its pointers and strides are None (constexprs to Triton: nothing to bind)
         has_res = residual is not None
         _rms_norm_kernel[(t,)](
-            x, residual, weight, out, residual_out if has_res else None, pre_weight,
+            x, residual, weight, out, residual_out if has_res else None, pre_weight, scale_out,
             x.stride(0), residual.stride(0) if has_res else None, out.stride(0),
             residual_out.stride(0) if has_res else None,
             h, 1.0 / h, eps, 1.0 if x_scale is None else float(x_scale),  # (runtime arguments: positional,
             # as kernels/launch.py's fast path needs them)
             HAS_RES=residual is not None, BLOCK=block, LIBDEVICE=x.is_cuda, UNIT_OFFSET=unit_offset,
-            PRE=pre_weight is not None, SCALE_X=x_scale is not None,
-            num_warps=num_warps or _num_warps(block), enable_fp_fusion=False,
+            PRE=pre_weight is not None, SCALE_X=x_scale is not None, QUANT=scale_out is not None,
+            INV_MAX=INV_MAX, num_warps=num_warps or _num_warps(block), enable_fp_fusion=False,
         )
     return out if residual is None else (out, residual_out)
 

@@ -112,12 +112,27 @@ class Linear(nn.Module):
         self.lora: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features]; or, where takes_fp8_rows(x) said so, x's rows quantized already (an
+        Fp8Rows from the launch that computed them)."""
         if self.lora is None:
             return linear(x, self.weight, self.bias, scale=self.weight_scale)
         pending = self.lora.shrink(x)  # (before the base product: a graph runs the two side by side)
         y = linear(x, self.weight, self.bias, scale=self.weight_scale)
         self.lora.expand_(pending, y)
         return y
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) would quantize x's rows to e4m3 for a W8A8 product (an "fp8" layer
+        without LoRA, on CUDA: kernels/fp8_linear.py), so that the launch computing x may hand it
+        those rows quantized instead (kernels.fp8_quant.Fp8Rows: the RMSNorm before q/k/v and
+        gate/up, the SiLU-and-mul before down). x: the activations, or anything of their shape, dtype
+        and device."""
+        if self.lora is not None or self.weight_scale is None or self.weight.dtype != torch.float8_e4m3fn \
+                or x.device.type != "cuda":
+            return False
+        from pageflash.kernels.fp8_linear import takes_fp8_rows
+
+        return takes_fp8_rows(x, self.weight)
 
     def quantize_(self, method: str) -> None:
         """Replace the loaded weight by its quantized form, in place (method: QUANTIZATION_METHODS).

@@ -57,10 +57,13 @@ class RMSNorm(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, pre: Optional["RMSNorm"] = None,
-                x_scale: Optional[float] = None):
+                x_scale: Optional[float] = None, quant_for: Optional[nn.Module] = None):
         """pre (with residual): another norm applied to x first -- pre(x) + residual, normed: Gemma
         2/3's norm of a block's output, the residual add and the next norm, in one launch on CUDA.
-        x_scale (with residual): x * x_scale + residual, normed (Granite's residual_multiplier)."""
+        x_scale (with residual): x * x_scale + residual, normed (Granite's residual_multiplier).
+        quant_for: the linear layer the output goes to; where it takes FP8 rows
+        (Linear.takes_fp8_rows), the launch writes the output's e4m3 codes and row scales
+        (kernels.fp8_quant.Fp8Rows) instead of the output."""
         if pre is not None and (residual is None or pre.eps != self.eps or pre.unit_offset != self.unit_offset
                                 or pre.float_weight or pre.weight.dtype != self.weight.dtype):
             x, pre = pre(x), None
@@ -70,8 +73,19 @@ class RMSNorm(nn.Module):
             residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)
         ):
             # new tensors for both outputs: the caller may still hold x or residual
-            return _fused_kernel()(x, self.weight, self.eps, residual, unit_offset=self.unit_offset,
-                                   pre_weight=None if pre is None else pre.weight, x_scale=x_scale)
+            scale_out = None
+            if quant_for is not None and (self.unit_offset or self.weight.dtype == x.dtype) \
+                    and quant_for.takes_fp8_rows(x):
+                scale_out = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+            y = _fused_kernel()(x, self.weight, self.eps, residual, unit_offset=self.unit_offset,
+                                pre_weight=None if pre is None else pre.weight, x_scale=x_scale, scale_out=scale_out)
+            if scale_out is None:
+                return y
+            from pageflash.kernels.fp8_quant import Fp8Rows
+
+            if residual is None:
+                return Fp8Rows(y, scale_out, x.dtype)
+            return Fp8Rows(y[0], scale_out, x.dtype), y[1]
         if pre is not None:
             x = pre(x)
         if residual is None:

@@ -135,7 +135,7 @@ class LlamaMLP(_Prefetching, nn.Module):
         if act is None:
             gu = self.gate_up_proj(x)
             self._prefetch("down", self.down_proj.weight)  # while the activation runs
-            act = act_and_mul(gu, self.act)
+            act = act_and_mul(gu, self.act, quant_for=self.down_proj)  # (FP8 rows for an "fp8" down_proj)
         else:
             self._prefetch("down", self.down_proj.weight)
         return self.down_proj(act)
@@ -196,19 +196,23 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
         if self.post_norm:
             return self._forward_post_norm(x, residual, positions, rotary, kv_cache, backend, plan, pre, rope_rows)
         self._prefetch("qkv", self.self_attn.qkv_proj.weight)  # while the input norm runs
+        # an "fp8" projection's input rows come quantized from the norm's launch (Linear.takes_fp8_rows)
+        qkv_proj = self.self_attn.qkv_proj
+        mlp_in = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else None
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
+            residual, h = x, self.input_layernorm(x, quant_for=qkv_proj)
         else:
-            h, residual = self.input_layernorm(x, residual, pre=pre, x_scale=self.residual_scale)
+            h, residual = self.input_layernorm(x, residual, pre=pre, x_scale=self.residual_scale, quant_for=qkv_proj)
         h = self.self_attn(h, positions, rotary, kv_cache, backend, plan, rope_rows)
         if self.tp_size > 1:
             h = _all_reduce(h)
         if isinstance(self.mlp, LlamaMLP):  # (an MoE block's weights depend on the routing)
             self._prefetch("gate_up", self.mlp.gate_up_proj.weight)  # while the post-attention norm runs
         if self.sandwich:  # (the attention output's norm, the add and the MLP's norm: one launch)
-            h, residual = self.pre_feedforward_layernorm(h, residual, pre=self.post_attention_layernorm)
+            h, residual = self.pre_feedforward_layernorm(h, residual, pre=self.post_attention_layernorm,
+                                                         quant_for=mlp_in)
         else:
-            h, residual = self.post_attention_layernorm(h, residual, x_scale=self.residual_scale)
+            h, residual = self.post_attention_layernorm(h, residual, x_scale=self.residual_scale, quant_for=mlp_in)
         h = self.mlp(h)
         # (the caller adds the residual: the next layer's input norm, or the final norm -- and, with
         # sandwich norms, applies post_feedforward_layernorm first, in the same launch)

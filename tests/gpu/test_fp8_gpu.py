@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import test_quant_gpu  # noqa: E402
+from near_ties import assert_parts_only_at_near_ties  # noqa: E402
 from pageflash import LLM, SamplingParams  # noqa: E402
 from pageflash.kernels import fp8_linear as F8  # noqa: E402
 from pageflash.kernels.w8_linear import w8_linear_ref  # noqa: E402
@@ -89,6 +90,70 @@ def test_fp16_and_fp32_activations_stay_weight_only():
         x = torch.randn(256, 4096, device="cuda", generator=g).to(dt)
         assert not F8.scaled_mm_applies(x, q)
         _close(F8.fp8_linear(x, q, s), w8_linear_ref(x.float(), q, s))
+
+
+def _codes_agree(q, s, rq, rs):
+    """The codes and scales a norm's launch wrote for the next FP8 product (scale_out) against
+    quantize_rows_fp8 of the unquantized launch's output. The activation's are equal. The norm's may
+    part in rare elements: the two are separate compiles of one kernel, and the e4m3 store's layout can
+    change the order of the sum of squares, so an output element may round the other way (an H200
+    run of gemma-3-1b: one code in 560k). Each element dequantizes within one e4m3 step of the other."""
+    same = (q.float() == rq.float()).float().mean().item()
+    assert same >= 0.9999, same
+    assert torch.allclose(s, rs, rtol=2 ** -7, atol=0)
+    a, b = q.float() * s, rq.float() * rs
+    assert ((a - b).abs() <= 2 ** -3 * torch.maximum(a.abs(), b.abs()) + 2 ** -9 * rs).all()
+
+
+@pytest.mark.parametrize("m", [3, 64, 300])
+def test_norm_and_activation_fp8_codes_equal_quantizer_bf16(m, poison_outputs):
+    """The RMSNorm (+ residual; Gemma's sandwich form) and SiLU / GELU-and-mul launches that write e4m3
+    codes for the next product (scale_out) against quantize_rows_fp8 of their own unquantized output,
+    at llama-3-8b and gemma-3-1b widths; 28672 columns take the two-pass activation."""
+    from pageflash.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+    from pageflash.kernels.rms_norm import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for h, kw in ((4096, {}), (1152, {"unit_offset": True, "pre": True})):
+        x, r = (torch.randn(2, m, h, device="cuda", generator=g) * 2).to(torch.bfloat16)
+        w, pw = (torch.rand(2, h, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+        kw = dict(kw, pre_weight=pw) if kw.pop("pre", False) else kw
+        y, res = rms_norm(x, w, 1e-5, r, **kw)
+        s = torch.empty(m, 1, device="cuda")
+        q, res2 = rms_norm(x, w, 1e-5, r, scale_out=s, **kw)
+        assert torch.equal(res, res2)
+        _codes_agree(q, s, *F8.quantize_rows_fp8(y))
+    for inter, act in ((14336, silu_and_mul), (28672, silu_and_mul), (14336, gelu_tanh_and_mul),
+                       (6912, gelu_tanh_and_mul)):
+        gu = (torch.randn(m, 2 * inter, device="cuda", generator=g) * 2).to(torch.bfloat16)
+        s = torch.empty(m, 1, device="cuda")
+        q = act(gu, scale_out=s)
+        rq, rs = F8.quantize_rows_fp8(act(gu))
+        assert torch.equal(s, rs) and torch.equal(q.float(), rq.float()), (inter, act.__name__)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma-3-1b"])
+def test_engine_fused_fp8_quantization_bf16(model, monkeypatch):
+    """The norms and the activation hand the FP8 products their input's codes (Fp8Rows) instead of
+    each product quantizing it in its own launch (PAGEFLASH_FP8_FUSED_QUANT=0): eager steps then
+    quantize only the attention output (o_proj) themselves, and the tokens are those of the separate
+    quantizer, eager and in the decode graphs, up to near-ties (the norm's rare other rounding:
+    _codes_agree; Gemma's dummy logits are flat). Gemma: sandwich norms, GeGLU."""
+    calls = []
+    real = F8.quantize_rows_fp8
+    monkeypatch.setattr(F8, "quantize_rows_fp8", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    fused_eager, _, _ = run(model, dtype="bfloat16", enforce_eager=True)
+    n_fused = len(calls)
+    fused_graphs, llm, _ = run(model, dtype="bfloat16")
+    assert llm.llm_engine.runner.graphs is not None
+    monkeypatch.setenv("PAGEFLASH_FP8_FUSED_QUANT", "0")
+    calls.clear()
+    sep_eager, _, lps = run(model, dtype="bfloat16", enforce_eager=True, logprobs=5)
+    n_sep = len(calls)
+    sep_graphs, _, glps = run(model, dtype="bfloat16", logprobs=5)
+    assert 0 < n_fused and n_sep == 4 * n_fused, (n_fused, n_sep)
+    assert_parts_only_at_near_ties(fused_eager, sep_eager, lps, max_parted=2)
+    assert_parts_only_at_near_ties(fused_graphs, sep_graphs, glps, max_parted=2)
 
 
 def run(model="smollm2-135m", logprobs=None, max_tokens=24, **kw):
