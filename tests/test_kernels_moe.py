@@ -330,6 +330,40 @@ def test_quantized_experts_equal_the_dequantized_reference(t, e, k, dtype, metho
         fused_moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2[:, :5].contiguous())
 
 
+@pytest.mark.parametrize("t,e,k", [(1, 4, 2), (19, 8, 3), (40, 4, 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a8_experts_equal_the_w8a8_reference(t, e, k, dtype):
+    """W8A8 e4m3 experts (x's rows and the SiLU's output rows quantized per row, e4m3 x e4m3 dots, both
+    scales on the products) against experts_ref(w8a8=True), through fused_moe and routed_moe; the
+    automatic choice keeps CPU and 16-bit x weight-only; w8a8 over int8 codes is refused."""
+    from pageflash.kernels.fused_moe import routed_moe, w8a8_applies
+    from pageflash.layers.linear import quantize_weight
+    from pageflash.layers.moe import route
+
+    x, w13, w2, _, _ = make_inputs(t, 64, 48, e, k, dtype, seed=t + 9)
+    x[0, :5] *= 40.0  # a row whose scale follows its own largest value
+    q13, s13 = quantize_weight(w13.reshape(-1, 64), "fp8")
+    q2, s2 = quantize_weight(w2.reshape(-1, 48), "fp8")
+    q13, s13, q2, s2 = q13.view(w13.shape), s13.view(e, 96), q2.view(w2.shape), s2.view(e, 64)
+    s13[1] *= 3.0
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(3)).to(dtype)
+    w, ids = route(logits, k, True)
+    want = fused_moe_ref(x, q13, q2, w, ids, s13, s2, w8a8=True)
+    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
+    got = fused_moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, w8a8=True)
+    assert rel_err(got, want) < tol
+    assert rel_err(routed_moe(x, logits, q13, q2, k, True, w13_scale=s13, w2_scale=s2, w8a8=True), want) < tol
+    # W8A8 is not the weight-only product: the activation codes move it by about their rounding
+    wo = fused_moe_ref(x, q13, q2, w, ids, s13, s2)
+    assert 1e-4 < rel_err(want, wo) < 0.1
+    assert not w8a8_applies(x.bfloat16(), q13)  # CPU
+    with pytest.raises(ValueError, match="w8a8 needs e4m3"):
+        qi, si = quantize_weight(w13.reshape(-1, 64), "int8")
+        qi2, si2 = quantize_weight(w2.reshape(-1, 48), "int8")
+        fused_moe(x, qi.view(w13.shape), qi2.view(w2.shape), w, ids, w13_scale=si.view(e, 96),
+                  w2_scale=si2.view(e, 64), w8a8=True)
+
+
 def test_route_align_and_routed_moe_bad_inputs_and_empty_steps():
     """A router scoring more experts than w13 holds, top_k outside [1, E] and non-2-D logits are
     refused; an empty step gives empty routing and no used rows on both launch paths."""

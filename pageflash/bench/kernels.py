@@ -505,6 +505,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--backward", action="store_true", help="backward TFLOP/s vs SDPA")
     p.add_argument("--moe", action="store_true", help="mixture-of-experts blocks at real layer shapes (not in the default set)")
     p.add_argument("--moe-int8", action="store_true", help="with --moe: INT8 experts")
+    p.add_argument("--moe-quant", choices=("int8", "fp8", "fp8-w8a8"), default=None,
+                   help="with --moe: INT8 or e4m3 experts (fp8: weight-only, fp8-w8a8: activations quantized too)")
     p.add_argument("--moe-tokens", type=int, nargs="+", default=None, metavar="T",
                    help="with --moe: token counts (default 1 4 16 64 256 1024 4096)")
     p.add_argument("--sweep", action="store_true", help="also time a few tile configs per kernel")
@@ -535,7 +537,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.moe:
         from pageflash.bench.moe import bench_moe, format_moe
 
-        result["moe"] = bench_moe(result["copy_GBs"], tokens=args.moe_tokens, int8=args.moe_int8, sweep=args.sweep)
+        result["moe"] = bench_moe(result["copy_GBs"], tokens=args.moe_tokens, int8=args.moe_int8, sweep=args.sweep,
+                                  quant=args.moe_quant)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)

@@ -11,8 +11,11 @@ Peer, same weights and routing: transformers' experts module (Qwen3MoeExperts, t
 with its experts_implementation "grouped_mm" (torch._grouped_mm) and "eager", timed eagerly (CUDA
 events around many calls), beside ours timed the same way.
 
-  pageflash bench kernels --moe [--moe-int8] [--moe-tokens 1 8 64 ...]        (default tile configs)
-  python -m pageflash.bench.moe [--configs] [--align] [--int8] [--tokens ...] [--shapes ...] [--json FILE]
+  pageflash bench kernels --moe [--moe-int8 | --moe-quant int8|fp8|fp8-w8a8] [--moe-tokens 1 8 64 ...]
+  python -m pageflash.bench.moe [--configs] [--align] [--quant none int8 fp8 fp8-w8a8] [--tokens ...]
+                                [--shapes ...] [--json FILE]
+      (--quant: experts as INT8 or e4m3 codes with a scale per row; fp8 weight-only (codes widened),
+       fp8-w8a8 with the activations' rows quantized too; one table row per (layer, quant, T))
       (--configs: sweep CANDIDATES per token count; --align: the routing + grouping variants alone)
 """
 
@@ -135,9 +138,16 @@ def align_probe(tokens) -> None:
             print(f"| {e}, {k} | {t} | " + " | ".join(f"{r:.1f}" for r in res) + " |", flush=True)
 
 
+QUANTS = ("int8", "fp8", "fp8-w8a8")
+
+
 def bench_moe(copy_gbps: float, shapes=None, tokens=None, int8: bool = False, sweep: bool = False,
-              log: Optional[list] = None) -> list[dict]:
-    """One row per (layer shape, T): the best of the configs tried (the default one unless sweep)."""
+              log: Optional[list] = None, quant: Optional[str] = None) -> list[dict]:
+    """One row per (layer shape, T): the best of the configs tried (the default one unless sweep).
+    quant: "int8" (as int8=True), "fp8" (e4m3 experts, weight-only) or "fp8-w8a8" (W8A8)."""
+    quant = quant or ("int8" if int8 else None)
+    if quant not in (None,) + QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     dev = torch.device("cuda")
     rows = []
     log = [] if log is None else log
@@ -147,15 +157,17 @@ def bench_moe(copy_gbps: float, shapes=None, tokens=None, int8: bool = False, sw
         w13 = (torch.randn(e, 2 * inter, h, device=dev, generator=g) * 0.02).to(torch.bfloat16)
         w2 = (torch.randn(e, h, inter, device=dev, generator=g) * 0.02).to(torch.bfloat16)
         expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
-        sc = {}
-        if int8:
-            from pageflash.kernels.w8_linear import quantize_int8
+        sc, kw = {}, {}
+        if quant is not None:
+            from pageflash.layers.linear import quantize_weight
 
-            q13, s13 = quantize_int8(w13.reshape(-1, h))
-            q2, s2 = quantize_int8(w2.reshape(-1, inter))
+            q13, s13 = quantize_weight(w13.reshape(-1, h), quant.split("-")[0])
+            q2, s2 = quantize_weight(w2.reshape(-1, inter), quant.split("-")[0])
             w13, w2 = q13.view(e, 2 * inter, h), q2.view(e, h, inter)
             sc = dict(w13_scale=s13.view(e, 2 * inter), w2_scale=s2.view(e, h))
             expert_bytes = w13[0].numel() + w2[0].numel() + 4 * (2 * inter + h)
+            if quant.startswith("fp8"):
+                kw = dict(w8a8=quant == "fp8-w8a8")
         for t in tokens or DEFAULT_TOKENS:
             x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
             logits = torch.randn(t, e, device=dev, generator=g)
@@ -177,13 +189,13 @@ def bench_moe(copy_gbps: float, shapes=None, tokens=None, int8: bool = False, sw
             best = None
             for cfg in cands:
                 try:
-                    out = fm.routed_moe(x, logits, w13, w2, k, True, config=cfg, **sc)
+                    out = fm.routed_moe(x, logits, w13, w2, k, True, config=cfg, **sc, **kw)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
-                    us = graph_time_us(lambda: fm.routed_moe(x, logits, w13, w2, k, True, config=cfg, **sc))
+                    us = graph_time_us(lambda: fm.routed_moe(x, logits, w13, w2, k, True, config=cfg, **sc, **kw))
                 except Exception as ex:  # e.g. out of shared memory
                     log.append(dict(shape=name, T=t, config=cfg, error=repr(ex)[:200]))
                     continue
-                r = dict(shape=name, T=t, int8=int8, config=cfg or fm._config(t * k, e), us=us, rel_err=err,
+                r = dict(shape=name, T=t, int8=quant == "int8", quant=quant, config=cfg or fm._config(t * k, e), us=us, rel_err=err,
                          experts_hit=hit, gbps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / copy_gbps,
                          tflops=flops / us / 1e6, dense_us=dense_us)
                 log.append(r)
@@ -192,9 +204,11 @@ def bench_moe(copy_gbps: float, shapes=None, tokens=None, int8: bool = False, sw
             if best is not None:
                 print(f"{name} T={t}: best {best['config']} {best['us']:.1f} µs", flush=True)
                 bc = best["config"]
-                best["ours_eager_us"] = eager_time_us(lambda: fm.routed_moe(x, logits, w13, w2, k, True, config=bc, **sc))
-                best["ours_prerouted_us"] = graph_time_us(lambda: fm.fused_moe(x, w13, w2, wts, ids, config=bc, **sc))
-                for impl in (() if int8 else ("grouped_mm", "eager")):
+                best["ours_eager_us"] = eager_time_us(
+                    lambda: fm.routed_moe(x, logits, w13, w2, k, True, config=bc, **sc, **kw))
+                best["ours_prerouted_us"] = graph_time_us(
+                    lambda: fm.fused_moe(x, w13, w2, wts, ids, config=bc, **sc, **kw))
+                for impl in (() if quant else ("grouped_mm", "eager")):
                     if impl == "eager" and t > 256:
                         continue
                     m = hf_experts(h, inter, e, k, w13, w2, impl)
@@ -218,7 +232,8 @@ def format_moe(rows: list[dict], copy_gbps: float) -> str:
     for r in rows:
         c = r["config"]
         cs = f"{c['BLOCK_M']},{c['BLOCK_N']},{c['BLOCK_K']},{c['num_warps']},{c['num_stages']}"
-        out.append(f"| {r['shape']}{' int8' if r.get('int8') else ''} | {r['T']} | {cs} | {r['us']:.1f} | "
+        q = r.get("quant") or ("int8" if r.get("int8") else None)
+        out.append(f"| {r['shape']}{' ' + q if q else ''} | {r['T']} | {cs} | {r['us']:.1f} | "
                    f"{r['rel_err']:.1e} | {r['experts_hit']} | {r['gbps']:.0f} | {r['pct_copy']:.0f}% | "
                    f"{r['tflops']:.0f} | {r['dense_us']:.1f} | {r['ours_eager_us']:.1f} | "
                    f"{r['ours_prerouted_us']:.1f} | {r.get('hf_grouped_mm_us', float('nan')):.1f} | "
@@ -234,6 +249,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--align", action="store_true", help="time the routing + grouping variants only")
     ap.add_argument("--int8", action="store_true", help="INT8 experts (codes + a scale per row)")
+    ap.add_argument("--quant", nargs="+", default=None, choices=("none",) + QUANTS,
+                    help="expert weights, one pass each: none (bf16), int8, fp8 (weight-only), fp8-w8a8")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("the MoE kernel benchmark needs a CUDA GPU", file=sys.stderr)
@@ -243,7 +260,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     copy = measure_copy_bandwidth(torch.device("cuda"))
     log: list = []
-    rows = bench_moe(copy, a.shapes, a.tokens, a.int8, a.configs, log)
+    rows = []
+    for q in a.quant or ["int8" if a.int8 else "none"]:
+        rows += bench_moe(copy, a.shapes, a.tokens, sweep=a.configs, log=log, quant=None if q == "none" else q)
     print(format_moe(rows, copy))
     if a.json:
         with open(a.json, "w") as f:

@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.activation import silu_f32
+from pageflash.kernels.fp8_linear import _fp8_tensor_cores, fast_accum
+from pageflash.kernels.fp8_quant import quantize_rows_fp8
 from pageflash.kernels.gemv import CODE_DTYPES
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.launch import fast_launch
@@ -303,11 +305,11 @@ def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, bloc
 
 @triton.jit
 def _moe_gemm_kernel(
-    A, W, C, SortedIds, BlockExpert, NumRows, Scale, WScale,
+    A, W, C, SortedIds, BlockExpert, NumRows, Scale, WScale, AScale,
     N, K, NUM_PAIRS, A_ROW_DIV, NUM_M_BLOCKS,
     stride_am, stride_we, stride_wn, stride_cm, stride_se,
     MUL_SCALE: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
-    W_SCALED: tl.constexpr,
+    W_SCALED: tl.constexpr, A_SCALED: tl.constexpr, FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # GATED: W holds [gate; up] rows ([E, 2N, K]); C[pair] = silu(A W_gate^T) * (A W_up^T), N columns,
@@ -315,6 +317,8 @@ def _moe_gemm_kernel(
     # C[pair] = A[pair // A_ROW_DIV] @ W[expert of the block]^T (* Scale[pair]); W is [E, N, K].
     # W_SCALED: W holds INT8 (or e4m3) codes, widened to A's dtype in registers; the products are multiplied by
     # WScale[expert, row] (float32, one per weight row) before anything else.
+    # A_SCALED (with e4m3 W): W8A8, A holds e4m3 codes of its rows with AScale[row] (float32, one per row
+    # of A: kernels/fp8_quant.py); e4m3 x e4m3 dots, the products times both scales.
     # 1-D grid over NUM_M_BLOCKS * cdiv(N, BLOCK_N), grouped GROUP_M m-blocks at a time.
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -347,14 +351,24 @@ def _moe_gemm_kernel(
         k_mask = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if W_SCALED:
-            b = b.to(A.dtype.element_ty)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
+        if A_SCALED and not FAST_ACCUM:  # each K tile's e4m3 dot added to a float32 sum (fp8_linear.fast_accum)
+            acc += tl.dot(a, b)
+        elif A_SCALED:
+            acc = tl.dot(a, b, acc)
+        else:
+            if W_SCALED:
+                b = b.to(A.dtype.element_ty)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
         if GATED:
             bu = tl.load(w_ptrs + up_off, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if W_SCALED:
-                bu = bu.to(A.dtype.element_ty)
-            acc_up = tl.dot(a, bu, acc_up, input_precision=PREC)
+            if A_SCALED and not FAST_ACCUM:
+                acc_up += tl.dot(a, bu)
+            elif A_SCALED:
+                acc_up = tl.dot(a, bu, acc_up)
+            else:
+                if W_SCALED:
+                    bu = bu.to(A.dtype.element_ty)
+                acc_up = tl.dot(a, bu, acc_up, input_precision=PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if W_SCALED:
@@ -362,6 +376,11 @@ def _moe_gemm_kernel(
         acc = acc * tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
         if GATED:
             acc_up = acc_up * tl.load(s_ptrs + N, mask=n_mask, other=0.0)[None, :]
+    if A_SCALED:
+        sa = tl.load(AScale + a_row, mask=row_mask, other=0.0)[:, None]
+        acc = acc * sa
+        if GATED:
+            acc_up = acc_up * sa
     if GATED:
         g = acc.to(C.dtype.element_ty).to(tl.float32)
         act = silu_f32(g, LIBDEVICE).to(C.dtype.element_ty).to(tl.float32)
@@ -399,21 +418,23 @@ def _prec(dtype: torch.dtype) -> str:
 def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
     num_rows: torch.Tensor, scale: Optional[torch.Tensor], a_row_div: int, cfg: dict, gated: bool = False,
-    w_scale: Optional[torch.Tensor] = None,
+    w_scale: Optional[torch.Tensor] = None, a_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """gated: w is [E, 2N, K] ([gate; up]) and c [pairs, N] receives silu(gate) * up. w_scale: float32
-    [E, rows of w] when w holds INT8 codes."""
+    [E, rows of w] when w holds INT8 codes. a_scale: float32 [rows of a, 1] when a holds e4m3 codes
+    (W8A8, with e4m3 w; the sum over K as fp8_linear.fast_accum says)."""
     num_pairs, n = c.shape
     k = a.shape[1]
     num_m = block_expert.shape[0]
     grid = (num_m * cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
         a, w, c, sorted_ids, block_expert, num_rows, scale if scale is not None else c,
-        w_scale if w_scale is not None else c,
+        w_scale if w_scale is not None else c, a_scale,
         n, k, num_pairs, a_row_div, num_m,
         a.stride(0), w.stride(0), w.stride(1), c.stride(0), w_scale.stride(0) if w_scale is not None else 0,
-        MUL_SCALE=scale is not None, PREC=_prec(a.dtype), GATED=gated, LIBDEVICE=a.is_cuda,
-        W_SCALED=w_scale is not None, **cfg,
+        MUL_SCALE=scale is not None, PREC=_prec(c.dtype), GATED=gated, LIBDEVICE=a.is_cuda,
+        W_SCALED=w_scale is not None, A_SCALED=a_scale is not None,
+        FAST_ACCUM=a_scale is not None and fast_accum(), **cfg,
     )
 
 
@@ -474,9 +495,11 @@ def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
     w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+    w8a8: Optional[bool] = None,
 ) -> torch.Tensor:
-    """w13_scale / w2_scale: float32 [E, 2I] / [E, H] when w13 / w2 hold INT8 codes (W = codes * scale
-    per row, as ``layers.moe.SparseMoE.quantize_`` makes them).
+    """w13_scale / w2_scale: float32 [E, 2I] / [E, H] when w13 / w2 hold INT8 or e4m3 codes (W = codes *
+    scale per row, as ``layers.moe.SparseMoE.quantize_`` makes them). w8a8 (e4m3 codes only): the
+    activations quantized per row too, e4m3 x e4m3 on the tensor cores; None: ``w8a8_applies``.
     config: the tiles of both GEMMs (``_config``'s keys; probes sweep it), else ``_config``'s choice.
     x [T, H] float16/bfloat16/float32; w13 [E, 2I, H] and w2 [E, H, I] in x's dtype; topk_weights
     [T, k] float32; topk_ids [T, k] int32/int64 in [0, E) (unchecked). All contiguous, one device.
@@ -492,7 +515,15 @@ def fused_moe(
     cfg1, cfg2 = _configs(num_pairs, e, config)
     sorted_ids, block_expert, num_rows = moe_align(topk_ids, e, cfg1["BLOCK_M"])
     return _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out,
-                    w13_scale, w2_scale)
+                    w13_scale, w2_scale, _w8a8(w8a8, x, w13, w13_scale))
+
+
+def _w8a8(w8a8: Optional[bool], x, w13, w13_scale) -> bool:
+    if w8a8 is None:
+        return w13_scale is not None and w8a8_applies(x, w13)
+    if w8a8 and (w13.dtype != torch.float8_e4m3fn or w13_scale is None):
+        raise ValueError(f"fused_moe: w8a8 needs e4m3 expert codes with their scales, got {w13.dtype} experts")
+    return w8a8
 
 
 def _configs(num_pairs: int, num_experts: int, config: Optional[dict]) -> tuple[dict, dict]:
@@ -501,15 +532,35 @@ def _configs(num_pairs: int, num_experts: int, config: Optional[dict]) -> tuple[
     return dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2)), cfg
 
 
+def w8a8_applies(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """Whether e4m3 experts run W8A8 (each activation row quantized to e4m3 with its own scale, e4m3 x
+    e4m3 dots on the FP8 tensor cores) rather than weight-only (codes widened to x's dtype): bf16 x on
+    a GPU with FP8 tensor cores (compute capability >= 8.9), at every token count (run 56: 1.19-2.33x
+    the weight-only experts from 1 to 4096 tokens at qwen3-30b-a3b and mixtral shapes, H200).
+    PAGEFLASH_FP8_MOE_W8A8=0 keeps them weight-only."""
+    import os
+
+    if w13.dtype != torch.float8_e4m3fn or x.dtype != torch.bfloat16 or not x.is_cuda \
+            or os.environ.get("PAGEFLASH_FP8_MOE_W8A8", "1") == "0":
+        return False
+    return _fp8_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
 def _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out,
-             w13_scale=None, w2_scale=None) -> torch.Tensor:
-    """The two grouped GEMMs, the SiLU between them and the sum over each token's k experts."""
+             w13_scale=None, w2_scale=None, w8a8: bool = False) -> torch.Tensor:
+    """The two grouped GEMMs, the SiLU between them and the sum over each token's k experts. w8a8 (e4m3
+    experts): x's rows and the SiLU's output rows quantized to e4m3 per row (quantize_rows_fp8) and
+    multiplied on the FP8 tensor cores."""
     t, h = x.shape
     num_pairs, inter = t * k, w2.shape[2]
     act = torch.empty((num_pairs, inter), device=x.device, dtype=x.dtype)  # silu(x gate^T) * (x up^T)
-    _grouped_gemm(x, w13, act, sorted_ids, block_expert, num_rows, None, k, cfg1, gated=True, w_scale=w13_scale)
+    a, a_scale = quantize_rows_fp8(x) if w8a8 else (x, None)
+    _grouped_gemm(a, w13, act, sorted_ids, block_expert, num_rows, None, k, cfg1, gated=True, w_scale=w13_scale,
+                  a_scale=a_scale)
     c2 = torch.empty((num_pairs, h), device=x.device, dtype=x.dtype)
-    _grouped_gemm(act, w2, c2, sorted_ids, block_expert, num_rows, topk_weights, 1, cfg2, w_scale=w2_scale)
+    a, a_scale = quantize_rows_fp8(act) if w8a8 else (act, None)
+    _grouped_gemm(a, w2, c2, sorted_ids, block_expert, num_rows, topk_weights, 1, cfg2, w_scale=w2_scale,
+                  a_scale=a_scale)
     block = min(1024, next_pow2(h))
     _ksum_kernel[(t, cdiv(h, block))](c2, out, h, out.stride(0), K=k, BLOCK=block, num_warps=4 if block >= 512 else 1)
     return out
@@ -534,10 +585,12 @@ def routed_moe(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     renormalize: bool, out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
     w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+    w8a8: Optional[bool] = None,
 ) -> torch.Tensor:
     """The whole MoE block after the router's GEMM: route() + fused_moe(), with the routing and the
     grouping in Triton (route_align: one or two launches; moe_align's torch ops took 60-96 µs on an
-    H100), else route() and moe_align(). router_logits: [T, E]. Capturable in a CUDA graph."""
+    H100), else route() and moe_align(). router_logits: [T, E]. Capturable in a CUDA graph. w8a8: as
+    fused_moe's."""
     t, e = router_logits.shape
     if not 1 <= top_k <= e:
         raise ValueError(f"routed_moe: top_k ({top_k}) must be in [1, num_experts={e}]")
@@ -563,4 +616,4 @@ def routed_moe(
     if sorted_ids is None:
         sorted_ids, block_expert, num_rows = moe_align(ids, e, cfg1["BLOCK_M"])
     return _experts(x, w13, w2, weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out,
-                    w13_scale, w2_scale)
+                    w13_scale, w2_scale, _w8a8(w8a8, x, w13, w13_scale))

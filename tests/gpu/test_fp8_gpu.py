@@ -83,6 +83,21 @@ def test_fp8_mm_configs_bias_and_ragged_shapes(cfg, poison_outputs):
         _close_w8a8(F8.fp8_mm(x, q, s, b, config=cfg), F8.fp8_scaled_mm_ref(x, q, s, b))
 
 
+@pytest.mark.parametrize("m", [3, 64, 128])
+def test_fp8_mm_float32_sums_at_long_k(m, poison_outputs, monkeypatch):
+    """PAGEFLASH_FP8_FAST_ACCUM=0: fp8_mm adds each K tile's e4m3 dot to a float32 sum, and at K 14336
+    its output stays within bf16 rounding of the float32 reference; the default (the tensor cores'
+    FP8 accumulation over the whole loop) within _close_w8a8's bound."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    q, s = F8.quantize_fp8(torch.randn(4096, 14336, device="cuda", generator=g) * 0.02)
+    x = torch.randn(m, 14336, device="cuda", generator=g).to(torch.bfloat16)
+    ref = F8.fp8_scaled_mm_ref(x, q, s)
+    _close_w8a8(F8.fp8_mm(x, q, s), ref)
+    monkeypatch.setenv("PAGEFLASH_FP8_FAST_ACCUM", "0")
+    d = (F8.fp8_mm(x, q, s).float() - ref.float()).abs()
+    assert d.max().item() <= 2 ** -7 * ref.float().abs().max().item(), d.max().item()
+
+
 def test_fp16_and_fp32_activations_stay_weight_only():
     g = torch.Generator(device="cuda").manual_seed(2)
     q, s = F8.quantize_fp8(torch.randn(1024, 4096, device="cuda", generator=g) * 0.02)

@@ -111,6 +111,36 @@ def test_int8_experts_bf16(shape, t, poison_outputs):
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-like"])
+@pytest.mark.parametrize("t", [1, 2, 64, 2048])
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_fp8_w8a8_experts_bf16(shape, t, fast, poison_outputs, monkeypatch):
+    """e4m3 experts W8A8 (activation rows quantized, e4m3 x e4m3 on the tensor cores) against the
+    W8A8 reference (float32 products of the same codes), with the tensor cores' FP8 accumulation
+    (PAGEFLASH_FP8_FAST_ACCUM=1, the default) or float32 sums (0), and weight-only against the
+    dequantized reference; the automatic choice on this GPU is W8A8 (compute capability >= 8.9)."""
+    monkeypatch.setenv("PAGEFLASH_FP8_FAST_ACCUM", fast)
+    from pageflash.kernels.fp8_linear import quantize_fp8
+    from pageflash.kernels.fused_moe import routed_moe, w8a8_applies
+
+    h, inter, e, k = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(t)
+    w13, w2 = _layer(h, inter, e, g)
+    q13, s13 = quantize_fp8(w13.reshape(-1, h))
+    q2, s2 = quantize_fp8(w2.reshape(-1, inter))
+    q13, q2, s13, s2 = q13.view(w13.shape), q2.view(w2.shape), s13.view(e, -1), s2.view(e, -1)
+    x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
+    logits = torch.randn(t, e, device="cuda", generator=g)
+    wts, ids = route(logits, k, True)
+    for w8a8 in (True, False):
+        out = routed_moe(x, logits, q13, q2, k, True, w13_scale=s13, w2_scale=s2, w8a8=w8a8)
+        ref = experts_ref(x.float() if not w8a8 else x, q13, q2, wts, ids, s13, s2, w8a8=w8a8)
+        assert not torch.isnan(out).any()
+        tol = 3e-2 if w8a8 and fast == "1" else 1e-2
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < tol, w8a8
+    assert w8a8_applies(x, q13) == (torch.cuda.get_device_capability() >= (8, 9))
+
+
 @pytest.mark.parametrize("name", ["qwen2-moe", "qwen3-moe"])
 def test_engine_int8_experts_match_fake_quantized_hf_fp32(tmp_path, name):
     """quantization="int8" on CUDA (INT8 grouped GEMMs, decode graphs) equals HF over the dequantized
