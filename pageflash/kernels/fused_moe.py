@@ -304,6 +304,23 @@ def route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, bloc
 
 
 @triton.jit
+def _mma(a, b, acc, A_SCALED: tl.constexpr, W_SCALED: tl.constexpr, FAST_ACCUM: tl.constexpr, PREC: tl.constexpr):
+    """acc + a @ b for one K tile: e4m3 x e4m3 (A_SCALED) in the tensor cores' running FP8 sum
+    (FAST_ACCUM) or added to the float32 sum on its own (fp8_linear.fast_accum); else 16/32-bit dots,
+    W_SCALED's int8 / e4m3 codes widened to a's dtype first."""
+    if A_SCALED:
+        if FAST_ACCUM:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc += tl.dot(a, b)
+    else:
+        if W_SCALED:
+            b = b.to(a.dtype)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _moe_gemm_kernel(
     A, W, C, SortedIds, BlockExpert, NumRows, Scale, WScale, AScale,
     N, K, NUM_PAIRS, A_ROW_DIV, NUM_M_BLOCKS,
@@ -351,24 +368,10 @@ def _moe_gemm_kernel(
         k_mask = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if A_SCALED and not FAST_ACCUM:  # each K tile's e4m3 dot added to a float32 sum (fp8_linear.fast_accum)
-            acc += tl.dot(a, b)
-        elif A_SCALED:
-            acc = tl.dot(a, b, acc)
-        else:
-            if W_SCALED:
-                b = b.to(A.dtype.element_ty)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
+        acc = _mma(a, b, acc, A_SCALED, W_SCALED, FAST_ACCUM, PREC)
         if GATED:
             bu = tl.load(w_ptrs + up_off, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if A_SCALED and not FAST_ACCUM:
-                acc_up += tl.dot(a, bu)
-            elif A_SCALED:
-                acc_up = tl.dot(a, bu, acc_up)
-            else:
-                if W_SCALED:
-                    bu = bu.to(A.dtype.element_ty)
-                acc_up = tl.dot(a, bu, acc_up, input_precision=PREC)
+            acc_up = _mma(a, bu, acc_up, A_SCALED, W_SCALED, FAST_ACCUM, PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if W_SCALED:

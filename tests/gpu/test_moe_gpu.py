@@ -88,22 +88,28 @@ def test_engine_matches_hf_on_cuda_fp32(tmp_path, name):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
 
 
+def _quantized_layer(shape, t, method):
+    """(k, w13 codes, w2 codes, their scales [E, rows], bf16 x [t, H], router logits) of a random layer."""
+    from pageflash.layers.linear import quantize_weight
+
+    h, inter, e, k = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(t)
+    w13, w2 = _layer(h, inter, e, g)
+    q13, s13 = quantize_weight(w13.reshape(-1, h), method)
+    q2, s2 = quantize_weight(w2.reshape(-1, inter), method)
+    x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
+    logits = torch.randn(t, e, device="cuda", generator=g)
+    return k, q13.view(w13.shape), q2.view(w2.shape), s13.view(e, -1), s2.view(e, -1), x, logits
+
+
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-like"])
 @pytest.mark.parametrize("t", [1, 2, 64, 2048])
 def test_int8_experts_bf16(shape, t, poison_outputs):
     """INT8 experts (codes widened in registers, a scale per row) against the float32 reference over
     the dequantized weights."""
     from pageflash.kernels.fused_moe import routed_moe
-    from pageflash.kernels.w8_linear import quantize_int8
 
-    h, inter, e, k = SHAPES[shape]
-    g = torch.Generator(device="cuda").manual_seed(t)
-    w13, w2 = _layer(h, inter, e, g)
-    q13, s13 = quantize_int8(w13.reshape(-1, h))
-    q2, s2 = quantize_int8(w2.reshape(-1, inter))
-    q13, q2, s13, s2 = q13.view(w13.shape), q2.view(w2.shape), s13.view(e, -1), s2.view(e, -1)
-    x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
-    logits = torch.randn(t, e, device="cuda", generator=g)
+    k, q13, q2, s13, s2, x, logits = _quantized_layer(shape, t, "int8")
     out = routed_moe(x, logits, q13, q2, k, True, w13_scale=s13, w2_scale=s2)
     wts, ids = route(logits, k, True)
     ref = experts_ref(x.float(), q13, q2, wts, ids, s13, s2)
@@ -120,17 +126,9 @@ def test_fp8_w8a8_experts_bf16(shape, t, fast, poison_outputs, monkeypatch):
     (PAGEFLASH_FP8_FAST_ACCUM=1, the default) or float32 sums (0), and weight-only against the
     dequantized reference; the automatic choice on this GPU is W8A8 (compute capability >= 8.9)."""
     monkeypatch.setenv("PAGEFLASH_FP8_FAST_ACCUM", fast)
-    from pageflash.kernels.fp8_linear import quantize_fp8
     from pageflash.kernels.fused_moe import routed_moe, w8a8_applies
 
-    h, inter, e, k = SHAPES[shape]
-    g = torch.Generator(device="cuda").manual_seed(t)
-    w13, w2 = _layer(h, inter, e, g)
-    q13, s13 = quantize_fp8(w13.reshape(-1, h))
-    q2, s2 = quantize_fp8(w2.reshape(-1, inter))
-    q13, q2, s13, s2 = q13.view(w13.shape), q2.view(w2.shape), s13.view(e, -1), s2.view(e, -1)
-    x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
-    logits = torch.randn(t, e, device="cuda", generator=g)
+    k, q13, q2, s13, s2, x, logits = _quantized_layer(shape, t, "fp8")
     wts, ids = route(logits, k, True)
     for w8a8 in (True, False):
         out = routed_moe(x, logits, q13, q2, k, True, w13_scale=s13, w2_scale=s2, w8a8=w8a8)
