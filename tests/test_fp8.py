@@ -249,6 +249,19 @@ def test_linear_takes_fp8_rows_only_where_it_would_quantize_them(monkeypatch):
     assert not int8.takes_fp8_rows(_Cuda())
 
 
+def test_dispatch_settings_that_are_no_count_are_named(monkeypatch):
+    """A row-count setting of the 8-bit dispatch that is no count is an error naming the variable."""
+    from pageflash.kernels.w8_linear import _dequant_min_m
+
+    q, s = quantize_fp8(torch.randn(16, 32))
+    monkeypatch.setenv("PAGEFLASH_FP8_MM_M", "3.5")
+    with pytest.raises(ValueError, match="PAGEFLASH_FP8_MM_M must be an integer"):
+        fp8_linear(torch.randn(4, 32), q, s)
+    monkeypatch.setenv("PAGEFLASH_W8_DEQUANT_M", "lots")
+    with pytest.raises(ValueError, match="PAGEFLASH_W8_DEQUANT_M must be an integer"):
+        _dequant_min_m()
+
+
 def test_fp8_linear_on_cpu_is_the_dequantized_weight_and_w8a8_refuses_cpu():
     w, g = _w(48, 64, 8)
     q, s = quantize_fp8(w)

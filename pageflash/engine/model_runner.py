@@ -762,7 +762,7 @@ def _prefetcher_from_env(device: torch.device):
     if mode == "bulk" and not sm90:
         raise ValueError("PAGEFLASH_L2_PREFETCH_MODE=bulk needs compute capability 9.0+; use line or load")
     return WeightPrefetcher(parse_sizes(spec), mode,
-                            int(os.environ.get("PAGEFLASH_L2_PREFETCH_MAX_BATCH", str(_PREFETCH_MAX_BATCH))))
+                            int_env("PAGEFLASH_L2_PREFETCH_MAX_BATCH", _PREFETCH_MAX_BATCH))
 
 
 def _fill_pending(input_ids: torch.Tensor, fixes: list[tuple[int, int]], prev_tokens: torch.Tensor) -> None:

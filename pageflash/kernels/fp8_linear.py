@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.envs import int_env
 from pageflash.kernels.fp8_quant import (FP8, FP8_MAX, INV_MAX, Fp8Rows, quantize_rows_fp8,
                                          quantize_rows_fp8_ref)
 from pageflash.kernels.launch import fast_launch
@@ -238,8 +239,7 @@ def fp8_scaled_mm(x, q: torch.Tensor, s: torch.Tensor,
 
 
 def _env_m(name: str, default: int) -> int:
-    v = os.environ.get(name, "")
-    return int(v) if v.strip() else default
+    return int_env(name, default)  # (a value that is no count: an error naming the variable)
 
 
 def _mm_min_m() -> int:

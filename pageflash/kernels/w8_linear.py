@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.envs import int_env
 from pageflash.kernels.gemv import CODE_DTYPES, gemv
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
@@ -254,8 +255,7 @@ _DEQUANT_M = 512
 def _dequant_min_m() -> int:
     if os.environ.get("PAGEFLASH_W8_KERNELS", "1") == "0":
         return 0
-    v = os.environ.get("PAGEFLASH_W8_DEQUANT_M", "")
-    return int(v) if v.strip() else _DEQUANT_M
+    return int_env("PAGEFLASH_W8_DEQUANT_M", _DEQUANT_M)
 
 
 def w8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
