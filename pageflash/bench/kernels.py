@@ -537,8 +537,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.moe:
         from pageflash.bench.moe import bench_moe, format_moe
 
-        result["moe"] = bench_moe(result["copy_GBs"], tokens=args.moe_tokens, int8=args.moe_int8, sweep=args.sweep,
-                                  quant=args.moe_quant)
+        result["moe"] = bench_moe(result["copy_GBs"], tokens=args.moe_tokens, sweep=args.sweep,
+                                  quant=args.moe_quant or ("int8" if args.moe_int8 else None))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)

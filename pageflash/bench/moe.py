@@ -141,11 +141,10 @@ def align_probe(tokens) -> None:
 QUANTS = ("int8", "fp8", "fp8-w8a8")
 
 
-def bench_moe(copy_gbps: float, shapes=None, tokens=None, int8: bool = False, sweep: bool = False,
-              log: Optional[list] = None, quant: Optional[str] = None) -> list[dict]:
+def bench_moe(copy_gbps: float, shapes=None, tokens=None, sweep: bool = False, log: Optional[list] = None,
+              quant: Optional[str] = None) -> list[dict]:
     """One row per (layer shape, T): the best of the configs tried (the default one unless sweep).
-    quant: "int8" (as int8=True), "fp8" (e4m3 experts, weight-only) or "fp8-w8a8" (W8A8)."""
-    quant = quant or ("int8" if int8 else None)
+    quant: "int8", "fp8" (e4m3 experts, weight-only) or "fp8-w8a8" (W8A8); None: bf16 experts."""
     if quant not in (None,) + QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     dev = torch.device("cuda")
@@ -195,7 +194,7 @@ def bench_moe(copy_gbps: float, shapes=None, tokens=None, int8: bool = False, sw
                 except Exception as ex:  # e.g. out of shared memory
                     log.append(dict(shape=name, T=t, config=cfg, error=repr(ex)[:200]))
                     continue
-                r = dict(shape=name, T=t, int8=quant == "int8", quant=quant, config=cfg or fm._config(t * k, e), us=us, rel_err=err,
+                r = dict(shape=name, T=t, quant=quant, config=cfg or fm._config(t * k, e), us=us, rel_err=err,
                          experts_hit=hit, gbps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / copy_gbps,
                          tflops=flops / us / 1e6, dense_us=dense_us)
                 log.append(r)
@@ -232,8 +231,7 @@ def format_moe(rows: list[dict], copy_gbps: float) -> str:
     for r in rows:
         c = r["config"]
         cs = f"{c['BLOCK_M']},{c['BLOCK_N']},{c['BLOCK_K']},{c['num_warps']},{c['num_stages']}"
-        q = r.get("quant") or ("int8" if r.get("int8") else None)
-        out.append(f"| {r['shape']}{' ' + q if q else ''} | {r['T']} | {cs} | {r['us']:.1f} | "
+        out.append(f"| {r['shape']}{' ' + r['quant'] if r['quant'] else ''} | {r['T']} | {cs} | {r['us']:.1f} | "
                    f"{r['rel_err']:.1e} | {r['experts_hit']} | {r['gbps']:.0f} | {r['pct_copy']:.0f}% | "
                    f"{r['tflops']:.0f} | {r['dense_us']:.1f} | {r['ours_eager_us']:.1f} | "
                    f"{r['ours_prerouted_us']:.1f} | {r.get('hf_grouped_mm_us', float('nan')):.1f} | "

@@ -216,7 +216,13 @@ def scaled_mm_applies(x, q: torch.Tensor) -> bool:
     (cuBLASLt's FP8 layouts), and a GPU with FP8 tensor cores (compute capability >= 8.9)."""
     dev = x.device
     return (dev.type == "cuda" and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and q.shape[0] % 16 == 0
-            and _fp8_tensor_cores(dev.index if dev.index is not None else torch.cuda.current_device()))
+            and fp8_tensor_cores(dev))
+
+
+def fp8_tensor_cores(dev: torch.device) -> bool:
+    """Whether the CUDA device dev (index None: the current one) has FP8 tensor cores (compute
+    capability >= 8.9): where the W8A8 products and MoE experts run."""
+    return _fp8_tensor_cores(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)

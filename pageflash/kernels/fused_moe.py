@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.activation import silu_f32
-from pageflash.kernels.fp8_linear import _fp8_tensor_cores, fast_accum
+from pageflash.kernels.fp8_linear import fast_accum, fp8_tensor_cores
 from pageflash.kernels.fp8_quant import quantize_rows_fp8
 from pageflash.kernels.gemv import CODE_DTYPES
 from pageflash.kernels.host_math import cdiv, next_pow2
@@ -546,7 +546,7 @@ def w8a8_applies(x: torch.Tensor, w13: torch.Tensor) -> bool:
     if w13.dtype != torch.float8_e4m3fn or x.dtype != torch.bfloat16 or not x.is_cuda \
             or os.environ.get("PAGEFLASH_FP8_MOE_W8A8", "1") == "0":
         return False
-    return _fp8_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return fp8_tensor_cores(x.device)
 
 
 def _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out,
