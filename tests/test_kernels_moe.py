@@ -330,12 +330,13 @@ def test_quantized_experts_equal_the_dequantized_reference(t, e, k, dtype, metho
         fused_moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2[:, :5].contiguous())
 
 
-@pytest.mark.parametrize("t,e,k", [(1, 4, 2), (19, 8, 3), (40, 4, 1)])
+@pytest.mark.parametrize("t,e,k", [(1, 4, 2), (19, 8, 3), (40, 4, 1), (60, 2, 2), (130, 2, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a8_experts_equal_the_w8a8_reference(t, e, k, dtype):
     """W8A8 e4m3 experts (x's rows and the SiLU's output rows quantized per row, e4m3 x e4m3 dots, both
     scales on the products) against experts_ref(w8a8=True), through fused_moe and routed_moe; the
-    automatic choice keeps CPU and 16-bit x weight-only; w8a8 over int8 codes is refused."""
+    automatic choice keeps CPU and 16-bit x weight-only; w8a8 over int8 codes is refused. The token
+    counts reach each of _config(fp8=True)'s row tiles (16, 32, 64, 128 rows an expert)."""
     from pageflash.kernels.fused_moe import routed_moe, w8a8_applies
     from pageflash.layers.linear import quantize_weight
     from pageflash.layers.moe import route

@@ -55,6 +55,15 @@ CANDIDATES = [  # (the gated first GEMM takes half of BLOCK_N)
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    # 1-byte operands (e4m3 W8A8): K tiles of 128-256 bytes
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=3),
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=256, GROUP_M=8, num_warps=8, num_stages=3),
 ]
 
 
@@ -194,7 +203,8 @@ def bench_moe(copy_gbps: float, shapes=None, tokens=None, sweep: bool = False, l
                 except Exception as ex:  # e.g. out of shared memory
                     log.append(dict(shape=name, T=t, config=cfg, error=repr(ex)[:200]))
                     continue
-                r = dict(shape=name, T=t, quant=quant, config=cfg or fm._config(t * k, e), us=us, rel_err=err,
+                r = dict(shape=name, T=t, quant=quant, config=cfg or fm._config(t * k, e, quant == "fp8-w8a8"),
+                         us=us, rel_err=err,
                          experts_hit=hit, gbps=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / copy_gbps,
                          tflops=flops / us / 1e6, dense_us=dense_us)
                 log.append(r)

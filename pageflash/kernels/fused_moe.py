@@ -399,14 +399,22 @@ def _moe_gemm_kernel(
 _moe_gemm_kernel = fast_launch(_moe_gemm_kernel)  # host launches via the cached CompiledKernel
 
 
-def _config(num_pairs: int, num_experts: int) -> dict:
+def _config(num_pairs: int, num_experts: int, fp8: bool = False) -> dict:
     """Tiles and launch options of the grouped GEMMs, by the (host-known) number of pairs and experts
     only, never by the routing: rows per expert if the routing were uniform pick the row tile (H100
     sweep, scripts/moe_probe.py, docs/BENCHMARKS.md). BLOCK_M is also moe_align's alignment; the gated
-    first GEMM takes half of BLOCK_N (two accumulators)."""
+    first GEMM takes half of BLOCK_N (two accumulators). fp8: e4m3 x e4m3 (W8A8) operands, one byte an
+    element: K tiles of 128 bytes and wider N tiles from 16 rows an expert on (run 57, H200 sweep,
+    ``python -m pageflash.bench.moe --configs --quant fp8-w8a8``: 1.26-1.82x the 2-byte tiles there)."""
     rows = num_pairs / max(1, min(num_experts, num_pairs))
     if rows <= 8:  # decode: a few rows per expert; the weights spread over many programs
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3)
+    if fp8:
+        if rows <= 48:
+            return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+        if rows <= 128:
+            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
     if rows <= 48:
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
     if rows <= 256:
@@ -515,10 +523,11 @@ def fused_moe(
         return out
     if inter == 0:
         return out.zero_()
-    cfg1, cfg2 = _configs(num_pairs, e, config)
+    w8a8 = _w8a8(w8a8, x, w13, w13_scale)
+    cfg1, cfg2 = _configs(num_pairs, e, config, w8a8)
     sorted_ids, block_expert, num_rows = moe_align(topk_ids, e, cfg1["BLOCK_M"])
     return _experts(x, w13, w2, topk_weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out,
-                    w13_scale, w2_scale, _w8a8(w8a8, x, w13, w13_scale))
+                    w13_scale, w2_scale, w8a8)
 
 
 def _w8a8(w8a8: Optional[bool], x, w13, w13_scale) -> bool:
@@ -529,9 +538,9 @@ def _w8a8(w8a8: Optional[bool], x, w13, w13_scale) -> bool:
     return w8a8
 
 
-def _configs(num_pairs: int, num_experts: int, config: Optional[dict]) -> tuple[dict, dict]:
+def _configs(num_pairs: int, num_experts: int, config: Optional[dict], fp8: bool = False) -> tuple[dict, dict]:
     """(gated first GEMM's config, second GEMM's config) from one config (``_config``'s or given)."""
-    cfg = config or _config(num_pairs, num_experts)
+    cfg = config or _config(num_pairs, num_experts, fp8)
     return dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2)), cfg
 
 
@@ -602,7 +611,8 @@ def routed_moe(
     if w13.dim() != 3 or w13.shape[0] != e:
         raise ValueError(f"routed_moe: router_logits score {e} experts, w13 {tuple(w13.shape)} holds "
                          f"{w13.shape[0] if w13.dim() == 3 else '?'}")
-    cfg1, cfg2 = _configs(t * top_k, e, config)
+    w8a8 = _w8a8(w8a8, x, w13, w13_scale)
+    cfg1, cfg2 = _configs(t * top_k, e, config, w8a8)
     if route_align_fits(t, e, top_k) and t > 0:
         weights, ids, sorted_ids, block_expert, num_rows = route_align(router_logits, top_k, renormalize,
                                                                       cfg1["BLOCK_M"])
@@ -619,4 +629,4 @@ def routed_moe(
     if sorted_ids is None:
         sorted_ids, block_expert, num_rows = moe_align(ids, e, cfg1["BLOCK_M"])
     return _experts(x, w13, w2, weights, sorted_ids, block_expert, num_rows, k, cfg1, cfg2, out,
-                    w13_scale, w2_scale, _w8a8(w8a8, x, w13, w13_scale))
+                    w13_scale, w2_scale, w8a8)

@@ -118,7 +118,7 @@ def test_int8_experts_bf16(shape, t, poison_outputs):
 
 
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-like"])
-@pytest.mark.parametrize("t", [1, 2, 64, 2048])
+@pytest.mark.parametrize("t", [1, 2, 64, 512, 2048])
 @pytest.mark.parametrize("fast", ["1", "0"])
 def test_fp8_w8a8_experts_bf16(shape, t, fast, poison_outputs, monkeypatch):
     """e4m3 experts W8A8 (activation rows quantized, e4m3 x e4m3 on the tensor cores) against the
