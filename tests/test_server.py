@@ -334,9 +334,37 @@ def test_prompts_encoded_off_the_engine_thread(srv: Srv, monkeypatch: pytest.Mon
 
 
 def test_chat_text_parts_equal_plain_content(srv: Srv) -> None:
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]}]
+    """A message's text parts are joined one a line, as vLLM joins them ("\n"), in chat requests, in
+    /tokenize's messages and in /v1/responses' input_text parts."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a"}, {"type": "text", "text": "color."}]}]
+    plain = [{"role": "user", "content": "Name a\ncolor."}]
+    want = srv.post("/tokenize", {"messages": plain}).json()["tokens"]
+    assert srv.post("/tokenize", {"messages": parts}).json()["tokens"] == want
     r = srv.client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
-    assert r.choices[0].message.content == srv.refs["chat"].outputs[0].text
+    ref = srv.client.chat.completions.create(model=MODEL, messages=plain, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == ref.choices[0].message.content
+    assert r.usage.prompt_tokens == ref.usage.prompt_tokens == len(want)
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Name a"},
+                                          {"type": "input_text", "text": "color."}]}]
+    resp = srv.post("/v1/responses", {"model": MODEL, "input": items, "max_output_tokens": 8}).json()
+    assert resp["usage"]["input_tokens"] == len(want)
+    assert isinstance(resp["created_at"], int)  # (OpenAI's: whole seconds)
+
+
+def test_completions_many_prompts(srv: Srv) -> None:
+    """No cap on prompts a request other than prompts x n <= MAX_CHOICES (vLLM has none; lm-eval style
+    clients batch hundreds): 300 prompts come back in order, one choice each."""
+    from pageflash.server.app import MAX_CHOICES
+
+    prompts = [f"Count to {i}:" for i in range(300)]
+    r = srv.post("/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == list(range(300))
+    assert r.json()["usage"]["completion_tokens"] == 300
+    assert_error(srv.post("/v1/completions", {"model": MODEL, "prompt": ["a"] * (MAX_CHOICES // 2 + 1), "n": 2}),
+                 400, param="n")
+    assert_error(srv.post("/v1/completions", {"model": MODEL, "prompt": ["a"] * (MAX_CHOICES + 1)}), 400,
+                 param="prompt")
 
 
 # --------------------------------------------------------------------------- bad input

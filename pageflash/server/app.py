@@ -52,7 +52,7 @@ logger = logging.getLogger("pageflash.server")
 
 __version__ = "0.1.0"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-MAX_CHOICES = 512  # prompts x n per HTTP request
+MAX_CHOICES = 16384  # prompts x n per HTTP request (vLLM sets none; the body's size bounds the prompts)
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON; the openai client expects a float (vLLM clamps the same)
 
 
@@ -922,7 +922,7 @@ class OpenAIServing:
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         gen = _Generation(await self.add_all(rid, [{"prompt_token_ids": prompt_ids}], params, "input", lora),
                           params, self.metrics.timer())  # fmt: skip
-        created = time.time()
+        created = int(time.time())  # (an integer, as OpenAI's created_at)
 
         # With a --reasoning-parser the thought is a reasoning item before the message (the split as in
         # chat: a constrained output holds a thought only where it opens one itself).
@@ -1190,7 +1190,8 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
         if len(raw) * req.n > MAX_CHOICES:
-            raise APIError(400, f"prompts x n = {len(raw) * req.n} is over the limit of {MAX_CHOICES}", param="n")
+            raise APIError(400, f"prompts x n = {len(raw)} x {req.n} is over the limit of {MAX_CHOICES} choices a "
+                                f"request", param="n" if req.n > 1 else "prompt")
         if req.use_beam_search:
             return await self.completions_beam_search(request, req, raw, model, lora)
         kw = req.sampling_kwargs()

@@ -29,9 +29,8 @@ from pydantic import (
     model_validator,
 )
 
-# A bound on fan-out per HTTP request: choices = prompts x n.
+# n per prompt (OpenAI's limit); prompts x n per HTTP request is bounded in app.py (MAX_CHOICES).
 MAX_N = 128
-MAX_PROMPTS = 256
 
 Float = float  # strict float: JSON ints are accepted, strings and booleans are not
 
@@ -217,7 +216,7 @@ class _SamplingFields(_Strict):
 PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
 
 
-def _prompt_list(p: Any, field: str, limit: int) -> list[str | list[int]]:
+def _prompt_list(p: Any, field: str, limit: int | None = None) -> list[str | list[int]]:
     """A string, token ids, or a list of either, as a list of prompts (at most limit of them)."""
     if isinstance(p, str):
         return [p]
@@ -225,7 +224,7 @@ def _prompt_list(p: Any, field: str, limit: int) -> list[str | list[int]]:
         raise ValueError(f"{field} must not be empty")
     if all(isinstance(x, int) for x in p):
         return [list(p)]
-    if len(p) > limit:
+    if limit is not None and len(p) > limit:
         raise ValueError(f"at most {limit} {field}s per request, got {len(p)}")
     return list(p)
 
@@ -255,7 +254,7 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a list of token ids."""
-        return _prompt_list(self.prompt, "prompt", MAX_PROMPTS)
+        return _prompt_list(self.prompt, "prompt")
 
 
 class PromptTokensDetails(BaseModel):
@@ -398,7 +397,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # text parts one a line, as vLLM joins them
 
 
 class ToolFunction(_Strict):
@@ -773,7 +772,7 @@ class ResponsesRequest(_Strict):
         for item in items:
             content = item["content"]
             if isinstance(content, list):
-                content = "".join(part["text"] for part in content)
+                content = "\n".join(part["text"] for part in content)  # (as chat's text parts)
             messages.append({"role": item["role"], "content": content})
         out: dict[str, Any] = {"messages": messages, "max_tokens": self.max_output_tokens}
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
