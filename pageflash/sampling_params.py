@@ -141,6 +141,7 @@ class SamplingParams:
     top_k: keep the top_k most likely tokens; 0 or -1 turns it off (normalized to -1).
     min_p: drop tokens whose probability is below min_p times the most likely token's.
     seed: per-request seed; the same seed gives the same tokens whatever else runs in the batch.
+        -1 means no seed (vLLM's spelling; normalized to None).
     presence_penalty / frequency_penalty: OpenAI-style, over the generated tokens, in [-2, 2].
     repetition_penalty: HF-style (CTRL) over prompt and generated tokens; 1 = off, > 1 discourages.
     stop: strings that end the output (normalized to a list; the stop string is not returned unless
@@ -149,8 +150,9 @@ class SamplingParams:
     max_tokens: most tokens to generate; None = until the model's context is full.
     min_tokens: EOS and stop_token_ids are masked until this many tokens were generated.
     ignore_eos: keep generating after EOS (benchmarks).
-    logprobs: number of top logprobs per generated token; 0 = only the sampled token's;
-        None = no logprobs. At most the engine's max_logprobs (20 by default, as vLLM's).
+    logprobs: number of top logprobs per generated token; 0 = only the sampled token's; -1 = the
+        whole vocabulary (as vLLM); None = no logprobs. At most the engine's max_logprobs (20 by
+        default, as vLLM's; -1 there allows the whole vocabulary).
     prompt_logprobs: the same for each prompt token after the first (RequestOutput.prompt_logprobs;
         the prompt is then computed whole, without prefix-cache hits); None = none.
     truncate_prompt_tokens: keep only the prompt's last k tokens (left truncation); -1 = the last
@@ -219,6 +221,8 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1  # one spelling of "off" so that the sampler tests only top_k > 0
         _check_int("seed", self.seed, allow_none=True)
+        if self.seed == -1:
+            self.seed = None  # vLLM's "no seed"
         if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
             raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         _check_int("max_tokens", self.max_tokens, allow_none=True)
@@ -232,15 +236,16 @@ class SamplingParams:
                 f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}"
             )
         _check_int("logprobs", self.logprobs, allow_none=True)
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be at least 0 (or None), got {self.logprobs}")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ValueError(f"logprobs must be at least 0, -1 (the whole vocabulary) or None, got {self.logprobs}")
         _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allow_none=True)
         if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1):
             raise ValueError(f"truncate_prompt_tokens must be at least 1, -1 (the model's context) or None, got "
                              f"{self.truncate_prompt_tokens}")
         _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be at least 0 (or None), got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise ValueError(f"prompt_logprobs must be at least 0, -1 (the whole vocabulary) or None, got "
+                             f"{self.prompt_logprobs}")
 
         # ---- floats -----------------------------------------------------------------------
         self.temperature = _check_float("temperature", self.temperature)

@@ -290,6 +290,39 @@ def test_chat_bad_input_is_a_value_or_type_error_naming_it(llm):
     assert llm.chat(hi, sp, use_tqdm=False)[0].outputs[0].token_ids  # and the engine goes on
 
 
+def test_seed_minus_one_is_no_seed(llm):
+    """seed=-1 is vLLM's "no seed": normalized to None, so two calls draw differently (a fixed seed
+    repeats itself)."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    sp = SamplingParams(temperature=1.0, seed=-1, max_tokens=12, ignore_eos=True)
+    runs = {tuple(llm.generate("Once upon a time", sp, use_tqdm=False)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(runs) > 1
+    fixed = SamplingParams(temperature=1.0, seed=-2, max_tokens=12, ignore_eos=True)
+    assert len({tuple(llm.generate("Once upon a time", fixed, use_tqdm=False)[0].outputs[0].token_ids)
+                for _ in range(2)}) == 1
+    assert free_all(llm)
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary():
+    """logprobs / prompt_logprobs -1: every token's logprob (vLLM's), allowed when max_logprobs is -1,
+    else an error naming the cap; the entries are log_softmax over the vocabulary."""
+    llm = LLM(max_model_len=64, num_kv_blocks=16, max_logprobs=-1)
+    v = llm.llm_engine.vocab_size
+    sp = SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=-1, ignore_eos=True)
+    out = llm.generate("The sun rises in the", sp, use_tqdm=False)[0]
+    assert sp.logprobs == -1  # the caller's params are left as they were
+    entry = out.outputs[0].logprobs[0]
+    assert len(entry) == v and sorted(e.rank for e in entry.values()) == list(range(1, v + 1))
+    total = torch.tensor([e.logprob for e in entry.values()]).double().exp().sum().item()
+    assert total == pytest.approx(1.0, abs=1e-3)
+    assert all(len(p) >= v for p in out.prompt_logprobs[1:])  # (the prompt's own token too, if not in top v)
+    capped = LLM(max_model_len=64, num_kv_blocks=16)  # max_logprobs 20
+    with pytest.raises(ValueError, match="max_logprobs"):
+        capped.generate("x", SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=-2)
+
+
 def test_seed_wraps_for_n_copies(llm):
     # child j of a seeded request draws from seed + j: at the top of the range that wraps, not crashes
     out = llm.generate("Hi", SamplingParams(temperature=1.0, max_tokens=3, n=2, seed=2**64 - 1), use_tqdm=False)[0]

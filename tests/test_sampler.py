@@ -105,17 +105,22 @@ def test_greedy_rows_in_mixed_batch_ignore_sampling_knobs():
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """float64 [V]: temperature, then top-k, top-p, min-p by their textbook definitions."""
+    """float64 [V]: temperature, then min-p, top-k, top-p by their textbook definitions, in vLLM's
+    order (min-p first: top-p's mass is over the tokens min-p kept)."""
     z = logits.double() / p.temperature
     keep = torch.ones_like(z, dtype=torch.bool)
-    if p.top_k > 0:
-        keep = torch.zeros_like(keep)
-        keep[z.topk(min(p.top_k, z.numel())).indices] = True
 
     def renorm(mask):
         q = torch.softmax(z, -1) * mask
         return q / q.sum()
 
+    if p.min_p > 0.0:
+        q = renorm(keep)
+        keep = keep & (q >= p.min_p * q.max())
+    if p.top_k > 0:
+        top = torch.zeros_like(keep)
+        top[z.topk(min(p.top_k, z.numel())).indices] = True
+        keep = keep & top
     if p.top_p < 1.0:
         q = renorm(keep)
         order = q.argsort(descending=True)
@@ -123,10 +128,19 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         n = int((cum < p.top_p).sum()) + 1  # smallest prefix whose mass reaches top_p
         keep = torch.zeros_like(keep)
         keep[order[:n]] = True
-    if p.min_p > 0.0:
-        q = renorm(keep)
-        keep = keep & (q >= p.min_p * q.max())
     return renorm(keep)
+
+
+def test_min_p_filters_before_top_p() -> None:
+    """vLLM's order: min-p keeps [0.5, 0.3] of [0.5, 0.3, 0.1, 0.1] (renormalized 0.625 / 0.375), then
+    top-p 0.6 is reached by the first token alone (top-p first would keep two tokens)."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1]]))
+    sp = SamplingParams(temperature=1.0, min_p=0.5, top_p=0.6)
+    probs = compute_probs(logits, SamplingBatch.build([SamplingRow(sp, [0], [])], 4, "cpu"))
+    assert probs.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    sp = SamplingParams(temperature=1.0, min_p=0.5, top_p=0.7)  # 0.625 < 0.7: both min-p survivors
+    probs = compute_probs(logits, SamplingBatch.build([SamplingRow(sp, [0], [])], 4, "cpu"))
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
 
 
 @pytest.mark.parametrize("case", range(6))

@@ -484,6 +484,8 @@ class LLMEngine:
         cap = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
+            if k == -1:  # the whole vocabulary
+                k = self.vocab_size
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size ({self.vocab_size})")
             if k is not None and cap >= 0 and k > cap:
@@ -523,6 +525,10 @@ class LLMEngine:
         ids = params.truncate_prompt(ids, self.max_model_len)
         # (compiled just below; the server checked max_tokens against the context before)
         self.validate_request(ids, pooling or params, compile_constraints=False, strict_length=False)
+        if params.logprobs == -1 or params.prompt_logprobs == -1:  # -1: the whole vocabulary, counted here
+            params = params.clone()
+            params.logprobs = self.vocab_size if params.logprobs == -1 else params.logprobs
+            params.prompt_logprobs = self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured_outputs().matcher(params.structured_outputs)

@@ -539,23 +539,21 @@ def apply_penalties_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -
 
 
 def _probs_from_processed(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p. x: float32 [B, V] (modified) -> probs float32 [B, V].
+    """Temperature, min-p, top-k, top-p (vLLM's order: min-p filters before top-k / top-p, so top-p's
+    mass is measured on what min-p kept). x: float32 [B, V] (modified) -> probs float32 [B, V].
 
     Greedy rows come out as softmax(x) (temperature 1, no filtering); callers overwrite them.
     """
     x.div_(batch.temperature[:, None])
+    if batch.min_p is not None:
+        # p / p_max < min_p  <=>  x - x_max < log(min_p); min_p 0 (off) keeps every token
+        floor = x.amax(dim=-1, keepdim=True) + torch.log(batch.min_p[:, None])
+        x = x.masked_fill(x < floor, float("-inf"))
     if batch.top_p is not None:
         x = _top_k_top_p(x, batch.top_k, batch.top_p, batch.top_p_candidates)
     elif batch.top_k is not None:
         x = _top_k_only(x, batch.top_k, batch.max_top_k)
-    probs = torch.softmax(x, dim=-1)
-    if batch.min_p is not None:
-        # Relative to the row's most likely token; renormalizing afterwards does not change which
-        # tokens pass, since every ratio p / p_max is invariant under it.
-        threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    return torch.softmax(x, dim=-1)
 
 
 def _top_k_only(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
