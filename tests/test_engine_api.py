@@ -245,6 +245,10 @@ def test_prompt_types(llm):
         llm.generate({"prompt_token_ids": [1.0, 2.0]}, sp, use_tqdm=False)
     with pytest.raises(TypeError, match="list of ints"):
         llm.generate({"prompt_token_ids": [True, 2]}, sp, use_tqdm=False)
+    with pytest.raises(TypeError, match="'prompt' must be a str"):
+        llm.generate({"prompt": 7, "prompt_token_ids": ids}, sp, use_tqdm=False)
+    out = llm.generate({"prompt": "The capital of France is", "prompt_token_ids": ids}, sp, use_tqdm=False)[0]
+    assert out.prompt == "The capital of France is" and out.outputs[0].token_ids == ref
     assert free_all(llm)
 
 

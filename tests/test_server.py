@@ -419,7 +419,7 @@ BAD_COMPLETIONS = [
      "response_format", ("json",)),
     ({"prompt": "hi", "structured_outputs": {"json": False}}, "structured_outputs", ("JSON schema",)),
     ({"prompt": "hi", "guided_choice": "yes"}, "guided_choice", ()),
-    ({"prompt": "hi", "guided_json": {"type": "object"}, "guided_regex": "a+"}, None,
+    ({"prompt": "hi", "guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_json",
      ("at most one output constraint", "guided_json", "guided_regex")),
     ({"prompt": "hi", "structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", ("exactly one",)),
     ({"prompt": "hi", "structured_outputs": {"regexp": "a"}}, "structured_outputs", ("regexp",)),

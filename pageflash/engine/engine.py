@@ -405,7 +405,11 @@ class LLMEngine:
                 raise ValueError(f"unknown prompt key(s) {sorted(unknown)}: a prompt dict takes 'prompt' or "
                                  f"'prompt_token_ids'")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):  # (it becomes RequestOutput.prompt)
+                    raise TypeError(f"a prompt dict's 'prompt' must be a str beside 'prompt_token_ids', got "
+                                    f"{type(text).__name__}")
+                return text, self._check_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:

@@ -157,7 +157,7 @@ class _SamplingFields(_Strict):
             if v is not None and v != "" and v != []:  # as _unless_asked: "" and [] ask for nothing
                 asked[name] = {key: v}
         if len(asked) > 1:
-            raise ValueError(f"give at most one output constraint, got {', '.join(asked)}")
+            raise ValueError(f"{', '.join(asked)}: give at most one output constraint")  # (the 400 names the first)
         self._structured_field = next(iter(asked), "structured_outputs")
         return next(iter(asked.values()), None)
 
