@@ -89,3 +89,30 @@ def test_allowed_token_ids_that_min_tokens_would_empty_are_refused(model):
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, ok, use_tqdm=False)[0].outputs[0]
     assert out.token_ids[:2] == [6, 6] and set(out.token_ids) <= {5, 6}
     assert _no_leaks(llm)
+
+
+def test_weights_beyond_host_memory_are_refused_up_front(tmp_path, monkeypatch):
+    """On the CPU a model whose weights exceed MemAvailable is a ValueError naming both sizes (loading it
+    would end in the kernel's OOM kill, silently: `pageflash bench latency`'s default llama-3-8b is 30
+    GiB in float32); a host that has the room, or no /proc/meminfo, passes."""
+    import torch
+
+    import pageflash.engine.engine as engine_mod
+    from pageflash.model.loader import load_config, resolve_model
+
+    check = engine_mod.check_host_memory
+    cfg = load_config(resolve_model("llama-3-8b", "dummy"))
+    small = tmp_path / "small"
+    small.write_text("MemTotal: 4194304 kB\nMemAvailable: 2097152 kB\n")  # 2 GiB free
+    with pytest.raises(ValueError, match=r"llama-3-8b: its weights take about 29.9 GiB in float32 .* 2.0 GiB"):
+        check(cfg, torch.float32, "llama-3-8b", meminfo=str(small))
+    with pytest.raises(ValueError, match="15.0 GiB in bfloat16"):
+        check(cfg, torch.bfloat16, "llama-3-8b", meminfo=str(small))
+    big = tmp_path / "big"
+    big.write_text("MemAvailable: 67108864 kB\n")  # 64 GiB
+    check(cfg, torch.float32, "llama-3-8b", meminfo=str(big))
+    check(cfg, torch.float32, "llama-3-8b", tp=2, meminfo=str(tmp_path / "absent"))
+    # the engine checks before it allocates anything
+    monkeypatch.setattr(engine_mod, "check_host_memory", lambda *a, **k: check(*a, **k, meminfo=str(small)))
+    with pytest.raises(ValueError, match="choose a smaller model"):
+        LLM("llama-3-8b", load_format="dummy", device="cpu")

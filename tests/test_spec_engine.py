@@ -361,6 +361,9 @@ def test_config_validation_names_the_field(env):
     with pytest.raises(ValueError, match="num_layers"):
         LLM(env["target"], num_kv_blocks=64, speculative_config=dict(method="early_exit", num_layers=9,
                                                                       num_speculative_tokens=2), **ENGINE)
+    with pytest.raises(ValueError, match="only 3 heads"):  # a chain drafts one token a head
+        LLM(env["target"], num_kv_blocks=64, speculative_config=dict(method="medusa", medusa_path=env["medusa"],
+                                                                      num_speculative_tokens=5), **ENGINE)
     c = EngineConfig(model=env["target"], speculative_config='{"method": "ngram", "tree": [2]}')
     assert c.speculative_config.tree == (2,) and c.speculative_config.num_speculative_tokens == 10
 

@@ -237,6 +237,8 @@ class LLMEngine:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = _DTYPES[config.dtype]
+        if self.device.type == "cpu":
+            check_host_memory(self.model_config, self.dtype, config.model, config.tensor_parallel_size)
 
         max_pos = self.model_config.max_context_len
         self.max_model_len = config.max_model_len or max_pos
@@ -986,6 +988,23 @@ def _tokenize_bad_words(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ..
         if b and len(b) == len(a) and b[0] != a[0]:
             seqs.append(tuple(b))
     return tuple(s for s in dict.fromkeys(seqs) if s)
+
+
+def check_host_memory(cfg: ModelConfig, dtype: torch.dtype, name: str, tp: int = 1,
+                      meminfo: str = "/proc/meminfo") -> None:
+    """On the CPU, refuse up front a model whose weights in dtype exceed the memory the host has free
+    (MemAvailable): loading it would end in the kernel's OOM kill, with no message (e.g. the benchmarks'
+    default llama-3-8b, 32 GB in float32). Hosts without /proc/meminfo are not checked."""
+    try:
+        with open(meminfo) as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return
+    need = cfg.num_params() * torch.finfo(dtype).bits // 8 // max(1, tp)
+    if need > avail:
+        raise ValueError(f"{name}: its weights take about {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} "
+                         f"on the CPU, more than the {avail / 2**30:.1f} GiB this machine has available; choose a "
+                         f"smaller model (e.g. smollm2-135m) or a GPU")
 
 
 def check_text(text: str, what: str) -> None:

@@ -182,6 +182,11 @@ class SpecDecoder:
                     f"speculative_config: Medusa heads in {c.medusa_path!r} are for hidden size {hc.hidden_size} and "
                     f"vocabulary {hc.vocab_size}, the target has {mc.hidden_size} and {mc.vocab_size}"
                 )
+            if c.expansion is None and c.num_speculative_tokens > hc.num_heads:  # (a chain: one token a head)
+                raise ValueError(
+                    f"speculative_config: num_speculative_tokens={c.num_speculative_tokens} but the Medusa file "
+                    f"{c.medusa_path!r} has only {hc.num_heads} heads (one draft token each)"
+                )
             self._medusa = heads
 
     def target_kv_share(self, num_blocks: int) -> int:
