@@ -237,7 +237,7 @@ class LLMEngine:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = _DTYPES[config.dtype]
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and config.quantization is None:  # (8-bit weights take a quarter of it)
             check_host_memory(self.model_config, self.dtype, config.model, config.tensor_parallel_size)
 
         max_pos = self.model_config.max_context_len
