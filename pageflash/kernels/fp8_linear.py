@@ -244,15 +244,11 @@ def fp8_scaled_mm(x, q: torch.Tensor, s: torch.Tensor,
     return y if bias is None else y + bias
 
 
-def _env_m(name: str, default: int) -> int:
-    return int_env(name, default)  # (a value that is no count: an error naming the variable)
-
-
 def _mm_min_m() -> int:
     """Rows of bf16 x from which products go W8A8 (PAGEFLASH_FP8_MM_M; below: the weight-only GEMV)."""
     if os.environ.get("PAGEFLASH_W8_KERNELS", "1") == "0":
         return 1 << 62
-    return _env_m("PAGEFLASH_FP8_MM_M", _MM_M)
+    return int_env("PAGEFLASH_FP8_MM_M", _MM_M)
 
 
 def _w8a8(x, q: torch.Tensor) -> bool:
@@ -276,7 +272,7 @@ def fp8_linear(x, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor]
     kernels (w8_linear; the dequantized weight on CPU). x may be an Fp8Rows (rows quantized already,
     where takes_fp8_rows said so): W8A8 by its rows. float_out: widened to float32 after the rounding."""
     if isinstance(x, Fp8Rows) or _w8a8(x, q):
-        if x.shape[0] >= _env_m("PAGEFLASH_FP8_CUBLAS_M", _CUBLAS_M) and x.dtype == torch.bfloat16:
+        if x.shape[0] >= int_env("PAGEFLASH_FP8_CUBLAS_M", _CUBLAS_M) and x.dtype == torch.bfloat16:
             y = fp8_scaled_mm(x, q, s, bias)
         else:
             y = fp8_mm(x, q, s, bias)

@@ -36,17 +36,12 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
     """The routed experts' weighted sum, expert by expert (only experts with tokens run): [T, H] in x's
     dtype. w13_scale / w2_scale: INT8 or e4m3 experts (codes * scale per row, dequantized to x's dtype).
     w8a8 (e4m3 experts): the W8A8 products instead, as kernels/fused_moe.py's -- x's rows and the SiLU's
-    output rows quantized per row (quantize_rows_fp8_ref), codes times codes in float32, times both
-    scales, rounded to x's dtype."""
+    output rows quantized per row, each product fp8_linear.fp8_scaled_mm_ref (codes times codes in
+    float32, times both scales, rounded to x's dtype)."""
     from pageflash.layers.activation import silu_and_mul_ref
 
     if w8a8:
-        from pageflash.kernels.fp8_quant import quantize_rows_fp8_ref
-
-        xq, sx = quantize_rows_fp8_ref(x)
-
-        def w8a8_linear(aq, sa, q, sq):
-            return ((aq.float() @ q.float().t()) * sa * sq).to(x.dtype)
+        from pageflash.kernels.fp8_linear import fp8_scaled_mm_ref  # (rows quantized on their own: per token)
 
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
@@ -62,8 +57,8 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
         tok = pairs // k
         a, b = w13[e], w2[e]
         if w8a8:
-            h = silu_and_mul_ref(w8a8_linear(xq[tok], sx[tok], a, w13_scale[e]))
-            y = w8a8_linear(*quantize_rows_fp8_ref(h), b, w2_scale[e])
+            h = silu_and_mul_ref(fp8_scaled_mm_ref(x[tok], a, w13_scale[e]))
+            y = fp8_scaled_mm_ref(h, b, w2_scale[e])
             out.index_add_(0, tok, y.float() * weights.reshape(-1)[pairs, None])
             continue
         if w13_scale is not None:
