@@ -51,6 +51,17 @@ VARIANTS = {  # name: (override of decode_config's choice, programs per SM that 
     "n128 s1 x6": (dict(BLOCK_N=128, num_stages=1), 6),
     "n128 s3": (dict(BLOCK_N=128, num_stages=3), 4),
     "w2 s2 x8": (dict(num_warps=2, num_stages=2), 8),
+    # H200 (run 58): more bytes in flight per SM than one stage gives; 2 stages fit 3 programs an SM
+    "s2 x3": (dict(num_stages=2), 3),
+    "n32 s3": (dict(BLOCK_N=32, num_stages=3), 4),
+    "n32 s4 x3": (dict(BLOCK_N=32, num_stages=4), 3),
+    "n32 s2 x5": (dict(BLOCK_N=32, num_stages=2), 5),
+    "n32 s3 x5": (dict(BLOCK_N=32, num_stages=3), 5),
+    "s2 w8": (dict(num_stages=2, num_warps=8), 4),
+    "s2 w2 x6": (dict(num_stages=2, num_warps=2), 6),
+    # a third field: splits for the shapes the default leaves unsplit (B64 / B256: wave balance)
+    "s2 sp2": (dict(num_stages=2), 4, 2),
+    "s2 x3 sp2": (dict(num_stages=2), 3, 2),
 }
 
 
@@ -100,9 +111,9 @@ def main():
         base_sp = fd.choose_num_splits(b, HKV, L, sms)
         fns = {"cudnn": lambda: torch.nn.functional.scaled_dot_product_attention(q4, kk, vv, enable_gqa=True)}
         for v in a.variants:
-            over, slots = VARIANTS[v]
+            over, slots, *unsplit = VARIANTS[v]
             cfg = over
-            sp = fd.choose_num_splits(b, HKV, L, sms, slots_per_sm=slots) if base_sp > 1 else 1
+            sp = fd.choose_num_splits(b, HKV, L, sms, slots_per_sm=slots) if base_sp > 1 else (unsplit or [1])[0]
             for order, table_, kc_, vc_ in (("shuf", bt, kc, vc), ("order", bt_seq, kc, vc),
                                             ("sdpa's", bt_c, kc_c, vc_c)):
                 fns[f"{v} sp{sp} {order}"] = (lambda cfg=cfg, sp=sp, t=table_, k_=kc_, v_=vc_:

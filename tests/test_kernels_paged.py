@@ -367,6 +367,35 @@ def test_flash_decode_empty_sequence_slot(splits, fused):
     assert rel_err(out[[0, 2]], ref[[0, 2]]) < TOL[torch.float32]
 
 
+def test_decode_stages_follow_bandwidth_per_sm(monkeypatch):
+    """The D 65-128 decode config's copy-pipeline stages come from the GPU's peak bandwidth per SM:
+    H100 SXM (3.35 TB/s, 132 SMs) keeps 1 stage, H200 (4.8 TB/s) takes 2; unknown bandwidth keeps 1;
+    PAGEFLASH_DECODE_STAGES forces either and refuses anything else."""
+    import types
+
+    from pageflash.kernels import flash_decoding as fd
+
+    def props(clock_mhz, bus_bits, sms=132):
+        return types.SimpleNamespace(memory_clock_rate=clock_mhz * 1000, memory_bus_width=bus_bits,
+                                     multi_processor_count=sms)
+
+    h100, h200 = props(2619, 5120), props(3201, 6016)
+    assert fd.memory_bandwidth_per_sm(h200) * 132 == pytest.approx(4.815e12, rel=1e-3)
+    assert fd.memory_bandwidth_per_sm(h100) * 132 == pytest.approx(3.352e12, rel=1e-3)
+    assert fd.stages_for_bandwidth(fd.memory_bandwidth_per_sm(h100)) == 1
+    assert fd.stages_for_bandwidth(fd.memory_bandwidth_per_sm(h200)) == 2
+    assert fd.memory_bandwidth_per_sm(types.SimpleNamespace(multi_processor_count=132)) is None
+    assert fd.stages_for_bandwidth(None) == 1
+    monkeypatch.setattr(fd.torch.cuda, "get_device_properties", lambda device: h200)
+    assert fd.decode_stages(torch.device("cuda")) == 2
+    monkeypatch.setenv("PAGEFLASH_DECODE_STAGES", "1")
+    assert fd.decode_stages(torch.device("cuda")) == 1
+    for bad in ("3", "two", "-1"):
+        monkeypatch.setenv("PAGEFLASH_DECODE_STAGES", bad)
+        with pytest.raises(ValueError, match="PAGEFLASH_DECODE_STAGES"):
+            fd.decode_stages(torch.device("cuda"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "specs,tree",

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.envs import int_env
 from pageflash.kernels.flash_attention import scale_scores, softcap_arg
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.kv_store import check_store_args, kv_scale_args, store_quantized_row
@@ -404,7 +405,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     with num_splits > 1. BT_AHEAD=1 loads a tile's block ids one iteration ahead (the K/V copies never
     wait on the block table; with 2+ stages Triton's pipeliner then gives them num_stages - 1 buffers),
     STRIDED gives split s the tiles s, s + num_splits, ... (the first tile's address needs no seq_len;
-    with pages in order, the programs sweep memory together). H100 sweeps in docs/KERNELS.md. Cached:
+    with pages in order, the programs sweep memory together). H100 / H200 sweeps in docs/KERNELS.md. Cached:
     callers copy before changing it. kv_dtype: a quantized cache's code dtype (int8 / float8_e4m3fn)."""
     # the combine: 32 columns per program over 2 warps, every split's partial loaded without waiting
     # for seq_len (H100: -0.3 to -0.5 us at batch 1 against one program per head; docs/KERNELS.md)
@@ -435,8 +436,44 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     # 1 stage: the K/V tiles are plain loads into registers, staged through ~22 KB of shared memory for
     # the dots; programs per SM, not a copy pipeline, hide the latency. H100 (32 / 8 heads, D 128):
     # equal to 2 stages (~39 KB) over shuffled pages, 0.5-2% faster over pages in order and over
-    # SDPA's contiguous buffers (at D 64, 1 stage is 0-7% slower)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True, **comb)
+    # SDPA's contiguous buffers (at D 64, 1 stage is 0-7% slower). A memory with more bandwidth per SM
+    # needs more bytes in flight per SM (Little's law), which the copy pipeline gives: on the H200 two
+    # stages are 6-9% faster than one on every W-attn-decode shape (run 58); see decode_stages
+    return dict(BLOCK_N=64, num_warps=4, num_stages=decode_stages(device), BT_AHEAD=1, STRIDED=True, **comb)
+
+
+# peak DRAM bytes/s per SM above which the D 65-128 decode config takes a 2-stage copy pipeline:
+# H100 SXM 3.35 TB/s over 132 SMs = 25 GB/s (1 stage measured best), H200 4.8 TB/s = 36 GB/s (2 stages)
+STAGES_BW_PER_SM = 30e9
+
+
+def memory_bandwidth_per_sm(props) -> Optional[float]:
+    """Peak DRAM bandwidth per SM in bytes/s from CUDA device properties: two transfers a memory clock
+    (memory_clock_rate, kHz) over memory_bus_width bits, over the SM count (H200: 4.81e12 / 132). None
+    where the properties lack the memory clock or bus width (older torch)."""
+    clock_khz = getattr(props, "memory_clock_rate", 0) or 0
+    bus_bits = getattr(props, "memory_bus_width", 0) or 0
+    sms = getattr(props, "multi_processor_count", 0) or 0
+    if not (clock_khz and bus_bits and sms):
+        return None
+    return 2.0 * clock_khz * 1e3 * bus_bits / 8 / sms
+
+
+def stages_for_bandwidth(bw_per_sm: Optional[float]) -> int:
+    """Copy-pipeline stages of the D 65-128 16-bit decode config for a GPU of this peak bandwidth per
+    SM: 1 up to STAGES_BW_PER_SM (or unknown), 2 above."""
+    return 2 if bw_per_sm is not None and bw_per_sm > STAGES_BW_PER_SM else 1
+
+
+def decode_stages(device: torch.device) -> int:
+    """The D 65-128 16-bit decode config's stages on this CUDA device; PAGEFLASH_DECODE_STAGES=1 or 2
+    forces one (0 or unset: by the device's bandwidth per SM, stages_for_bandwidth)."""
+    forced = int_env("PAGEFLASH_DECODE_STAGES", 0)
+    if forced > 2:
+        raise ValueError(f"PAGEFLASH_DECODE_STAGES must be 0 (by the GPU), 1 or 2, got {forced}")
+    if forced:
+        return forced
+    return stages_for_bandwidth(memory_bandwidth_per_sm(torch.cuda.get_device_properties(device)))
 
 
 def f16_codes(q_dtype: torch.dtype, kv_dtype: Optional[torch.dtype], override: Optional[bool] = None) -> bool:
