@@ -254,7 +254,8 @@ def test_decode_layouts_gpu(ahead, strided, stages):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,d", [((32, 8), 128), ((9, 3), 64), ((8, 8), 80), ((16, 1), 256)])
 def test_decode_dtypes_dims(heads, d, dtype):
-    """Each config family of decode_config (D 64 split: 128-key tiles; D 65-128: 1 stage; fp32 / D 256)."""
+    """Each config family of decode_config (D 64 split: 128-key tiles; D 65-128: 1 or 2 stages by the GPU;
+    fp32 / D 256)."""
     hq, hkv = heads
     q, k, v, kc, vc, meta = make_case([(c, 1) for c in (0, 15, 16, 4000, 255)], hq, hkv, d, 16, dtype=dtype)
     store_kv_ref(k, v, kc, vc, meta.slot_mapping)
