@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -261,28 +262,36 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from pageflash.llm import LLM
 
     if (a.prompt is None) == (a.input is None):
-        print("error: give a prompt or --input FILE (one of them)", file=sys.stderr)
+        print("error: give a prompt or --input FILE (one of them; '-' reads standard input)", file=sys.stderr)
         return 2
+    if a.prompt == "-":  # the prompt is standard input, whole (one trailing newline dropped, as `$(cat)` would)
+        a.prompt = sys.stdin.read()
+        if a.prompt.endswith("\n"):
+            a.prompt = a.prompt[:-1]
+        if not a.prompt.strip():
+            print("error: the prompt read from standard input is empty", file=sys.stderr)
+            return 2
     rows = []
     if a.input is not None:  # read (and --output checked) before the model loads
-        with open(a.input) as f:
+        name = "<stdin>" if a.input == "-" else a.input
+        with (contextlib.nullcontext(sys.stdin) if a.input == "-" else open(a.input)) as f:
             for ln, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    print(f"error: {a.input}:{ln}: not JSON ({e})", file=sys.stderr)
+                    print(f"error: {name}:{ln}: not JSON ({e})", file=sys.stderr)
                     return 2
         for i, r in enumerate(rows):
             if not isinstance(r, (str, dict)):
-                print(f"error: {a.input}: row {i + 1} must be a JSON object or string, got {type(r).__name__}",
+                print(f"error: {name}: row {i + 1} must be a JSON object or string, got {type(r).__name__}",
                       file=sys.stderr)  # fmt: skip
                 return 2
             if isinstance(r, dict) and "messages" in r and not (
                 isinstance(r["messages"], list) and all(isinstance(m, dict) for m in r["messages"])
             ):
-                print(f"error: {a.input}: row {i + 1}: 'messages' must be a list of {{'role', 'content'}} objects",
+                print(f"error: {name}: row {i + 1}: 'messages' must be a list of {{'role', 'content'}} objects",
                       file=sys.stderr)  # fmt: skip
                 return 2
         out_dir = os.path.dirname(os.path.abspath(a.output)) if a.output else None
@@ -305,7 +314,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         elif "prompt" in r or "prompt_token_ids" in r:
             prompts.append({k: r[k] for k in ("prompt", "prompt_token_ids") if k in r})
         else:
-            print(f"error: {a.input}: row {i + 1} needs 'prompt', 'prompt_token_ids' or 'messages'", file=sys.stderr)
+            print(f"error: {name}: row {i + 1} needs 'prompt', 'prompt_token_ids' or 'messages'", file=sys.stderr)
             return 2
         plist.append(params)
     outs = llm.generate(prompts, plist, use_tqdm=True, lora_request=_lora(a))
@@ -395,9 +404,10 @@ def _main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="pageflash", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate from a prompt (streams) or a JSONL file")
-    g.add_argument("prompt", nargs="?")
+    g.add_argument("prompt", nargs="?", help="the prompt ('-': read it from standard input)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--input", help="JSONL: one {'prompt'|'prompt_token_ids'|'messages', 'id'?} per line")
+    g.add_argument("--input",
+                   help="JSONL: one {'prompt'|'prompt_token_ids'|'messages', 'id'?} per line ('-': standard input)")
     g.add_argument("--output", help="JSONL results (default: stdout)")
     add_engine_args(g)
     add_sampling_args(g)

@@ -220,3 +220,32 @@ def test_tensor_parallel_help_does_not_refuse_speculation(capsys):
         out = " ".join(capsys.readouterr().out.split())
         assert "no speculative decoding" not in out
         assert "speculative decoding works over the ranks" in out and "gloo" in out
+
+
+def test_generate_reads_standard_input(tmp_path, capfd, monkeypatch):
+    """'-' as the prompt reads it from standard input (whole, one trailing newline dropped) and streams
+    what the same prompt on the command line streams; '--input -' reads JSONL rows from it; an empty
+    prompt there is one error line and status 2."""
+    import io
+
+    common = ["--max-model-len", "128", "--num-kv-blocks", "32", "--temperature", "0", "--max-tokens", "6"]
+    assert cli_main(["generate", *common, "The capital of France is"]) == 0
+    want = capfd.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.StringIO("The capital of France is\n"))
+    assert cli_main(["generate", *common, "-"]) == 0
+    assert capfd.readouterr().out == want
+    rows = "\n".join(json.dumps(r) for r in ({"prompt": "The capital of France is", "id": "a"},
+                                             {"prompt_token_ids": [1, 2, 3]}))
+    monkeypatch.setattr("sys.stdin", io.StringIO(rows + "\n"))
+    out = tmp_path / "out.jsonl"
+    assert cli_main(["generate", *common, "--input", "-", "--output", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("id") for r in recs] == ["a", None]
+    assert recs[0]["outputs"][0]["text"] == want.rstrip("\n")
+    for text in ("", "\n", "  \n"):
+        monkeypatch.setattr("sys.stdin", io.StringIO(text))
+        rc, err = run(capfd, ["generate", *common, "-"])
+        assert rc == 2 and "standard input is empty" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("[1, 2]\n"))
+    rc, err = run(capfd, ["generate", *common, "--input", "-"])
+    assert rc == 2 and "<stdin>: row 1 must be a JSON object" in err
