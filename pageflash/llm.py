@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jinja2
 
@@ -132,18 +132,27 @@ class LLM:
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-        use_tqdm: bool = True,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
         lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+        priority: Optional[list[int]] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a str, a {"prompt_token_ids": [...]} dict, token ids, or a list of
         these; token ids may be a list of ints or a numpy array / torch tensor, 2-D for a batch).
         lora_request: the LoRA adapter for every prompt, or a list of one per prompt (None: the base
-        model); needs LLM(enable_lora=True).
+        model); needs LLM(enable_lora=True). use_tqdm: a progress bar, or a tqdm-like callable to make
+        it (as vLLM's). priority: vLLM's, one per prompt; the scheduler is first-come first-served
+        (vLLM's default policy), so only 0s are taken, as vLLM takes them without priority scheduling.
 
         Every prompt is validated before any is queued, so a bad one raises (naming its index)
         without leaving half a batch behind.
         """
         prompts = self._as_prompt_list(prompts)
+        if priority is not None:
+            if not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+                raise ValueError(f"priority must be a list of one int per prompt ({len(prompts)}), got {priority!r:.80}")
+            if any(p != 0 for p in priority):
+                raise ValueError("priority needs priority scheduling, which this engine does not have (it serves "
+                                 "requests first come, first served, vLLM's default policy): give 0s or None")
         if sampling_params is None:
             params = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, (SamplingParams, PoolingParams)):
@@ -199,23 +208,31 @@ class LLM:
         self,
         messages: Union[Conversation, Sequence[Conversation]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-        use_tqdm: bool = True,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
         lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
         chat_template: Optional[str] = None,
-        *,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Optional[list[dict]] = None,
         chat_template_kwargs: Optional[dict] = None,
+        mm_processor_kwargs: Optional[dict] = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
-        As vLLM's LLM.chat (its first five arguments in its order; the rest by keyword, where vLLM's
-        sixth, chat_template_content_format, is not taken): lora_request as generate's (one per
-        conversation for a list); chat_template replaces the tokenizer's; continue_final_message
-        leaves the last (assistant) message open for the output to continue (add_generation_prompt
-        must then be False); tools (OpenAI's {"type": "function", "function": {...}} dicts) and
-        chat_template_kwargs go to the template."""
+        As vLLM's LLM.chat, its arguments in its order: lora_request as generate's (one per
+        conversation for a list); chat_template replaces the tokenizer's;
+        chat_template_content_format: how a message's content reaches the template, "string" (its
+        text; "auto" does the same) or "openai" (a list of {"type": "text", "text": ...} parts, for
+        templates that loop over parts); continue_final_message leaves the last (assistant) message
+        open for the output to continue (add_generation_prompt must then be False); tools (OpenAI's
+        {"type": "function", "function": {...}} dicts) and chat_template_kwargs go to the template;
+        mm_processor_kwargs: vLLM's multimodal options, refused (no multimodal inputs here)."""
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                             f"{chat_template_content_format!r}")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: this engine takes no multimodal inputs")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
         if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
@@ -248,7 +265,7 @@ class LLM:
                     raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
                 if not isinstance(m["role"], str) or not m["role"]:
                     raise ValueError(f"a message's role must be a non-empty str, got {m['role']!r}")
-            conv = [_template_message(m) for m in conv]
+            conv = [_template_message(m, parts=chat_template_content_format == "openai") for m in conv]
             if continue_final_message and conv[-1].get("role") != "assistant":
                 raise ValueError("continue_final_message continues an assistant message, but the last message "
                                  f"is a {conv[-1].get('role')!r} one")  # fmt: skip
@@ -302,7 +319,7 @@ class LLM:
 
         return beam_search(self, self._as_prompt_list(prompts), params, use_tqdm, lora_request)
 
-    def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, items: list, use_tqdm: Union[bool, Callable[..., Any]]) -> list[RequestOutput]:
         eng = self.llm_engine
         ids = []
         try:
@@ -315,8 +332,10 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
+            if callable(use_tqdm):  # vLLM's: a tqdm-like factory
+                tqdm = use_tqdm
+            else:
+                from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while pending:
@@ -339,10 +358,17 @@ def _is_token_id(x: Any) -> bool:
     return not isinstance(x, bool) and (isinstance(x, int) or (hasattr(x, "__index__") and not is_array(x)))
 
 
-def _template_message(m: dict[str, Any]) -> dict[str, Any]:
-    """A message as chat templates take it: plain-text content; tool calls' JSON arguments as objects
-    (as the server and vLLM pass them)."""
-    out = {**m, "content": _message_text(m.get("content"))}
+def _template_message(m: dict[str, Any], parts: bool = False) -> dict[str, Any]:
+    """A message as chat templates take it: plain-text content (parts: as OpenAI text parts,
+    [{"type": "text", "text": ...}], vLLM's "openai" content format); tool calls' JSON arguments as
+    objects (as the server and vLLM pass them)."""
+    content = m.get("content")
+    text = _message_text(content)  # (checks the parts)
+    if parts:
+        out = {**m, "content": [] if content is None else [{"type": "text", "text": content}]
+               if isinstance(content, str) else [{"type": "text", "text": p["text"]} for p in content]}
+    else:
+        out = {**m, "content": text}
     if isinstance(m.get("tool_calls"), list):
         out["tool_calls"] = [
             {**c, "function": {**c["function"], "arguments": json_or_text(c["function"].get("arguments", "{}"))}}
@@ -364,7 +390,7 @@ def json_or_text(text: str) -> Any:
 
 def _message_text(content: Any) -> str:
     """A chat message's content as the template's text: a str, None (an assistant turn with no text),
-    or OpenAI-style parts ``[{"type": "text", "text": ...}]``."""
+    or OpenAI-style parts ``[{"type": "text", "text": ...}]``, joined one a line (as vLLM joins them)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -376,5 +402,5 @@ def _message_text(content: Any) -> str:
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"message content parts must be {{'type': 'text', 'text': str}}, got {part!r}")
             out.append(part["text"])
-        return "".join(out)
+        return "\n".join(out)
     raise TypeError(f"message content must be a str, a list of text parts or None, got {type(content).__name__}")

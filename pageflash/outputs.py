@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -29,6 +29,7 @@ class CompletionOutput:
     # With logprobs: where each token's text starts in text, as the detokenizer built it (a token
     # holding part of a character starts where that character will; past a stop string's cut: the cut)
     text_offsets: Optional[list[int]] = None
+    lora_request: Optional[Any] = None  # the LoRARequest it ran under (vLLM's); None: the base model
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -62,6 +63,12 @@ class RequestOutput:
     embedding: Optional[list[float]] = None
     # prompt tokens served from the prefix cache (vLLM's num_cached_tokens); None before scheduling
     num_cached_tokens: Optional[int] = None
+    # vLLM's, for code that reads them: the LoRARequest the request ran under (None: the base model);
+    # encoder-decoder and disaggregated-serving fields, None here (decoder-only models, one engine)
+    lora_request: Optional[Any] = None
+    encoder_prompt: Optional[str] = None
+    encoder_prompt_token_ids: Optional[list[int]] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     def __repr__(self) -> str:
         return (

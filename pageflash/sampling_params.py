@@ -10,6 +10,7 @@ the object as read-only afterwards.
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -55,6 +56,15 @@ def _truncate(ids: list[int], k: Optional[int], max_len: Optional[int]) -> list[
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: CUMULATIVE outputs hold everything generated so far, DELTA only what is new since the
+    last output, FINAL_ONLY one output when the request finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -205,6 +215,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     extra_args: Optional[dict[str, Any]] = None
     logits_processors: Optional[list[Any]] = None
+    # vLLM's: what a stream of this request's outputs holds (AsyncEngine.generate); LLM.generate
+    # returns each request's final output whatever it says (vLLM's LLM sets FINAL_ONLY)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's SamplingParams.clone)."""
@@ -235,6 +248,17 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}"
             )
+        # vLLM's: True asks for one top logprob (a bool is refused as any other count)
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if not isinstance(self.output_kind, RequestOutputKind):
+            if isinstance(self.output_kind, bool) or not isinstance(self.output_kind, int) or \
+                    self.output_kind not in tuple(RequestOutputKind):
+                raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got "
+                                 f"{self.output_kind!r}")
+            self.output_kind = RequestOutputKind(self.output_kind)
         _check_int("logprobs", self.logprobs, allow_none=True)
         if self.logprobs is not None and self.logprobs < -1:
             raise ValueError(f"logprobs must be at least 0, -1 (the whole vocabulary) or None, got {self.logprobs}")

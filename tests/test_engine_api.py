@@ -254,7 +254,8 @@ def test_prompt_types(llm):
 
 def test_chat_content_parts_and_none(llm):
     sp = SamplingParams(temperature=0, max_tokens=4)
-    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "Yes?"}]
+    # text parts are joined one a line, as vLLM joins them (and the server)
+    plain = [{"role": "user", "content": "H\ni"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "Yes?"}]
     parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]},
              {"role": "assistant", "content": None}, {"role": "user", "content": "Yes?"}]
     a, b = (llm.chat(m, sp, use_tqdm=False)[0] for m in (plain, parts))
@@ -402,3 +403,56 @@ def test_chat_continue_final_message_tools_and_template_kwargs(llm):
     out = llm.chat(conv[:1], sp, use_tqdm=False, chat_template=template, chat_template_kwargs={"sep": " |"},
                    tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])[0]
     assert out.prompt_token_ids == tok.encode("Name a color. |1", add_special_tokens=False)
+
+
+def test_vllm_call_shapes(llm):
+    """vLLM's call shapes: logprobs=True (one top logprob), output_kind (offline: the final output
+    whatever it says), a callable use_tqdm, priority 0s, LLM.chat's arguments in vLLM's order with
+    chat_template_content_format, and vLLM's output attributes; stop_token_ids outside the vocabulary
+    and a truncate_prompt_tokens above max_model_len are errors naming them."""
+    from pageflash.sampling_params import RequestOutputKind
+
+    assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    for bad in (5, "delta", True, [1]):
+        with pytest.raises(ValueError, match="output_kind"):
+            SamplingParams(output_kind=bad)
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    ref = llm.generate("The capital of France is", sp, use_tqdm=False)[0]
+    made = []
+
+    def bar(**kw):
+        import tqdm
+
+        made.append(kw)
+        return tqdm.tqdm(disable=True, **kw)
+
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4, output_kind=1),
+                       use_tqdm=bar, priority=[0])[0]
+    assert made and made[0]["total"] == 1
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids and out.finished
+    assert out.lora_request is None and out.outputs[0].lora_request is None
+    assert out.encoder_prompt is None and out.encoder_prompt_token_ids is None and out.kv_transfer_params is None
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate("hi", sp, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(["a", "b"], sp, use_tqdm=False, priority=[0])
+    with pytest.raises(ValueError, match="stop_token_ids contains 1000000"):
+        llm.generate("hi", SamplingParams(max_tokens=2, stop_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(100000\) is greater than max_model_len"):
+        llm.generate("hi", SamplingParams(max_tokens=2, truncate_prompt_tokens=100000), use_tqdm=False)
+    conv = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
+    loop_parts = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+    as_text = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    # positional, in vLLM's order: messages, sampling_params, use_tqdm, lora_request, chat_template,
+    # chat_template_content_format, add_generation_prompt
+    a = llm.chat(conv, sp, False, None, loop_parts, "openai", True)[0]
+    b = llm.chat(conv, sp, False, None, as_text, "string", True)[0]
+    assert a.prompt == "[H][i]" and b.prompt == "[H\ni]"
+    assert llm.chat(conv, sp, False, None, as_text)[0].prompt == b.prompt  # "auto": the text
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        llm.chat(conv, sp, False, None, None, "parts")
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        llm.chat(conv, sp, use_tqdm=False, mm_processor_kwargs={"num_crops": 4})
+    assert free_all(llm)

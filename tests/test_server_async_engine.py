@@ -256,3 +256,25 @@ def test_dead_loop_never_hangs_a_waiting_caller(fake, monkeypatch):
 
     run(go())
     assert "loop bug" in (aeng.dead_reason or "")
+
+
+def test_output_kind_delta_and_final_only(fake):
+    """vLLM's output_kind: DELTA yields each output's new text and token ids (an unfinished text's last
+    characters held back while a stop string could still cut them), which add up to the cumulative
+    output; FINAL_ONLY yields the finished output alone."""
+    from pageflash.sampling_params import RequestOutputKind
+
+    eng, aeng = fake
+
+    async def go(**kw):
+        return [o async for o in aeng.generate("hi", SamplingParams(max_tokens=5, **kw))]
+
+    cum = run(go())
+    delta = run(go(output_kind=RequestOutputKind.DELTA))
+    assert [o.outputs[0].text for o in delta] == ["a", "b", "c", "d", "e"]
+    assert [o.outputs[0].token_ids for o in delta] == [[ord(c)] for c in "abcde"]
+    held = run(go(output_kind=RequestOutputKind.DELTA, stop=["zzz"]))  # 2 characters held back
+    assert [o.outputs[0].text for o in held] == ["", "", "a", "b", "cde"]
+    assert sum((o.outputs[0].token_ids for o in held), []) == cum[-1].outputs[0].token_ids
+    final = run(go(output_kind=RequestOutputKind.FINAL_ONLY))
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].text == cum[-1].outputs[0].text == "abcde"

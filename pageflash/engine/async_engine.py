@@ -18,6 +18,7 @@ Guarantees that the server relies on:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -25,6 +26,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
+
+from pageflash.engine.detokenizer import stop_holdback
+from pageflash.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:  # only for hints: importing the engine here would load torch and the model code
     from pageflash.engine.engine import LLMEngine
@@ -80,6 +84,22 @@ class _Aborted:
 
 
 _ABORTED = _Aborted()
+
+
+def _delta(out: "RequestOutput", seen: dict[int, tuple[int, int]], holdback: int) -> "RequestOutput":
+    """out with each sample cut to what is new since the (characters, tokens) in seen, which it
+    updates. An unfinished sample's last `holdback` characters wait (a stop string may still cut
+    them: detokenizer.stop_holdback), so no delta is ever taken back."""
+    outs = []
+    for c in out.outputs:
+        t, i = seen.get(c.index, (0, 0))
+        end = len(c.text) if c.finish_reason is not None else max(t, len(c.text) - holdback)
+        seen[c.index] = (end, len(c.token_ids))
+        outs.append(dataclasses.replace(
+            c, text=c.text[t:end], token_ids=c.token_ids[i:],
+            logprobs=c.logprobs[i:] if c.logprobs is not None else None,
+            text_offsets=[o - t for o in c.text_offsets[i:]] if c.text_offsets is not None else None))
+    return dataclasses.replace(out, outputs=outs)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
@@ -261,17 +281,28 @@ class AsyncLLMEngine:
     async def generate(
         self, prompt: Any, params: "SamplingParams", request_id: str | None = None, lora_request: Any = None
     ) -> AsyncIterator["RequestOutput"]:
-        """Yield the request's outputs (cumulative) until it finishes; lora_request: the LoRA adapter
-        it runs under (None: the base model), as vLLM's.
+        """Yield the request's outputs until it finishes, as params.output_kind says (vLLM's):
+        CUMULATIVE (the default) everything so far each time, DELTA each sample's new text, token ids
+        and logprobs since the last output (cumulative_logprob stays the running total), FINAL_ONLY
+        the finished output alone; lora_request: the LoRA adapter it runs under (None: the base
+        model), as vLLM's.
 
         Errors from `add_request` propagate on the first iteration. If the consumer stops early
         (break, aclose, cancellation), the request is aborted and its KV blocks freed.
         """
         if request_id is None:
             request_id = self.new_request_id()
+        kind = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE)
         stream = await self.add_request(request_id, prompt, params, lora_request)
+        seen: dict[int, tuple[int, int]] = {}  # DELTA: sample index -> (characters, tokens) yielded
+        holdback = stop_holdback(params.stop, params.include_stop_str_in_output) if kind == RequestOutputKind.DELTA \
+            else 0
         try:
             async for out in stream:
+                if kind == RequestOutputKind.FINAL_ONLY and not out.finished:
+                    continue
+                if kind == RequestOutputKind.DELTA:
+                    out = _delta(out, seen, holdback)
                 yield out
         finally:
             stream.close()

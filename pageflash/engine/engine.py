@@ -459,6 +459,10 @@ class LLMEngine:
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("prompt is empty: give at least one token")
+        k = params.truncate_prompt_tokens
+        if k is not None and k > self.max_model_len:  # (vLLM's check: a truncation that cannot fit)
+            raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({self.max_model_len}): "
+                             f"give at most {self.max_model_len}, or -1 for the model's context")
         if isinstance(params, PoolingParams):
             if n > self.max_model_len:
                 raise ValueError(f"prompt has {n} tokens, but max_model_len is {self.max_model_len}")
@@ -467,9 +471,11 @@ class LLMEngine:
                                  f"({self.model_config.hidden_size})")
             return
         if n >= self.max_model_len:
+            # (the opening words are OpenAI's and vLLM's: clients look for "maximum context length")
             raise ValueError(
-                f"prompt has {n} tokens, but max_model_len is {self.max_model_len}: at most "
-                f"{self.max_model_len - 1} prompt tokens leave room for one generated token"
+                f"This model's maximum context length is {self.max_model_len} tokens (max_model_len), but the "
+                f"prompt has {n} tokens: at most {self.max_model_len - 1} prompt tokens leave room for one "
+                f"generated token"
             )
         allowed = params.allowed_token_ids
         if allowed is not None:
@@ -483,6 +489,9 @@ class LLMEngine:
             bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
             if bad:
                 raise ValueError(f"logit_bias has token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        bad = sorted(t for t in params.stop_token_ids if t >= self.vocab_size)
+        if bad:
+            raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         if compile_constraints and params.structured_outputs is not None:
             self.structured_outputs().matcher(params.structured_outputs)
         if compile_constraints and params.bad_words:
@@ -499,8 +508,9 @@ class LLMEngine:
                                  f"max_logprobs option)")
         if strict_length and params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
-                f"max_model_len={self.max_model_len}; lower max_tokens to at most {self.max_model_len - n}"
+                f"This model's maximum context length is {self.max_model_len} tokens (max_model_len), but the "
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens}; lower "
+                f"max_tokens to at most {self.max_model_len - n}"
             )
 
     def add_request(
@@ -544,6 +554,7 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, arrival_time or time.monotonic(), generator=gen)
         req.pooling = pooling
         req.lora = adapter
+        req.lora_request = lora_request
         req.grammar = grammar
         req.bad_words = self.bad_word_ids(params.bad_words)
         self._attach_detokenizer(req)
@@ -846,7 +857,7 @@ class LLMEngine:
             child.forked = True
             child.prompt_logprobs = None  # the group's are the parent's
             child.bad_words = req.bad_words
-            child.lora = req.lora
+            child.lora, child.lora_request = req.lora, req.lora_request
             if req.grammar is not None:  # nothing consumed yet: this is the first sample
                 child.grammar = req.grammar.deep_copy()
             child.metrics.first_scheduled_time = req.metrics.first_scheduled_time
@@ -946,7 +957,7 @@ class LLMEngine:
                 cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
                 logprobs=list(r.logprobs) if r.logprobs is not None else None,
                 text_offsets=[min(o, len(r.output_text)) for o in r.text_offsets] if r.text_offsets is not None else None,
-                finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                finish_reason=r.finish_reason, stop_reason=r.stop_reason, lora_request=r.lora_request,
             )
             for r in reqs
         ]
@@ -957,9 +968,10 @@ class LLMEngine:
         plp = list(head.prompt_logprobs) if head.prompt_logprobs is not None else None
         if head.pooling is not None:
             return RequestOutput(group_id, head.prompt, head.prompt_token_ids, [], finished, head.metrics,
-                                 embedding=head.embedding, num_cached_tokens=head.num_cached_tokens)  # fmt: skip
+                                 embedding=head.embedding, num_cached_tokens=head.num_cached_tokens,
+                                 lora_request=head.lora_request)  # fmt: skip
         return RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished, head.metrics, plp,
-                             num_cached_tokens=head.num_cached_tokens)  # fmt: skip
+                             num_cached_tokens=head.num_cached_tokens, lora_request=head.lora_request)  # fmt: skip
 
     # -- introspection ----------------------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class Request:
         self.pooling: Any = None  # a PoolingParams: an embedding request, finished at its prompt's end
         self.lora: Any = None  # a lora.adapter.LoRAAdapter: the adapter this request runs under (None: the base)
         self.lora_slot = 0  # its device slot while running (0: none)
+        self.lora_request: Any = None  # the LoRARequest that named it (RequestOutput.lora_request)
         self.num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at first admission
         self.embedding: Optional[list[float]] = None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
