@@ -1686,3 +1686,35 @@ def test_temperature_above_openais_two_is_taken_as_vllm_takes_it(srv: Srv) -> No
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
     r = srv.client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=4.0, seed=1)
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+
+
+def test_continuous_usage_is_per_choice_and_needs_include_usage(srv: Srv) -> None:
+    """vLLM's continuous_usage_stats: each chunk's usage is its own choice's (its prompt's tokens, its
+    own generated tokens so far), only with include_usage; the closing chunk holds the whole
+    request's. A prompt too long for the context is a 400 in OpenAI's words ("maximum context length")."""
+    def events(path: str, body: dict) -> list[dict]:
+        with httpx.stream("POST", f"{srv.base}{path}", json={**body, "stream": True}, timeout=120) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": MODEL, "prompt": [PROMPT, "Once upon a time"], "n": 2, "max_tokens": 3, "temperature": 1,
+            "seed": 3, "ignore_eos": True, "stream_options": opts}
+    evs = events("/v1/completions", body)
+    tok = srv.aeng.tokenizer
+    plen = [len(tok.encode(PROMPT)), len(tok.encode("Once upon a time"))]
+    seen: dict[int, int] = {}
+    for e in evs[:-1]:
+        (c,) = e["choices"]
+        u = e["usage"]
+        assert u["prompt_tokens"] == plen[c["index"] // 2], e
+        assert u["completion_tokens"] >= seen.get(c["index"], 0) and u["completion_tokens"] <= 3
+        seen[c["index"]] = u["completion_tokens"]
+    assert seen == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert evs[-1]["choices"] == [] and evs[-1]["usage"]["completion_tokens"] == 12
+    assert evs[-1]["usage"]["prompt_tokens"] == sum(plen)
+    chat = events("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                           "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    assert chat and all(e.get("usage") is None for e in chat)
+    for long in ({"prompt": "hi " * 300, "max_tokens": 2}, {"prompt": PROMPT, "max_tokens": MAX_MODEL_LEN}):
+        assert_error(srv.post("/v1/completions", {"model": MODEL, **long}), 400,
+                     contains=("maximum context length is 256 tokens",))

@@ -343,6 +343,15 @@ class _Generation:
         """Record the choices in the metrics (once; later calls do nothing), each with its prompt's length."""
         self.timer.finish(reasons, [self.prompt_tokens[c.prompt_idx] for c in self.choices])
 
+    def choice_usage(self, index: int) -> P.Usage:
+        """One choice's usage so far (its prompt's tokens, its own generated ones): what vLLM's
+        continuous_usage_stats puts on each of that choice's chunks."""
+        ch = self.choices[index]
+        prompt = self.prompt_tokens[ch.prompt_idx]
+        completion = 0 if self.echo_only else ch.num_generated
+        return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=self.cached_tokens[ch.prompt_idx]))
+
     def usage(self) -> P.Usage:
         prompt = sum(self.prompt_tokens)
         completion = 0 if self.echo_only else sum(c.num_generated for c in self.choices)
@@ -1276,7 +1285,7 @@ class OpenAIServing:
             async def body() -> AsyncIterator[str]:
                 try:
                     async for c in gen.deltas(on_delta):
-                        yield chunk([c], gen.usage() if req.continuous_usage else None)
+                        yield chunk([c], gen.choice_usage(c.index) if req.continuous_usage else None)
                     if req.include_usage:
                         yield chunk([], gen.usage())
                 except EngineError as e:
@@ -1404,7 +1413,7 @@ class OpenAIServing:
                         if echo:
                             yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(content=echo))])
                     async for c in gen.deltas(on_delta):
-                        yield chunk([c], gen.usage() if req.continuous_usage else None)
+                        yield chunk([c], gen.choice_usage(c.index) if req.continuous_usage else None)
                     if req.include_usage:
                         yield chunk([], gen.usage())
                 except EngineError as e:

@@ -209,7 +209,8 @@ class _SamplingFields(_Strict):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """vLLM's continuous_usage_stats: usage on every chunk, only together with include_usage."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 # --------------------------------------------------------------------------- completions
