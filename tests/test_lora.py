@@ -59,6 +59,9 @@ def test_mixed_batch_matches_hf_peft(model):
                         lora_request=[reqs[n] for n in names])
     want = [hf_greedy(refs[n], p, NEW) for p, n in zip(prompts, names)]
     assert _tokens(outs) == want
+    # vLLM's: each output names the adapter it ran under
+    assert [o.lora_request for o in outs] == [reqs[n] for n in names]
+    assert [o.outputs[0].lora_request for o in outs] == [reqs[n] for n in names]
     assert want[0] != hf_greedy(refs[None], prompts[0], NEW) and want[2] != hf_greedy(refs[None], prompts[2], NEW)
     kv = llm.llm_engine.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
@@ -114,6 +117,7 @@ def test_n_siblings_share_the_adapter(model):
     out = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False, lora_request=reqs["a"])[0]
     want = hf_greedy(refs["a"], p, 8)
     assert [c.token_ids for c in out.outputs] == [want, want]
+    assert [c.lora_request for c in out.outputs] == [reqs["a"]] * 2  # forked samples keep it
     assert llm.llm_engine.scheduler.lora_slots.refs == [0, 0]
 
 
