@@ -225,9 +225,10 @@ def test_beam_search_takes_lora_request_in_vllms_place(small):
 
 
 def test_chat_takes_lora_request_fourth(tmp_path):
-    """LLM.chat(messages, sampling_params, use_tqdm, lora_request, chat_template) in vLLM's order (the
-    adapter passed fourth was taken as add_generation_prompt: the base model ran); vLLM's later
-    positional arguments are refused rather than taken for others."""
+    """LLM.chat(messages, sampling_params, use_tqdm, lora_request, chat_template,
+    chat_template_content_format, add_generation_prompt, ...) in vLLM's order (the adapter passed
+    fourth was once taken as add_generation_prompt: the base model ran); more positional arguments
+    than vLLM's are refused."""
     from pageflash.model.loader import load_tokenizer, resolve_model
 
     folder = make_random_hf_folder(tmp_path / "m", dict(CONFIGS["llama-gqa"], vocab_size=49152))
@@ -240,8 +241,9 @@ def test_chat_takes_lora_request_fourth(tmp_path):
     assert want != llm.chat(chat, sp, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.chat(chat, sp, False, lora)[0].outputs[0].token_ids == want
     assert llm.chat(chat, sp, False, lora, None)[0].outputs[0].token_ids == want
+    assert llm.chat(chat, sp, False, lora, None, "auto", True)[0].outputs[0].token_ids == want
     with pytest.raises(TypeError):
-        llm.chat(chat, sp, False, lora, None, "auto")  # (vLLM's chat_template_content_format)
+        llm.chat(chat, sp, False, lora, None, "auto", True, False, None, None, None, "one too many")
 
 
 # ---- errors ------------------------------------------------------------------------------------
