@@ -365,8 +365,8 @@ def _template_message(m: dict[str, Any], parts: bool = False) -> dict[str, Any]:
     content = m.get("content")
     text = _message_text(content)  # (checks the parts)
     if parts:
-        out = {**m, "content": [] if content is None else [{"type": "text", "text": content}]
-               if isinstance(content, str) else [{"type": "text", "text": p["text"]} for p in content]}
+        texts = [] if content is None else [content] if isinstance(content, str) else [p["text"] for p in content]
+        out = {**m, "content": [{"type": "text", "text": t} for t in texts]}
     else:
         out = {**m, "content": text}
     if isinstance(m.get("tool_calls"), list):

@@ -347,16 +347,17 @@ class _Generation:
         """One choice's usage so far (its prompt's tokens, its own generated ones): what vLLM's
         continuous_usage_stats puts on each of that choice's chunks."""
         ch = self.choices[index]
-        prompt = self.prompt_tokens[ch.prompt_idx]
-        completion = 0 if self.echo_only else ch.num_generated
-        return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=self.cached_tokens[ch.prompt_idx]))
+        i = ch.prompt_idx
+        return self._usage(self.prompt_tokens[i], ch.num_generated, self.cached_tokens[i])
 
     def usage(self) -> P.Usage:
-        prompt = sum(self.prompt_tokens)
-        completion = 0 if self.echo_only else sum(c.num_generated for c in self.choices)
+        return self._usage(sum(self.prompt_tokens), sum(c.num_generated for c in self.choices),
+                           sum(self.cached_tokens))
+
+    def _usage(self, prompt: int, generated: int, cached: int) -> P.Usage:
+        completion = 0 if self.echo_only else generated
         return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
+                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
     async def deltas(self, on_delta: OnDelta) -> AsyncIterator[Any]:
         """For each choice with news, yield on_delta(choice, new text, new token ids, their logprobs).
