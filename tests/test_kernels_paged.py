@@ -396,6 +396,37 @@ def test_decode_stages_follow_bandwidth_per_sm(monkeypatch):
             fd.decode_stages(torch.device("cuda"))
 
 
+def test_decode_pdl_mode(monkeypatch):
+    """The split decode's combine is a programmatic dependent launch on sm_90+ CUDA devices only
+    (mode 1); PAGEFLASH_DECODE_PDL=0 turns it off, 1 / 2 force a mode where supported, anything else
+    is refused; on the CPU (the interpreter) the PDL config is ignored and the result is unchanged."""
+    from pageflash.kernels import flash_decoding as fd
+
+    cuda = torch.device("cuda")
+    assert fd.decode_pdl(torch.device("cpu")) == 0
+    monkeypatch.setattr(fd.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fd.pdl_supported(cuda) == hasattr(fd.tl.extra.cuda, "gdc_wait")
+    if fd.pdl_supported(cuda):
+        assert fd.decode_pdl(cuda) == 1
+        monkeypatch.setenv("PAGEFLASH_DECODE_PDL", "2")
+        assert fd.decode_pdl(cuda) == 2
+    monkeypatch.setenv("PAGEFLASH_DECODE_PDL", "0")
+    assert fd.decode_pdl(cuda) == 0
+    for bad in ("3", "on", "-1"):
+        monkeypatch.setenv("PAGEFLASH_DECODE_PDL", bad)
+        with pytest.raises(ValueError, match="PAGEFLASH_DECODE_PDL"):
+            fd.decode_pdl(cuda)
+    monkeypatch.delenv("PAGEFLASH_DECODE_PDL")
+    monkeypatch.setattr(fd.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert fd.decode_pdl(cuda) == 0
+    q, k, v, kc, vc, meta = make_case([(40, 1), (7, 1)], 4, 2, 32, 16, torch.float32, seed=4)
+    plain = flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, 0.2, num_splits=3)
+    assert torch.equal(flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, 0.2, num_splits=3,
+                                    config={"PDL": 1}), plain)
+    with pytest.raises(ValueError, match="PDL"):
+        flash_decode(q, kc, vc, meta.block_tables, meta.seq_lens, 0.2, num_splits=3, config={"PDL": 5})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "specs,tree",

@@ -126,8 +126,13 @@ def _decode_split_kernel(
     BT_AHEAD: tl.constexpr = 0, STRIDED: tl.constexpr = False,
     QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0, CODE_INT: tl.constexpr = False,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, ROT_DIM: tl.constexpr = 0,
-    F16_CODES: tl.constexpr = False,
+    F16_CODES: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
+    # PDL (split launches whose combine is launched with launch_pdl): 1 lets the combine's programs be
+    # scheduled once every program here has started, 2 once every program has left its key loop; they
+    # wait (gdc_wait) for this grid's end before reading the partials. 0: no signal.
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
     # ROT_DIM: with ROPE, how many leading dims of each head rotate (HEAD_DIM, or fewer: partial rotary)
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -291,6 +296,8 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_ij
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     if QUANT and F16_CODES:
@@ -345,13 +352,19 @@ def _decode_combine_kernel(
     O, PO, PLSE, SEQ_LENS, stride_ob, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     LENS: tl.constexpr, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr = False, BLOCK_DC: tl.constexpr = 0,
-    EAGER: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+    EAGER: tl.constexpr = False, WINDOW: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """Grid (Hq, rows, D / BLOCK_DC): program (h, r, c) combines columns [c * BLOCK_DC, ...) of row r,
     head h (BLOCK_DC 0: all of D). EAGER (decode partials, LENS): every split's partial is loaded
-    alongside seq_len and the lse, the dead ones dropped afterwards, so that no load waits for another."""
+    alongside seq_len and the lse, the dead ones dropped afterwards, so that no load waits for another.
+    PDL (launched with launch_pdl after a split kernel that signals its dependents): seq_len is read,
+    then the program waits for the split kernel's partials (gdc_wait) before reading them."""
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    if PDL:
+        if LENS:
+            seq_len = tl.load(SEQ_LENS + b)
+        tl.extra.cuda.gdc_wait()
     offs_s = tl.arange(0, BLOCK_S)
     if BLOCK_DC == 0:
         offs_d = tl.arange(0, BLOCK_D)
@@ -366,7 +379,8 @@ def _decode_combine_kernel(
         po_all = tl.load(PO + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                          mask=(offs_s < num_splits)[:, None] & d_ok[None, :], other=0.0)
     if LENS:  # the decode kernel's splits: only the first eff hold partials; eff == 1 wrote O itself
-        seq_len = tl.load(SEQ_LENS + b)
+        if not PDL:
+            seq_len = tl.load(SEQ_LENS + b)
         eff = live_splits(seq_len, num_splits, BLOCK_N, STRIDED, window_start(seq_len, WINDOW, BLOCK_N))
     else:
         eff = num_splits
@@ -410,6 +424,10 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     # the combine: 32 columns per program over 2 warps, every split's partial loaded without waiting
     # for seq_len (H100: -0.3 to -0.5 us at batch 1 against one program per head; docs/KERNELS.md)
     comb = dict(COMBINE_BLOCK_DC=32, COMBINE_EAGER=True, COMBINE_num_warps=2)
+    if device.type == "cuda":
+        # split launches: the combine as a programmatic dependent launch, signalled at the split
+        # kernel's start (Hopper+; H200 -0.4 to -1.0 us a launch, docs/KERNELS.md run 59)
+        comb["PDL"] = decode_pdl(device)
     if device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True, **comb)
     d = next_pow2(head_dim)
@@ -474,6 +492,26 @@ def decode_stages(device: torch.device) -> int:
     if forced:
         return forced
     return stages_for_bandwidth(memory_bandwidth_per_sm(torch.cuda.get_device_properties(device)))
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch from Triton: a CUDA device of compute capability 9.0+ (the
+    griddepcontrol instructions) and a Triton with ``tl.extra.cuda.gdc_wait`` (3.4+)."""
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+            and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
+
+
+def decode_pdl(device: torch.device) -> int:
+    """The split decode launches' PDL mode (flash_decode's config "PDL"): 1 where supported
+    (``pdl_supported``), else 0. PAGEFLASH_DECODE_PDL=0 turns it off; 1 or 2 (signal after the key
+    loop) force a mode where supported."""
+    forced = int_env("PAGEFLASH_DECODE_PDL", -1)
+    if forced not in (-1, 0, 1, 2):
+        raise ValueError(f"PAGEFLASH_DECODE_PDL must be 0 (off), 1 or 2, got {forced}")
+    if forced == 0 or not pdl_supported(device):
+        return 0
+    return 1 if forced == -1 else forced
 
 
 def f16_codes(q_dtype: torch.dtype, kv_dtype: Optional[torch.dtype], override: Optional[bool] = None) -> bool:
@@ -632,6 +670,11 @@ def flash_decode(
     if fused and (counters.dtype != torch.int32 or counters.numel() < b * hkv or not counters.is_contiguous()):
         raise ValueError(f"flash_decode: counters must be contiguous int32 [>= {b * hkv}], got "
                          f"{counters.dtype} {tuple(counters.shape)}")
+    # PDL: the combine launched as a programmatic dependent of the split kernel (CUDA only)
+    pdl = cfg.get("PDL", 0)
+    if pdl not in (0, 1, 2):
+        raise ValueError(f"flash_decode: config PDL must be 0, 1 or 2, got {pdl!r}")
+    pdl = int(pdl) if num_splits > 1 and not fused and q.device.type == "cuda" else 0
     _decode_split_kernel[(num_splits, hkv, b)](
         q, k_cache, v_cache, o, po, plse, block_tables, seq_lens, counters if fused else None,
         qs[0], qs[1], os_[0], os_[1],
@@ -646,13 +689,15 @@ def flash_decode(
         PREC="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, WINDOW=window or 0,
         SOFTCAP=softcap_arg(softcap), ROT_DIM=rot_dim,
         F16_CODES=f16_codes(q.dtype, k_cache.dtype if qconst["QUANT"] else None, cfg.get("F16_CODES")),
+        PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # rotary arithmetic rounded step by step (as kernels/rotary.py): no FMA contraction there
         enable_fp_fusion=rope is None,
     )
     if num_splits > 1 and not fused:
         combine_partials(o, po, plse, lens=(seq_lens, cfg["BLOCK_N"]), strided=bool(cfg.get("STRIDED", False)),
-                         config={k[len("COMBINE_"):]: v for k, v in cfg.items() if k.startswith("COMBINE_")},
+                         config={**{k[len("COMBINE_"):]: v for k, v in cfg.items() if k.startswith("COMBINE_")},
+                                 "PDL": pdl > 0},
                          window=window)
     return o
 
@@ -668,11 +713,12 @@ def combine_partials(o: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
     strided: the decode kernel's STRIDED splits (live splits counted accordingly); window: its
     sliding window (the splits share the window's keys).
     config: BLOCK_DC (columns per program; 0: all of D), EAGER (with lens: read every split's partial
-    without waiting for seq_len), num_warps."""
+    without waiting for seq_len), num_warps, PDL (CUDA: launched as a programmatic dependent launch of
+    the kernel before it, waiting for it in-kernel; that kernel signals with gdc_launch_dependents)."""
     rows, hq, num_splits, d = po.shape
     seq_lens, block_n = lens if lens is not None else (plse, 1)
     block_d = max(16, next_pow2(d))
-    cfg = dict(BLOCK_DC=0, EAGER=False, num_warps=4 if d >= 128 else 2)
+    cfg = dict(BLOCK_DC=0, EAGER=False, num_warps=4 if d >= 128 else 2, PDL=False)
     cfg.update(config or {})
     block_dc = cfg["BLOCK_DC"]
     if block_dc and (block_dc & (block_dc - 1) or block_dc < 16):
@@ -684,6 +730,7 @@ def combine_partials(o: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
         BLOCK_S=max(16, next_pow2(num_splits)), LENS=lens is not None, BLOCK_N=block_n,
         STRIDED=strided, BLOCK_DC=min(block_dc, block_d), EAGER=bool(cfg["EAGER"]) and lens is not None,
         WINDOW=(window or 0) if lens is not None else 0, num_warps=cfg["num_warps"],
+        **(dict(PDL=True, launch_pdl=True) if cfg["PDL"] and o.device.type == "cuda" else {}),
     )
 
 

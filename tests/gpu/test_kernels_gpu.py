@@ -267,6 +267,41 @@ def test_decode_dtypes_dims(heads, d, dtype):
     assert not counters.any()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs compute capability 9.0+")
+@pytest.mark.parametrize("b,L", [(1, 32768), (8, 8192), (3, 1000)])
+def test_decode_pdl_combine(b, L):
+    """The combine as a programmatic dependent launch (PDL 1: signalled at the split kernel's start, 2:
+    after its key loop): the same bits as without, eagerly and in a CUDA graph replayed with new
+    lengths and queries (the graph keeps the programmatic edge)."""
+    from pageflash.kernels.flash_decoding import decode_pdl
+
+    assert decode_pdl(torch.device(DEV)) == 1  # the default on sm_90+
+    torch.manual_seed(b)
+    page, hq, hkv, d = 16, 32, 8, 128
+    nb = (L + page - 1) // page
+    kc, vc = rnd(b * nb + 1, page, hkv, d), rnd(b * nb + 1, page, hkv, d)
+    bt = torch.randperm(b * nb + 1, device=DEV)[: b * nb].to(torch.int32).view(b, nb)
+    sl = torch.tensor([L] + [random.Random(i).randint(1, L) for i in range(b - 1)], dtype=torch.int32, device=DEV)
+    q = rnd(b, hq, d)
+    splits = max(2, choose_num_splits(b, hkv, nb * page, torch.cuda.get_device_properties(0).multi_processor_count))
+    base = flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits, config={"PDL": 0})
+    assert rel_err(base, flash_decode_ref(q, kc, vc, bt, sl, d**-0.5)) < TOL[torch.bfloat16]
+    for mode in (1, 2):
+        assert torch.equal(flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits, config={"PDL": mode}), base)
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits, config={"PDL": 1}, out=out)
+    for seed in (1, 2):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        sl.copy_(torch.randint(1, L + 1, (b,), generator=g, device=DEV, dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, generator=g, device=DEV).to(q.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, flash_decode(q, kc, vc, bt, sl, d**-0.5, num_splits=splits, config={"PDL": 0}))
+
+
 def test_decode_cuda_graph_replay():
     """Capture the backend's decode step once, then replay with longer sequences and new slots."""
     torch.manual_seed(3)
