@@ -417,6 +417,9 @@ def test_decode_pdl_mode(monkeypatch):
         with pytest.raises(ValueError, match="PAGEFLASH_DECODE_PDL"):
             fd.decode_pdl(cuda)
     monkeypatch.delenv("PAGEFLASH_DECODE_PDL")
+    monkeypatch.setattr(fd.torch.version, "hip", "6.0", raising=False)  # ROCm: no griddepcontrol
+    assert fd.decode_pdl(cuda) == 0
+    monkeypatch.setattr(fd.torch.version, "hip", None, raising=False)
     monkeypatch.setattr(fd.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert fd.decode_pdl(cuda) == 0
     q, k, v, kc, vc, meta = make_case([(40, 1), (7, 1)], 4, 2, 32, 16, torch.float32, seed=4)

@@ -495,10 +495,11 @@ def decode_stages(device: torch.device) -> int:
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch from Triton: a CUDA device of compute capability 9.0+ (the
-    griddepcontrol instructions) and a Triton with ``tl.extra.cuda.gdc_wait`` (3.4+)."""
+    """Programmatic dependent launch from Triton: an NVIDIA device (not ROCm) of compute capability
+    9.0+ (the griddepcontrol instructions) and a Triton with ``tl.extra.cuda.gdc_wait`` (3.4+)."""
     cuda = getattr(getattr(tl, "extra", None), "cuda", None)
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    return (device.type == "cuda" and getattr(torch.version, "hip", None) is None
+            and torch.cuda.get_device_capability(device) >= (9, 0)
             and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
 
 
