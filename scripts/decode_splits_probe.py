@@ -16,20 +16,13 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 import pageflash.kernels.flash_decoding as fd
+from pageflash.bench.kernels import decode_case
 
-PAGE = 16
 CHUNKS = (32, 64, 128, 256)
 
 
 def case(b, L, hq, hkv, d, actual, seed=0):
-    torch.manual_seed(seed)
-    nb = (L + PAGE - 1) // PAGE
-    kc = torch.randn(b * nb + 1, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    bt = torch.randperm(b * nb + 1, device="cuda")[: b * nb].to(torch.int32).view(b, nb)
-    sl = torch.full((b,), actual, device="cuda", dtype=torch.int32)
-    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
-    return q, kc, vc, bt, sl
+    return decode_case(b, L, seed, heads=(hq, hkv, d), length=actual)
 
 
 def main():

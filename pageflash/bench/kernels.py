@@ -173,16 +173,19 @@ def bench_prefill(sweep: bool) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 
 
-def decode_case(b: int, L: int, seed: int = 0):
-    """W-attn-decode inputs: (q, k_cache, v_cache, block_tables, seq_lens) for b sequences of L keys,
-    bf16, DECODE_HEADS, page PAGE, the pages shuffled over a pool of b * ceil(L / PAGE) + 1 blocks."""
-    hq, hkv, d = DECODE_HEADS
+def decode_case(b: int, L: int, seed: int = 0, heads: tuple[int, int, int] = DECODE_HEADS,
+                length: Optional[int] = None):
+    """W-attn-decode inputs: (q, k_cache, v_cache, block_tables, seq_lens) for b sequences of L keys
+    (block tables L keys wide; ``length``: sequences of that many keys instead, a table planned for
+    more), bf16, ``heads`` (Hq, Hkv, D), page PAGE, the pages shuffled over a pool of
+    b * ceil(L / PAGE) + 1 blocks."""
+    hq, hkv, d = heads
     torch.manual_seed(seed)
     nb = (L + PAGE - 1) // PAGE
     kc = torch.randn(b * nb + 1, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     bt = torch.randperm(b * nb + 1, device="cuda")[: b * nb].to(torch.int32).view(b, nb)
-    sl = torch.full((b,), L, device="cuda", dtype=torch.int32)
+    sl = torch.full((b,), L if length is None else length, device="cuda", dtype=torch.int32)
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
     return q, kc, vc, bt, sl
 
