@@ -423,11 +423,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     callers copy before changing it. kv_dtype: a quantized cache's code dtype (int8 / float8_e4m3fn)."""
     # the combine: 32 columns per program over 2 warps, every split's partial loaded without waiting
     # for seq_len (H100: -0.3 to -0.5 us at batch 1 against one program per head; docs/KERNELS.md)
-    comb = dict(COMBINE_BLOCK_DC=32, COMBINE_EAGER=True, COMBINE_num_warps=2)
-    if device.type == "cuda":
-        # split launches: the combine as a programmatic dependent launch, signalled at the split
-        # kernel's start (Hopper+; H200 -0.4 to -1.0 us a launch, docs/KERNELS.md run 59)
-        comb["PDL"] = decode_pdl(device)
+    # and on sm_90+ launched as a programmatic dependent of the split kernel, signalled at its start
+    # (PDL; H200: -0.4 to -1.0 us a split launch, docs/KERNELS.md); 0 elsewhere
+    comb = dict(COMBINE_BLOCK_DC=32, COMBINE_EAGER=True, COMBINE_num_warps=2, PDL=decode_pdl(device))
     if device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, BT_AHEAD=1, STRIDED=True, **comb)
     d = next_pow2(head_dim)
