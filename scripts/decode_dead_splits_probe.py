@@ -12,10 +12,10 @@ Usage: python scripts/decode_dead_splits_probe.py   (PYTHONPATH=.:scripts)
 import statistics
 
 import torch
-from triton.testing import do_bench_cudagraph
 
 import pageflash.kernels.flash_decoding as fd
 from decode_splits_probe import case
+from probe_timing import graph_rounds
 
 real_combine = fd.combine_partials
 
@@ -42,12 +42,7 @@ def main():
                     "split-only": lambda s=s: split_only(q, kc, vc, bt, sl, sc, num_splits=s),
                     "no-pdl": lambda s=s: fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=s, config={"PDL": 0}),
                 }
-                t = {k: [] for k in fns}
-                for _ in range(3):
-                    for k, fn in fns.items():
-                        fn()
-                        torch.cuda.synchronize()
-                        t[k].append(do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3)
+                t = graph_rounds(fns, 3, rep=50)
                 rows.append((L, actual, s, {k: statistics.median(v) for k, v in t.items()}))
                 print(rows[-1], flush=True)
     print(f"{'bound':>6}{'len':>6}{'splits':>7}" + "".join(f"{k:>11}" for k in rows[0][3]))

@@ -10,7 +10,7 @@ median of alternated rounds) of flash_decode with config overrides:
   s64 / s64-pdl1   64 splits instead of choose_num_splits' (B1 only: 8 tiles a split at L32k)
   cudnn       SDPA on contiguous KV (its pick), enable_gqa
 Outputs of every variant are checked bitwise against base (same arithmetic) and base against the
-reference. Usage: python scripts/decode_pdl_probe.py [--rounds 3] [--shapes 1x32768 ...]
+reference. Usage: PYTHONPATH=.:scripts python scripts/decode_pdl_probe.py [--rounds 3] [--shapes 1x32768 ...]
 --eager: instead, eager calls of base and pdl1: do_bench with the L2 flushed between calls (as `bench
 kernels` times them) and the host's time per call (a burst of 200 calls, one sync at the end).
 """
@@ -20,10 +20,11 @@ import statistics
 import time
 
 import torch
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench
 
 import pageflash.kernels.flash_decoding as fd
-from pageflash.bench.kernels import DECODE_HEADS, copy_bandwidth, decode_case
+from pageflash.bench.kernels import DECODE_HEADS, contiguous_kv, copy_bandwidth, decode_case
+from probe_timing import graph_rounds
 
 HQ, HKV, D = DECODE_HEADS
 VARIANTS = {
@@ -48,8 +49,7 @@ def fns(b, L):
     if b == 1 and splits != 64:
         out["s64"] = lambda: fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=64)
         out["s64-pdl1"] = lambda: fd.flash_decode(q, kc, vc, bt, sl, sc, num_splits=64, config={"PDL": 1})
-    kk = kc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
-    vv = vc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
+    kk, vv = contiguous_kv(kc, vc, bt)
     q4 = q.view(b, HQ, 1, D)
     out["cudnn"] = lambda: torch.nn.functional.scaled_dot_product_attention(q4, kk, vv, enable_gqa=True)
     ref = fd.flash_decode_ref(q, kc, vc, bt, sl, sc) if b * L <= 32768 else None
@@ -82,12 +82,7 @@ def main():
                 ok = torch.equal(o, base) if name in ("pdl1", "pdl2") else \
                     (o.float() - base.float()).abs().max().item() < 1e-3
                 assert ok, (shape, name, (o.float() - base.float()).abs().max().item())
-        t = {n: [] for n in f}
-        for _ in range(a.rounds):
-            for name, fn in f.items():
-                fn()
-                torch.cuda.synchronize()
-                t[name].append(do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3)
+        t = graph_rounds(f, a.rounds)
         med = {n: statistics.median(v) for n, v in t.items()}
         rows.append((shape, splits, nbytes, med))
         print(shape, splits, {k: [round(x, 2) for x in v] for k, v in t.items()}, flush=True)

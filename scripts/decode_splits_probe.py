@@ -6,17 +6,16 @@ it), sequences of L keys and of L / 4 (a graph planned for more keys than a step
 replays (do_bench_cudagraph, median of alternated rounds) of flash_decode with the split count that
 choose_num_splits gives at min_chunk 32 / 64 / 128 / 256 (256: the default before run 59); cuDNN SDPA
 on contiguous KV of the actual length for reference. Pages shuffled (bench.kernels.decode_case).
-Usage: python scripts/decode_splits_probe.py [--rounds 2] [--heads 32 8 128]
+Usage: PYTHONPATH=.:scripts python scripts/decode_splits_probe.py [--rounds 2] [--heads 32 8 128]
 """
 
 import argparse
 import statistics
 
 import torch
-from triton.testing import do_bench_cudagraph
-
 import pageflash.kernels.flash_decoding as fd
-from pageflash.bench.kernels import decode_case
+from pageflash.bench.kernels import contiguous_kv, decode_case
+from probe_timing import graph_rounds
 
 CHUNKS = (32, 64, 128, 256)
 
@@ -49,16 +48,10 @@ def main():
                         if ref is not None:
                             err = (fns[s]().float() - ref.float()).abs().max().item()
                             assert err < 2e-2, (hq, hkv, d, b, L, actual, s, err)
-                    kk = kc[bt.long()].flatten(1, 2)[:, :actual].transpose(1, 2).contiguous()
-                    vv = vc[bt.long()].flatten(1, 2)[:, :actual].transpose(1, 2).contiguous()
+                    kk, vv = contiguous_kv(kc, vc, bt, actual)
                     q4 = q.view(b, hq, 1, d)
                     fns["cudnn"] = lambda: torch.nn.functional.scaled_dot_product_attention(q4, kk, vv, enable_gqa=True)
-                    t = {k: [] for k in fns}
-                    for _ in range(a.rounds):
-                        for k, fn in fns.items():
-                            fn()
-                            torch.cuda.synchronize()
-                            t[k].append(do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3)
+                    t = graph_rounds(fns, a.rounds, rep=50)
                     med = {k: statistics.median(v) for k, v in t.items()}
                     row = dict(heads=(hq, hkv, d), b=b, L=L, actual=actual, counts=counts, us=med)
                     rows.append(row)

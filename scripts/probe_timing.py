@@ -1,5 +1,5 @@
 """Timing loops shared by the probes (scripts/decode_probe.py, prefetch_probe.py, step_timeline.py,
-graph_times.py) and their dummy-weights decoding engine: graph replays and engine steps, one variant after another in rounds, so that
+graph_times.py, the decode split / PDL probes) and their dummy-weights decoding engine: graph replays and engine steps, one variant after another in rounds, so that
 the clocks' drift within a process falls on every variant alike."""
 
 from __future__ import annotations
@@ -21,6 +21,20 @@ def replay_us(graph: Any, reps: int = 50, warm: int = 5) -> float:
     e.record()
     torch.cuda.synchronize()
     return s.elapsed_time(e) / reps * 1e3
+
+
+def graph_rounds(fns: dict, rounds: int, rep: int = 100) -> dict:
+    """{name: [us per round]}: each callable timed as CUDA-graph replays (triton's
+    do_bench_cudagraph, median), the variants alternated round by round."""
+    from triton.testing import do_bench_cudagraph
+
+    t = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            fn()
+            torch.cuda.synchronize()  # do_bench_cudagraph runs on a side stream: inputs ready first
+            t[k].append(do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3)
+    return t
 
 
 def step_us(eng: Any, steps: int = 100, warm: int = 5) -> float:

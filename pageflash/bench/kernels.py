@@ -190,6 +190,14 @@ def decode_case(b: int, L: int, seed: int = 0, heads: tuple[int, int, int] = DEC
     return q, kc, vc, bt, sl
 
 
+def contiguous_kv(kc: torch.Tensor, vc: torch.Tensor, bt: torch.Tensor, length: Optional[int] = None):
+    """The paged caches' keys and values of each sequence gathered into SDPA's contiguous
+    [B, Hkv, L, D] buffers (the table's whole width, or the first ``length`` keys)."""
+    def gather(c):
+        return c[bt.long()].flatten(1, 2)[:, :length].transpose(1, 2).contiguous()
+    return gather(kc), gather(vc)
+
+
 def pages_in_order(bt: torch.Tensor) -> torch.Tensor:
     """A block table of bt's shape whose sequences hold the pool's blocks in ascending order (sequence 0
     blocks 0..W-1, then the next): the layout a fresh pool hands long prompts."""
@@ -349,8 +357,7 @@ def bench_decode(sweep: bool, bw: float) -> list[dict]:
                         res[f"a{a}{'S' if st else 'C'} n{bn} w{w} s{s} sp{sp}{' fused' if fused and sp > 1 else ''}"] = r
             row["sweep"] = res
         # SDPA on contiguous KV, GQA handled by SDPA
-        kk = kc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
-        vv = vc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
+        kk, vv = contiguous_kv(kc, vc, bt)  # [B, Hkv, L, D]
         del kc, vc
         q4 = q.view(b, hq, 1, d)
         # our kernel over SDPA's own buffers (kernel against kernel on the same bytes in the same places)
