@@ -482,7 +482,9 @@ class DecodeGraphs:
     block_size columns of the same block-table buffer, and a step whose longest sequence fits takes
     it. Split programs past a sequence's last key still cost their launch (H100, llama-3-8b batch 1
     over 129-384 keys: 32 splits 8.0-8.7 us per layer, 16 splits 7.2-7.3 us; at 8000 keys 32 splits
-    16.2 us, 16 splits 20.5 us).
+    16.2 us, 16 splits 20.5 us). H200 (run 60, docs/BENCHMARKS.md): the best split count for each
+    length would gain <= 1.3% of a step, in bands of lengths, and needs more tiers with their own split
+    rule; a 512-key tier with this rule (2 splits) is 1.6% slower at batch 1.
 
     LoRA: the graphs run every targeted projection's shrink / expand kernels (8 launches a layer,
     whatever the rows' adapters). With LoRA on, the graphs of buckets up to
