@@ -352,6 +352,29 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 8, 32768, 132) == 66  # one wave of 4 programs per SM
     assert choose_num_splits(8, 8, 8192, 132) == 8
     assert choose_num_splits(1, 8, 64, 132) == 1  # short bound: one chunk
+    # short bounds: at least 16 splits of >= 64 keys (run 60), where the wave has room
+    assert choose_num_splits(1, 8, 1024, 132) == 16
+    assert choose_num_splits(1, 8, 2048, 132) == 16 and choose_num_splits(1, 8, 8192, 132) == 32
+    assert choose_num_splits(1, 8, 512, 132) == 8 and choose_num_splits(1, 8, 100, 132) == 2
+    assert choose_num_splits(16, 8, 1024, 132) == 4  # the wave's room caps the floor
+    assert choose_num_splits(1, 8, 1024, 132, min_splits=1) == 4  # chunks of >= 256 keys only
+
+
+def test_decode_min_splits_env(monkeypatch):
+    from pageflash.kernels.flash_decoding import decode_min_splits
+
+    try:
+        monkeypatch.setenv("PAGEFLASH_DECODE_MIN_SPLITS", "1")
+        decode_min_splits.cache_clear()
+        assert choose_num_splits(1, 8, 1024, 132) == 4
+        monkeypatch.setenv("PAGEFLASH_DECODE_MIN_SPLITS", "0")
+        decode_min_splits.cache_clear()
+        with pytest.raises(ValueError, match="PAGEFLASH_DECODE_MIN_SPLITS"):
+            choose_num_splits(1, 8, 1024, 132)
+    finally:
+        monkeypatch.delenv("PAGEFLASH_DECODE_MIN_SPLITS")
+        decode_min_splits.cache_clear()
+    assert choose_num_splits(1, 8, 1024, 132) == 16
 
 
 @pytest.mark.parametrize("splits,fused", [(1, False), (3, False), (3, True)])

@@ -713,9 +713,11 @@ class CapturedStep(NamedTuple):
 _GRAPH_ARGMAX_MAX_BATCH = 8
 
 # Decode graphs for short contexts: planned for this many keys (PAGEFLASH_DECODE_SHORT_KV; 0: off).
-# At 4096 the split rule (chunks of >= 256 keys of the bound) gives batch 1 16 splits where
-# max_model_len 8192 gives 32; 16 splits are as fast as 32 at 4096 keys and faster below (H100).
-_SHORT_KV = 4096
+# At 2048 the split rule (at least DECODE_MIN_SPLITS = 16) gives batch 1 16 splits where
+# max_model_len 8192 gives 32. 16 splits are faster than 32 up to ~1.5k keys and slower from 2048 on
+# (H200, 32 / 8 heads: 6.39 vs 5.82 us at 2048 keys, 9.17 vs 7.45 at 4096; run 60). Before run 60 the
+# tier was 4096 keys (H100: 16 splits as fast as 32 at 4096 keys).
+_SHORT_KV = 2048
 
 
 # prompt lengths whose prefill kernels the engine precompiles at start (DecodeGraphs.capture)

@@ -221,7 +221,8 @@ class TritonBackend:
             # queries 2 splits won 41 -> 33 us, at 64 x 16 they lost 37 -> 47 us; at 1-16 sequences
             # 4-16 splits won 24 -> 9-12 us: scripts/bench_verify_attn.py)
             weight = max(1, cfg["BLOCK_M"] // 16)
-            splits = choose_num_splits(tiles[0].numel() * weight, hkv, plan.kv_bound(window), plan.num_sms)
+            splits = choose_num_splits(tiles[0].numel() * weight, hkv, plan.kv_bound(window), plan.num_sms,
+                                       min_splits=1)  # (the decode floor is measured for one query a sequence)
         out = paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
             meta.query_lens_cpu, meta.seq_lens_cpu, tree_mask=meta.tree_mask,

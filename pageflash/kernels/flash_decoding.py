@@ -527,20 +527,38 @@ def f16_codes(q_dtype: torch.dtype, kv_dtype: Optional[torch.dtype], override: O
     return bool(override) if override is not None else kv_dtype == torch.float8_e4m3fn
 
 
+# Decode splits at short bounds: at least this many (PAGEFLASH_DECODE_MIN_SPLITS; 1: chunks of
+# min_chunk keys only). A bound under 16 x 256 keys would otherwise get few splits, each a long chain of
+# tiles at small batches: H200, 32 / 8 heads, batch 1, sequences filling the bound, 512 / 1024 keys
+# take 8.22 / 8.30 us at the 2 / 4 splits of 256-key chunks and 4.53 / 4.94 us at 16 (run 60,
+# docs/BENCHMARKS.md); sliding windows (Gemma 3's 1024) are such bounds at every length.
+DECODE_MIN_SPLITS = 16
+# keys a split gets at least under that floor (a D <= 128 decode tile)
+_MIN_SPLIT_KEYS = 64
+
+
+@functools.lru_cache(maxsize=1)
+def decode_min_splits() -> int:
+    return int_env("PAGEFLASH_DECODE_MIN_SPLITS", DECODE_MIN_SPLITS, minimum=1)
+
+
 def choose_num_splits(
     batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int, min_chunk: int = 256, slots_per_sm: int = 4,
-    max_splits: int = 128,
+    max_splits: int = 128, min_splits: Optional[int] = None,
 ) -> int:
     """Splits per sequence, from static quantities only (CUDA graphs): 1 when batch x Hkv programs
     already give every SM two; otherwise as many splits as fit one wave of ``slots_per_sm`` programs
     per SM (more than one wave leaves a tail: measured on H100, docs/KERNELS.md), with chunks of at
-    least ``min_chunk`` keys of the length bound ``max_kv_len``."""
+    least ``min_chunk`` keys of the length bound ``max_kv_len``, but at least ``min_splits`` (default
+    ``decode_min_splits()``) of >= 64 keys where the wave has room (short bounds)."""
     programs = max(1, batch * num_kv_heads)
     if programs >= 2 * num_sms:
         return 1
-    splits = max(1, (slots_per_sm * num_sms) // programs)
-    splits = min(splits, max(1, cdiv(max_kv_len, min_chunk)), max_splits)
-    return max(1, splits)
+    if min_splits is None:
+        min_splits = decode_min_splits()
+    wave = max(1, (slots_per_sm * num_sms) // programs)
+    want = max(cdiv(max_kv_len, min_chunk), min(min_splits, cdiv(max_kv_len, _MIN_SPLIT_KEYS)))
+    return max(1, min(wave, want, max_splits))
 
 
 def flash_decode(
