@@ -484,7 +484,7 @@ class DecodeGraphs:
     over 129-384 keys: 32 splits 8.0-8.7 us per layer, 16 splits 7.2-7.3 us; at 8000 keys 32 splits
     16.2 us, 16 splits 20.5 us). H200 (run 60, docs/BENCHMARKS.md): the best split count for each
     length would gain <= 1.3% of a step, in bands of lengths, and needs more tiers with their own split
-    rule; a 512-key tier with this rule (2 splits) is 1.6% slower at batch 1.
+    rule; a 512-key tier under the rule before DECODE_MIN_SPLITS (2 splits) was 1.6% slower at batch 1.
 
     LoRA: the graphs run every targeted projection's shrink / expand kernels (8 launches a layer,
     whatever the rows' adapters). With LoRA on, the graphs of buckets up to
