@@ -7,7 +7,7 @@ splits past the last chunk are dead programs that exit at once. For each head sh
 length L and split count S: CUDA-graph replays (do_bench_cudagraph, medians of alternated rounds) of
 flash_decode over shuffled pages (bench.kernels.decode_case, a table 4096 keys wide). The table it
 prints gives, per (heads, B, L), every S's time, the best S, and what choose_num_splits gives for
-bounds 512 / 1024 / 4096 / 8192 (the candidate tiers) with the time each would take.
+bounds 512 / 1024 / 2048 / 4096 / 8192 (the candidate tiers) with the time each would take.
 Usage: PYTHONPATH=.:scripts python scripts/decode_tiers_probe.py [--rounds 2] [--json F]
 """
 

@@ -15,28 +15,25 @@ if [[ $what == *probe* ]]; then
   PYTHONPATH=.:scripts timeout 300 python3 scripts/decode_tiers_probe.py --json "$OUT/tiers.json" 2>&1 \
     | tee "$OUT/tiers.log" | grep -v "^$" | tail -80
 fi
-lat() {  # $1: model, $2: tag, $3: PAGEFLASH_DECODE_SHORT_KV (unset: the default)
-  env ${3:+PAGEFLASH_DECODE_SHORT_KV=$3} timeout 200 python3 -m pageflash.cli bench latency --model $1 \
-    --input-len ${AB_INPUT:-128} --output-len ${AB_OUTPUT:-256} --batch-size ${AB_BATCH:-1 4 16} --num-iters 3 \
-    --disable-tqdm --json "$OUT/$1_$2.json" 2>&1 | grep -iE "^$1|error|cold start" | sed "s/^/$2 /"
+run() {  # $1: model, $2: tag, $3: input len, $4: output len, $5: batches, $6...: env assignments (none: defaults)
+  local m=$1 tag=$2 il=$3 ol=$4 bs=$5; shift 5
+  env "$@" timeout 200 python3 -m pageflash.cli bench latency --model $m --input-len $il --output-len $ol \
+    --batch-size $bs --num-iters ${ITERS:-2} --disable-tqdm --json "/tmp/${m}_$tag.json" 2>&1 \
+    | grep -iE "^$m|error" | sed "s/^/$tag /"
 }
 if [[ $what == *ab* ]]; then
   for m in ${AB_MODELS:-llama-3-8b smollm2-135m}; do
-    for i in ${AB_ROUNDS:-1 2}; do for kv in ${AB_KVS:-4096 512}; do lat $m "kv${kv}_$i" $kv; done; done
+    for i in ${AB_ROUNDS:-1 2}; do for kv in ${AB_KVS:-4096 512}; do
+      ITERS=3 run $m "kv${kv}_$i" ${AB_INPUT:-128} ${AB_OUTPUT:-256} "${AB_BATCH:-1 4 16}" PAGEFLASH_DECODE_SHORT_KV=$kv
+    done; done
   done | tee "$OUT/ab.log"
 fi
-run() {  # $1: model, $2: tag, $3: input len, $4: output len, $5: batches, $6...: env assignments
-  local m=$1 tag=$2 il=$3 ol=$4 bs=$5; shift 5
-  env "$@" timeout 200 python3 -m pageflash.cli bench latency --model $m --input-len $il --output-len $ol \
-    --batch-size $bs --num-iters 2 --disable-tqdm --json "/tmp/${m}_$tag.json" 2>&1 \
-    | grep -iE "^$m|error" | sed "s/^/$tag /"
-}
 if [[ $what == *floor* ]]; then
   old="PAGEFLASH_DECODE_SHORT_KV=4096 PAGEFLASH_DECODE_MIN_SPLITS=1"
   for i in 1 2; do
-    run llama-3-8b "long_old_$i" 2560 768 "1 2" $old; run llama-3-8b "long_new_$i" 2560 768 "1 2" X=1
-    run gemma-3-1b "old_$i" 3072 512 "1 4" $old; run gemma-3-1b "new_$i" 3072 512 "1 4" X=1
-    run llama-3-8b "d1_old_$i" 128 256 1 $old; run llama-3-8b "d1_new_$i" 128 256 1 X=1
+    run llama-3-8b "long_old_$i" 2560 768 "1 2" $old; run llama-3-8b "long_new_$i" 2560 768 "1 2"
+    run gemma-3-1b "old_$i" 3072 512 "1 4" $old; run gemma-3-1b "new_$i" 3072 512 "1 4"
+    run llama-3-8b "d1_old_$i" 128 256 1 $old; run llama-3-8b "d1_new_$i" 128 256 1
   done | tee "$OUT/floor.log"
 fi
 if [[ $what == *tests-decode* ]]; then
