@@ -10,6 +10,8 @@ call reads HBM, as in a decode step) is replayed and timed:
 Prints us per call and GB/s.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -50,10 +52,18 @@ def graph_time(fn, n_calls=32):
     return do_bench(g.replay, warmup=5, rep=60, return_mode="median") / n_calls * 1e3  # us per call
 
 
+# GEMV_TILES="r,bk,stages,warps;..." and GEMV_PROGS="384,512,768" widen the sweep (session 14, H200);
+# READ=0 skips the pure-read ceiling, SHAPES="qkv o" picks projections
+TILES = [tuple(int(v) for v in t.split(",")) for t in os.environ.get(
+    "GEMV_TILES", "2,1024,4,4;4,512,4,4;4,1024,3,8;2,2048,3,8").split(";")]
+PROGS = [int(v) for v in os.environ.get("GEMV_PROGS", "384,512,768").split(",")]
+TOP = int(os.environ.get("TOP", "8"))
+
+
 def gemv_cfgs_for(N):
     out = []
-    for r, bk, st, wp in ((2, 1024, 4, 4), (4, 512, 4, 4), (4, 1024, 3, 8), (2, 2048, 3, 8)):
-        for progs in (384, 512, 768):
+    for r, bk, st, wp in TILES:
+        for progs in PROGS:
             rows = max(r, -(-(-(-N // progs)) // r) * r)  # cdiv(N, progs) rounded up to a multiple of r
             out.append((rows, r, bk, st, wp))
     return out
@@ -61,13 +71,15 @@ def gemv_cfgs_for(N):
 
 print(f"{'shape':8s} {'what':34s} {'us/call':>8s} {'GB/s':>6s}")
 for name, (N, K) in shapes.items():
+    if os.environ.get("SHAPES") and name not in os.environ["SHAPES"].split():
+        continue
     ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) / 64 for _ in range(NW)]
     x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
     y = torch.empty(N, device=dev, dtype=torch.bfloat16)
     nbytes = N * K * 2
     res = []
     ref = torch.nn.functional.linear(x, ws[0]).float()
-    for block, stages, warps in ((4096, 3, 8), (8192, 3, 8), (4096, 4, 4), (2048, 4, 4)):
+    for block, stages, warps in ((4096, 3, 8), (8192, 3, 8), (4096, 4, 4), (2048, 4, 4)) if os.environ.get("READ") != "0" else ():
         for waves in (1, 2, 4):
             progs = 132 * waves
             per = triton.cdiv(N * K, progs * block)
@@ -93,7 +105,7 @@ for name, (N, K) in shapes.items():
         except Exception as ex:  # noqa: BLE001
             print(f"{name:8s} gemv {c} failed: {type(ex).__name__}: {str(ex)[:80]}")
     res.sort()
-    for t, what in res[:8]:
+    for t, what in res[:TOP]:
         print(f"{name:8s} {what:34s} {t:8.2f} {nbytes / t / 1e3:6.0f}")
     ws.clear()
     torch.cuda.empty_cache()

@@ -111,3 +111,33 @@ def test_gemv_rejects_bad_inputs():
         gemv(torch.randn(1, 8), torch.randn(4, 8).half())
     with pytest.raises(ValueError, match="contiguous along K"):
         gemv(torch.randn(8, 2).t(), torch.randn(4, 8))
+
+
+def test_gemv_tile_default_and_env_override(monkeypatch):
+    """PAGEFLASH_GEMV_TILE ("r,bk,stages,warps") replaces the GEMV's tile for A/Bs; a malformed value
+    is an error that names the variable, never a silent fallback to the default."""
+    from pageflash.kernels import skinny_gemm as sg
+
+    monkeypatch.delenv("PAGEFLASH_GEMV_TILE", raising=False)
+    assert sg.gemv_tile() == sg._GEMV_TILE
+    monkeypatch.setenv("PAGEFLASH_GEMV_TILE", "8, 1024, 3, 4")
+    assert sg.gemv_tile() == (8, 1024, 3, 4)
+    for bad in ("4,512,4", "4,512,4,4,1", "a,512,4,4", "3,512,4,4", "4,500,4,4", "4,512,0,4", "4,512,4,6",
+                "-4,512,4,4"):
+        monkeypatch.setenv("PAGEFLASH_GEMV_TILE", bad)
+        with pytest.raises(ValueError, match="PAGEFLASH_GEMV_TILE"):
+            sg.gemv_tile()
+
+
+@pytest.mark.parametrize("r", [1, 2, 4, 8, 16])
+def test_gemv_rows_candidates_are_multiples_of_r(r):
+    """The dispatch's rows-per-program candidates: each a multiple of the tile's r (the GEMV rejects
+    others), 8 first where r allows it, no repeats, and about 4 programs per SM among them."""
+    from pageflash.kernels.skinny_gemm import _gemv_rows
+
+    for n in (5, 64, 1000, 4096, 6144, 28672, 128256):
+        for sms in (78, 132):
+            rows = _gemv_rows(n, sms, r)
+            assert rows[0] == max(8, r) and len(rows) == len(set(rows))
+            assert all(v % r == 0 and v >= r for v in rows)
+            assert any(-(-n // v) <= 4 * sms for v in rows)

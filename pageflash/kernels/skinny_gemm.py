@@ -14,6 +14,7 @@ made during warm-up, so CUDA-graph capture only replays it.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -99,15 +100,34 @@ MAX_WEIGHT_ELEMENTS = 32 * 1024 * 1024
 # made the decode graph slower (docs/BENCHMARKS.md run 17). At M = 1 only the GEMV and cuBLAS are
 # timed (run 18: the skinny kernel's cold-timing wins on o did not hold in the graph).
 _GEMV_TILE = (4, 512, 4, 4)
+
+
+def gemv_tile() -> tuple[int, int, int, int]:
+    """The GEMV's tile config (r, bk, num_stages, num_warps): _GEMV_TILE, or PAGEFLASH_GEMV_TILE
+    ("r,bk,stages,warps", for A/Bs)."""
+    env = os.environ.get("PAGEFLASH_GEMV_TILE")
+    if not env:
+        return _GEMV_TILE
+    try:
+        r, bk, stages, warps = (int(v) for v in env.split(","))
+    except ValueError:
+        raise ValueError(f"PAGEFLASH_GEMV_TILE must be 'r,bk,stages,warps' (four integers), got {env!r}") from None
+    if min(r, bk, stages, warps) < 1 or r & (r - 1) or bk & (bk - 1) or warps & (warps - 1):
+        raise ValueError(f"PAGEFLASH_GEMV_TILE: r, bk and warps must be powers of two, stages >= 1; got {env!r}")
+    return r, bk, stages, warps
+
+
 _MARGIN = 0.985  # a candidate must beat the best so far by 1.5% (timed cold, see _bench_cold)
 
 
-def _gemv_rows(n: int, num_sms: int) -> list[int]:
+def _gemv_rows(n: int, num_sms: int, r: int = 4) -> list[int]:
     """Rows per program to time, in order: 8 (the winner on every llama-3-8b shape), then about 4
-    programs per SM, half and twice that; multiples of the tile's 4 rows. A later one replaces an
-    earlier one only by the margin."""
-    base = max(4, -(-n // (4 * num_sms) // 4) * 4)
-    return list(dict.fromkeys([8, base, max(4, -(-base // 8) * 4), 2 * base]))
+    programs per SM, half and twice that; multiples of the tile's r rows (the GEMV requires it). A
+    later one replaces an earlier one only by the margin."""
+    def up(v: int) -> int:
+        return max(r, -(-v // r) * r)
+    base = up(-(-n // (4 * num_sms)))
+    return list(dict.fromkeys([up(8), base, up(-(-base // 2)), 2 * base]))
 
 
 def _bench_cold(fn, flush: torch.Tensor, reps: int = 15) -> float:
@@ -204,9 +224,9 @@ class SkinnyDispatch:
         """What _decide times, in its order."""
         cands: list[tuple[str, Optional[tuple]]] = []
         if x.shape[0] == 1:
-            r, bk, stages, warps = _GEMV_TILE
+            r, bk, stages, warps = gemv_tile()
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            cands += [("gemv", (rows, r, bk, stages, warps)) for rows in _gemv_rows(w.shape[0], sms)]
+            cands += [("gemv", (rows, r, bk, stages, warps)) for rows in _gemv_rows(w.shape[0], sms, r)]
         cands.append(("cublas", None))
         if skinny and x.shape[0] > 1:
             cands += [("skinny", c) for c in _CONFIGS]
