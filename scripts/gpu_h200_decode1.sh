@@ -3,8 +3,8 @@
 #   bash scripts/gpu_h200_decode1.sh [gemv] [profile] [latency] [ab]   (no argument: the first three), logs under $OUT
 # gemv: scripts/gemv_probe.py (pure read vs cuBLAS / skinny / GEMV configs per projection, graph chains;
 # GEMV_TILES / GEMV_PROGS widen it); profile: scripts/profile_graph.py (the decode graph kernel by kernel);
-# latency: W-decode1's bench; ab: W-decode1 with PAGEFLASH_GEMV_TILE unset and set to each of $AB_TILES
-# ("r,bk,stages,warps" separated by spaces), alternating, $ROUNDS rounds, on $MODEL (default llama-3-8b).
+# latency: W-decode1's bench; ab: W-decode1 under each of $AB_ENVS ("default" or "VAR=v VAR2=w", separated
+# by ';'), alternating, $ROUNDS rounds, on $MODEL (default llama-3-8b).
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -25,13 +25,13 @@ if [ -z "$ARGS" ] || want latency; then
 fi
 if want ab; then
   M=${MODEL:-llama-3-8b}
+  IFS=';' read -ra VARIANTS <<< "${AB_ENVS:-default}"
   for i in $(seq "${ROUNDS:-2}"); do
-    for t in default $AB_TILES; do
-      if [ "$t" = default ]; then unset PAGEFLASH_GEMV_TILE; else export PAGEFLASH_GEMV_TILE=$t; fi
-      python3 -m pageflash.cli bench latency --model "$M" --input-len 128 --output-len 256 --disable-tqdm \
-        --json "/tmp/ab_${t//,/-}_$i.json" 2>&1 | grep "^$M" | awk -v t="$t" -v i="$i" '{print "tile " t " round " i ": " $7 " tok/s, step " $8 " ms, " $10 "% roofline"}'
-      echo "  (${SECONDS}s since start)"
+    for v in "${VARIANTS[@]}"; do
+      if [ "$v" = default ]; then set --; else read -ra kv <<< "$v"; set -- "${kv[@]}"; fi
+      env "$@" python3 -m pageflash.cli bench latency --model "$M" --input-len 128 --output-len 256 --disable-tqdm \
+        2>&1 | grep "^$M" | awk -v t="$v" -v i="$i" '{print t " round " i ": " $7 " tok/s, step " $8 " ms, " $10 "% roofline"}'
     done
   done
-  unset PAGEFLASH_GEMV_TILE
+  echo "  (${SECONDS}s since start)"
 fi

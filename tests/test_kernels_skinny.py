@@ -141,3 +141,24 @@ def test_gemv_rows_candidates_are_multiples_of_r(r):
             assert rows[0] == max(8, r) and len(rows) == len(set(rows))
             assert all(v % r == 0 and v >= r for v in rows)
             assert any(-(-n // v) <= 4 * sms for v in rows)
+
+
+def test_gemv_tile_by_bandwidth_per_sm(monkeypatch):
+    """Without the override the tile follows the device's peak bandwidth per SM (as the decode
+    kernel's stages): the H200's 36 GB/s takes the deeper tile, the H100 SXM's 25 GB/s and a device
+    whose properties lack the memory clock keep run 17's."""
+    from types import SimpleNamespace
+
+    from pageflash.kernels import skinny_gemm as sg
+
+    monkeypatch.delenv("PAGEFLASH_GEMV_TILE", raising=False)
+    h200 = SimpleNamespace(memory_clock_rate=3_201_000, memory_bus_width=6144, multi_processor_count=132)
+    h100 = SimpleNamespace(memory_clock_rate=2_619_000, memory_bus_width=5120, multi_processor_count=132)
+    cuda = torch.device("cuda", 0)
+    for props, want in ((h200, sg._GEMV_TILE_HIGH_BW), (h100, sg._GEMV_TILE),
+                        (SimpleNamespace(multi_processor_count=132), sg._GEMV_TILE)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, p=props: p)
+        assert sg.gemv_tile(cuda) == want
+    assert sg.gemv_tile(torch.device("cpu")) == sg._GEMV_TILE
+    monkeypatch.setenv("PAGEFLASH_GEMV_TILE", "2,256,2,2")
+    assert sg.gemv_tile(cuda) == (2, 256, 2, 2)

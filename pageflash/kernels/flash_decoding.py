@@ -27,6 +27,7 @@ import triton.language as tl
 
 from pageflash.envs import int_env
 from pageflash.kernels.flash_attention import scale_scores, softcap_arg
+from pageflash.kernels.device_info import STAGES_BW_PER_SM, memory_bandwidth_per_sm, pdl_supported
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.kv_store import check_store_args, kv_scale_args, store_quantized_row
 from pageflash.kernels.launch import fast_launch
@@ -458,23 +459,6 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
     return dict(BLOCK_N=64, num_warps=4, num_stages=decode_stages(device), BT_AHEAD=1, STRIDED=True, **comb)
 
 
-# peak DRAM bytes/s per SM above which the D 65-128 decode config takes a 2-stage copy pipeline:
-# H100 SXM 3.35 TB/s over 132 SMs = 25 GB/s (1 stage measured best), H200 4.8 TB/s = 36 GB/s (2 stages)
-STAGES_BW_PER_SM = 30e9
-
-
-def memory_bandwidth_per_sm(props) -> Optional[float]:
-    """Peak DRAM bandwidth per SM in bytes/s from CUDA device properties: two transfers a memory clock
-    (memory_clock_rate, kHz) over memory_bus_width bits, over the SM count (H200: 4.81e12 / 132). None
-    where the properties lack the memory clock or bus width (older torch)."""
-    clock_khz = getattr(props, "memory_clock_rate", 0) or 0
-    bus_bits = getattr(props, "memory_bus_width", 0) or 0
-    sms = getattr(props, "multi_processor_count", 0) or 0
-    if not (clock_khz and bus_bits and sms):
-        return None
-    return 2.0 * clock_khz * 1e3 * bus_bits / 8 / sms
-
-
 def stages_for_bandwidth(bw_per_sm: Optional[float]) -> int:
     """Copy-pipeline stages of the D 65-128 16-bit decode config for a GPU of this peak bandwidth per
     SM: 1 up to STAGES_BW_PER_SM (or unknown), 2 above."""
@@ -490,15 +474,6 @@ def decode_stages(device: torch.device) -> int:
     if forced:
         return forced
     return stages_for_bandwidth(memory_bandwidth_per_sm(torch.cuda.get_device_properties(device)))
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch from Triton: an NVIDIA device (not ROCm) of compute capability
-    9.0+ (the griddepcontrol instructions) and a Triton with ``tl.extra.cuda.gdc_wait`` (3.4+)."""
-    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
-    return (device.type == "cuda" and getattr(torch.version, "hip", None) is None
-            and torch.cuda.get_device_capability(device) >= (9, 0)
-            and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
 
 
 def decode_pdl(device: torch.device) -> int:

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.device_info import STAGES_BW_PER_SM, memory_bandwidth_per_sm
 from pageflash.kernels.gemv import gemv
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch, precompiling
@@ -100,14 +101,23 @@ MAX_WEIGHT_ELEMENTS = 32 * 1024 * 1024
 # made the decode graph slower (docs/BENCHMARKS.md run 17). At M = 1 only the GEMV and cuBLAS are
 # timed (run 18: the skinny kernel's cold-timing wins on o did not hold in the graph).
 _GEMV_TILE = (4, 512, 4, 4)
+# Where the GPU's peak bandwidth per SM exceeds device_info.STAGES_BW_PER_SM (H200: 36 GB/s, H100
+# SXM: 25): more bytes in flight per program, 3 stages of 4 x 1024 (24 KiB) instead of 4 of 4 x 512
+# (16 KiB), as the decode kernel's second stage there (Little's law). H200, W-decode1: +2.0% tok/s
+# (docs/BENCHMARKS.md run 61); the H100 keeps run 17's tile (not re-measured with this one).
+_GEMV_TILE_HIGH_BW = (4, 1024, 3, 4)
 
 
-def gemv_tile() -> tuple[int, int, int, int]:
-    """The GEMV's tile config (r, bk, num_stages, num_warps): _GEMV_TILE, or PAGEFLASH_GEMV_TILE
-    ("r,bk,stages,warps", for A/Bs)."""
+def gemv_tile(device: Optional[torch.device] = None) -> tuple[int, int, int, int]:
+    """The GEMV's tile config (r, bk, num_stages, num_warps) on this CUDA device: PAGEFLASH_GEMV_TILE
+    ("r,bk,stages,warps", for A/Bs) if set, else by the device's peak bandwidth per SM: _GEMV_TILE_HIGH_BW
+    above STAGES_BW_PER_SM, _GEMV_TILE otherwise (and without a device, or where it is unknown)."""
     env = os.environ.get("PAGEFLASH_GEMV_TILE")
     if not env:
-        return _GEMV_TILE
+        if device is None or device.type != "cuda":
+            return _GEMV_TILE
+        bw = memory_bandwidth_per_sm(torch.cuda.get_device_properties(device))
+        return _GEMV_TILE_HIGH_BW if bw is not None and bw > STAGES_BW_PER_SM else _GEMV_TILE
     try:
         r, bk, stages, warps = (int(v) for v in env.split(","))
     except ValueError:
@@ -224,7 +234,7 @@ class SkinnyDispatch:
         """What _decide times, in its order."""
         cands: list[tuple[str, Optional[tuple]]] = []
         if x.shape[0] == 1:
-            r, bk, stages, warps = gemv_tile()
+            r, bk, stages, warps = gemv_tile(x.device)
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             cands += [("gemv", (rows, r, bk, stages, warps)) for rows in _gemv_rows(w.shape[0], sms, r)]
         cands.append(("cublas", None))
