@@ -9,8 +9,6 @@ from typing import Optional
 import torch
 import triton.language as tl
 
-from pageflash.envs import int_env
-
 # peak DRAM bytes/s per SM above which the D 65-128 decode config takes a 2-stage copy pipeline:
 # H100 SXM 3.35 TB/s over 132 SMs = 25 GB/s (1 stage measured best), H200 4.8 TB/s = 36 GB/s (2 stages)
 STAGES_BW_PER_SM = 30e9
@@ -36,24 +34,3 @@ def pdl_supported(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (9, 0)
             and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
 
-
-def gemv_pdl(device: torch.device) -> int:
-    """The batch-1 GEMV's programmatic-dependent-launch mode (PAGEFLASH_GEMV_PDL): 0 off (the
-    default); 1: each GEMV is launched with launch_pdl and waits (gdc_wait) before its first load, and
-    RMSNorm signals its dependents at its start, so the GEMV's programs are resident when the norm
-    ends; 2: as 1, and each GEMV program first prefetches the head of its rows of W into L2
-    (PAGEFLASH_GEMV_PDL_PREFETCH bytes, default 32768): weights do not depend on the kernel before.
-    0 wherever PDL is not supported (``pdl_supported``)."""
-    mode = int_env("PAGEFLASH_GEMV_PDL", 0)
-    if mode > 2:
-        raise ValueError(f"PAGEFLASH_GEMV_PDL must be 0 (off), 1 (wait) or 2 (prefetch, then wait), got {mode}")
-    return mode if mode and pdl_supported(device) else 0
-
-
-def gemv_pdl_prefetch_bytes() -> int:
-    """PAGEFLASH_GEMV_PDL_PREFETCH: bytes of W each GEMV program prefetches before its wait (mode 2),
-    a multiple of 16."""
-    n = int_env("PAGEFLASH_GEMV_PDL_PREFETCH", 32768, minimum=16)
-    if n % 16:
-        raise ValueError(f"PAGEFLASH_GEMV_PDL_PREFETCH must be a multiple of 16 bytes, got {n}")
-    return n

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.activation import gelu_tanh_f32, silu_f32
-from pageflash.kernels.device_info import gemv_pdl, gemv_pdl_prefetch_bytes
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
 
@@ -40,7 +39,6 @@ def _gemv_kernel(
     X, W, S, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym,
     BM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     SILU: tl.constexpr, LIBDEVICE: tl.constexpr, SCALED: tl.constexpr, GELU: tl.constexpr = False,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, ELT: tl.constexpr = 2,
 ):
     # SCALED: W holds int8 codes and S one float32 scale per row (kernels/w8_linear.py): a row's sums
     # are multiplied by its scale before rounding, so the codes are read as they are (half the bytes)
@@ -53,29 +51,6 @@ def _gemv_kernel(
         r0 = tl.program_id(0) * (ROWS // 2)
     else:
         r0 = tl.program_id(0) * ROWS
-    # PDL (launched with launch_pdl, device_info.gemv_pdl): nothing of the kernel before is read or
-    # written before gdc_wait; W is not the kernel before's, so with PREFETCH the head of this
-    # program's rows (PREFETCH bytes, ELT bytes an element; its gate and up halves under SILU) is
-    # first sent toward L2 with one cp.async.bulk.prefetch each (16-byte aligned rows: the host checks)
-    if PDL:
-        if PREFETCH > 0:
-            half = tl.arange(0, 2)
-            if SILU:
-                n_rows = tl.minimum(ROWS // 2, HALF - r0)
-                first = r0 + half * HALF
-                cap = PREFETCH // 2
-            else:
-                n_rows = tl.minimum(ROWS, N - r0)
-                first = r0 + half * 0
-                cap = PREFETCH
-            span = ((n_rows - 1) * stride_wn + K).to(tl.int64) * ELT
-            nbytes = (tl.minimum(span, cap) // 16 * 16).to(tl.int32)
-            addr = (W + first.to(tl.int64) * stride_wn).to(tl.int64)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; } mov.u32 $0, 0;",
-                "=r,l,r", [addr, nbytes + half * 0], dtype=tl.int32, is_pure=False, pack=1,
-            )
-        tl.extra.cuda.gdc_wait()
     offs_m = tl.arange(0, BM)
     offs_r = tl.arange(0, R)
     offs_k = tl.arange(0, BK)
@@ -174,20 +149,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
     _gemv_kernel[(cdiv(n_out, per),)](
         x, w, w if scale is None else scale, y, m, n, k, rows, n_out, x.stride(0), w.stride(0), y.stride(0),
         BM=bm, R=r, BK=bk, STAGES=num_stages, SILU=silu_mul, LIBDEVICE=x.is_cuda, SCALED=scale is not None,
-        GELU=silu_mul and act == "gelu_pytorch_tanh", num_warps=num_warps, **_pdl_args(w),
+        GELU=silu_mul and act == "gelu_pytorch_tanh", num_warps=num_warps,
     )
     return y
-
-
-def _pdl_args(w: torch.Tensor) -> dict:
-    """The launch's PDL constexprs and option (device_info.gemv_pdl; none off CUDA or with it off)."""
-    mode = gemv_pdl(w.device) if w.is_cuda else 0
-    if not mode:
-        return {}
-    elt = w.element_size()
-    aligned = w.data_ptr() % 16 == 0 and (w.stride(0) * elt) % 16 == 0
-    return dict(PDL=True, PREFETCH=gemv_pdl_prefetch_bytes() if mode == 2 and aligned else 0, ELT=elt,
-                launch_pdl=True)
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

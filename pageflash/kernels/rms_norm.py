@@ -32,7 +32,6 @@ try:  # libdevice's rsqrtf, the function ATen's rsqrt calls (tl.math.rsqrt may l
 except ImportError:  # pragma: no cover - older layouts
     from triton.language.extra.cuda import libdevice
 
-from pageflash.kernels.device_info import gemv_pdl
 from pageflash.kernels.fp8_quant import FP8, INV_MAX, fp8_codes, fp8_row_scale
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.launch import fast_launch
@@ -68,10 +67,7 @@ def _rms_norm_kernel(
     H, inv_h, eps, x_scale,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr,
     PRE: tl.constexpr, SCALE_X: tl.constexpr, QUANT: tl.constexpr, INV_MAX: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr = False,
 ):
-    if PDL_TRIGGER:  # a GEMV launched with launch_pdl after this norm may start now (it waits for our end)
-        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -214,7 +210,6 @@ def rms_norm(
             HAS_RES=residual is not None, BLOCK=block, LIBDEVICE=x.is_cuda, UNIT_OFFSET=unit_offset,
             PRE=pre_weight is not None, SCALE_X=x_scale is not None, QUANT=scale_out is not None,
             INV_MAX=INV_MAX, num_warps=num_warps or _num_warps(block), enable_fp_fusion=False,
-            **(dict(PDL_TRIGGER=True) if x.is_cuda and gemv_pdl(x.device) else {}),
         )
     return out if residual is None else (out, residual_out)
 
