@@ -11,5 +11,5 @@ run() { (cd "$1" && $PY -c "import logging, sys; logging.basicConfig(level=loggi
 from pageflash.cli import main
 sys.argv = ['pageflash', 'bench', 'latency', '--model', 'llama-3-8b', '--input-len', '128', '--output-len', '256',
             '--disable-tqdm', '--json', '$OUT/$2.json']
-main()" 2>&1 | grep -E "^linear .* at M=1:|^llama-3-8b" | sed "s/^/$2 /"); }
+main()" 2>&1 | grep -E "^linear .* at M=1( with [a-z_]+)?:|^llama-3-8b" | sed "s/^/$2 /"); }
 for i in $(seq 1 ${ROUNDS:-3}); do run . "new$i"; run "$BASE" "base$i"; done

@@ -162,3 +162,20 @@ def test_gemv_tile_by_bandwidth_per_sm(monkeypatch):
     assert sg.gemv_tile(torch.device("cpu")) == sg._GEMV_TILE
     monkeypatch.setenv("PAGEFLASH_GEMV_TILE", "2,256,2,2")
     assert sg.gemv_tile(cuda) == (2, 256, 2, 2)
+
+
+def test_fused_gate_up_candidates_hold_whole_gate_up_pairs(monkeypatch):
+    """The fused gate/up GEMV's candidates (rows a multiple of 2 r: a gate and an up group a program),
+    then cuBLAS, which there stands for cuBLAS + the activation kernel; the plain product's keep r."""
+    from types import SimpleNamespace
+
+    from pageflash.kernels import skinny_gemm as sg
+
+    monkeypatch.setenv("PAGEFLASH_GEMV_TILE", "4,512,4,4")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    x, w = torch.empty(1, 4096), torch.empty(28672, 4096)
+    fused = sg.SkinnyDispatch._candidates(x, w, False, silu=True)
+    plain = sg.SkinnyDispatch._candidates(x, w, False)
+    assert fused[-1] == ("cublas", None) and plain[-1] == ("cublas", None)
+    assert all(c[1][0] % 8 == 0 and c[1][1:] == (4, 512, 4, 4) for c in fused[:-1]) and len(fused) > 2
+    assert any(c[1][0] % 8 for c in plain[:-1])  # about 4 programs an SM: 56 rows, and half of it, 28

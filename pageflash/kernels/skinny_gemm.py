@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pageflash.kernels.device_info import STAGES_BW_PER_SM, memory_bandwidth_per_sm
 from pageflash.kernels.gemv import gemv
 from pageflash.kernels.host_math import cdiv
@@ -165,7 +166,8 @@ class SkinnyDispatch:
     counts once, keep the fastest. A choice is None (cuBLAS), ("skinny", cfg) or ("gemv", cfg)."""
 
     def __init__(self) -> None:
-        self.choice: dict[tuple[int, int, int, torch.dtype], Optional[tuple]] = {}
+        # (N, K, M, dtype), and (N, K, 1, dtype, act) for the fused gate/up GEMV -> choice
+        self.choice: dict[tuple, Optional[tuple]] = {}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, large: bool = False,
                  out_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
@@ -191,17 +193,24 @@ class SkinnyDispatch:
 
     def gate_up_silu(self, x: torch.Tensor, w: torch.Tensor, act: str = "silu") -> Optional[torch.Tensor]:
         """silu(x gate^T) * (x up^T) for a fused [gate; up] weight w (act="gelu_pytorch_tanh": GELU's
-        tanh form instead), through the GEMV with the activation in its epilogue, when one row's product
-        of this shape goes to the GEMV; None otherwise (the caller runs the product and the activation
-        kernel). The choice is the plain product's: the epilogue adds no memory traffic."""
+        tanh form instead), through the GEMV with the activation in its epilogue, when that won for this
+        shape at one row; None otherwise (the caller runs the product and the activation kernel).
+        Its own decision: the fused GEMV's row counts (multiples of 2 r) against what the caller
+        would run instead, cuBLAS and the activation kernel. (Deciding by the plain product's choice,
+        a process whose cold timings had cuBLAS 1.5% ahead of the plain GEMV on llama-3-8b's gate_up
+        ran W-decode1 2.7% slower on the H200: 231 against 237.6 tok/s, docs/BENCHMARKS.md run 61.)"""
         if x.shape[0] != 1:
             return None
-        c = self._choice(x, w, False)
-        if c is None and precompiling():
-            self._queue_gemv(x, w, silu_mul=True, act=act)
-        if c is None or c[0] != "gemv" or c[1][0] % (2 * c[1][1]):
-            return None
-        return gemv(x, w, *c[1], silu_mul=True, act=act)
+        key = (w.shape[0], w.shape[1], 1, x.dtype, act)
+        if key not in self.choice:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            if precompiling():
+                self._queue_gemv(x, w, silu_mul=True, act=act)
+                return None
+            self.choice[key] = self._decide(x, w, skinny=False, act=act)
+        c = self.choice[key]
+        return None if c is None else gemv(x, w, *c[1], silu_mul=True, act=act)
 
     def _choice(self, x: torch.Tensor, w: torch.Tensor, large: bool) -> Optional[tuple]:
         key = (w.shape[0], w.shape[1], x.shape[0], x.dtype)
@@ -222,56 +231,67 @@ class SkinnyDispatch:
 
     def _queue_gemv(self, x: torch.Tensor, w: torch.Tensor, **kw) -> None:
         """Under precompile: the GEMV candidates' launches with these extras (their own compiles)."""
-        for kind, cfg in self._candidates(x, w, False):
-            if kind == "gemv" and not (kw.get("silu_mul") and cfg[0] % (2 * cfg[1])):
+        for kind, cfg in self._candidates(x, w, False, silu=bool(kw.get("silu_mul"))):
+            if kind == "gemv":
                 try:
                     gemv(x, w, *cfg, **kw)
                 except Exception:
                     pass
 
     @staticmethod
-    def _candidates(x: torch.Tensor, w: torch.Tensor, skinny: bool) -> list[tuple[str, Optional[tuple]]]:
-        """What _decide times, in its order."""
+    def _candidates(x: torch.Tensor, w: torch.Tensor, skinny: bool,
+                    silu: bool = False) -> list[tuple[str, Optional[tuple]]]:
+        """What _decide times, in its order (silu: for the fused gate/up GEMV, whose programs hold a
+        gate and an up group: rows a multiple of 2 r)."""
         cands: list[tuple[str, Optional[tuple]]] = []
         if x.shape[0] == 1:
             r, bk, stages, warps = gemv_tile(x.device)
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            cands += [("gemv", (rows, r, bk, stages, warps)) for rows in _gemv_rows(w.shape[0], sms, r)]
+            rows = _gemv_rows(w.shape[0], sms, 2 * r if silu else r)
+            cands += [("gemv", (n, r, bk, stages, warps)) for n in rows]
         cands.append(("cublas", None))
         if skinny and x.shape[0] > 1:
             cands += [("skinny", c) for c in _CONFIGS]
         return cands
 
     @staticmethod
-    def _decide(x: torch.Tensor, w: torch.Tensor, skinny: bool = True) -> Optional[tuple]:
+    def _decide(x: torch.Tensor, w: torch.Tensor, skinny: bool = True, act: Optional[str] = None) -> Optional[tuple]:
         """Time the candidates in a fixed order; the first one is the incumbent and a later one
         replaces the best so far only by the margin. At M = 1 the GEMV goes first, cuBLAS must beat
         it, and the skinny kernel is not timed: timed cold and alone it sometimes beat the GEMV on
         llama-3-8b's o projection by the margin (16.6 vs ~16.9 us), but inside the decode graph it is
         the slower kernel (93-95% of a pure read against 96-98%), and a process that picked it ran
-        W-decode1 at 177.5 tok/s against 179.0 (docs/BENCHMARKS.md run 18)."""
-        ref = torch.nn.functional.linear(x, w)
+        W-decode1 at 177.5 tok/s against 179.0 (docs/BENCHMARKS.md run 18).
+
+        act ("silu" / "gelu_pytorch_tanh"; M = 1): for gate_up_silu, the fused GEMV (activation in
+        its epilogue) against cuBLAS followed by the activation kernel."""
+        def cublas():
+            y = torch.nn.functional.linear(x, w)
+            return y if act is None else (gelu_tanh_and_mul if act == "gelu_pytorch_tanh" else silu_and_mul)(y)
+
+        kw = {} if act is None else dict(silu_mul=True, act=act)
+        ref = cublas()
         flush = torch.empty(64 << 20, dtype=torch.float16, device=x.device)  # 128 MiB, freed on return
-        cands = SkinnyDispatch._candidates(x, w, skinny)
+        cands = SkinnyDispatch._candidates(x, w, skinny, silu=act is not None)
         best, best_t, t_cublas = None, float("inf"), float("nan")
         for kind, cfg in cands:
             try:
                 if kind == "cublas":
-                    t = t_cublas = _bench_cold(lambda: torch.nn.functional.linear(x, w), flush)
+                    t = t_cublas = _bench_cold(cublas, flush)
                 else:
                     fn = gemv if kind == "gemv" else skinny_gemm
-                    y = fn(x, w, *cfg)
+                    y = fn(x, w, *cfg, **kw)
                     if not torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-2):
                         continue
-                    t = _bench_cold(lambda: fn(x, w, *cfg), flush)
+                    t = _bench_cold(lambda: fn(x, w, *cfg, **kw), flush)
             except Exception:  # a config that does not compile on this GPU/Triton: skip it
                 continue
             # a candidate must beat the best so far by a margin: choices that flip between processes
             # on noise cost more than they save
             if best is None or t < best_t * _MARGIN:
                 best_t, best = t, (kind, cfg)
-        logger.info("linear %dx%d at M=%d: %s %.1f us (cuBLAS %.1f us)", w.shape[0], w.shape[1], x.shape[0],
-                    best, best_t * 1e3, t_cublas * 1e3)
+        logger.info("linear %dx%d at M=%d%s: %s %.1f us (cuBLAS %.1f us)", w.shape[0], w.shape[1], x.shape[0],
+                    "" if act is None else f" with {act}", best, best_t * 1e3, t_cublas * 1e3)
         return None if best is None or best[0] == "cublas" else best
 
 

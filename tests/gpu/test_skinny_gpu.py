@@ -64,8 +64,8 @@ def test_dispatch_times_gemv_at_one_row():
 @pytest.mark.parametrize("inter,k,rows", [(14336, 4096, 8), (1536, 576, 16), (100, 64, 8)])
 def test_gemv_silu_mul_bf16_bitwise(inter, k, rows):
     """The GEMV with SiLU-and-mul in its epilogue writes exactly what the GEMV then the SiLU kernel
-    write (bf16, llama-3-8b's and smollm2's MLP shapes, a ragged I), and the dispatch uses it for a
-    gate/up shape it sends to the GEMV."""
+    write (bf16, llama-3-8b's and smollm2's MLP shapes, a ragged I), and the dispatch's own decision
+    for the fused path (the fused GEMV against cuBLAS + the SiLU kernel) returns what it chose."""
     from pageflash.kernels.activation import silu_and_mul
     from pageflash.kernels.gemv import gemv
 
@@ -75,11 +75,13 @@ def test_gemv_silu_mul_bf16_bitwise(inter, k, rows):
     assert torch.equal(y, silu_and_mul(gemv(x, w, rows, 4, 512, 4, 4)))
     d = SkinnyDispatch()
     fused = d.gate_up_silu(x, w)
-    c = d.choice[(2 * inter, k, 1, torch.bfloat16)]
-    if c is not None and c[0] == "gemv" and c[1][0] % (2 * c[1][1]) == 0:
+    c = d.choice[(2 * inter, k, 1, torch.bfloat16, "silu")]
+    if c is not None:
+        assert c[0] == "gemv" and c[1][0] % (2 * c[1][1]) == 0
         assert torch.equal(fused, silu_and_mul(gemv(x, w, *c[1])))
     else:
         assert fused is None
+    assert (2 * inter, k, 1, torch.bfloat16) not in d.choice  # the plain product is decided apart
     # GeGLU (Gemma): bitwise the GEMV then the GELU kernel
     from pageflash.kernels.activation import gelu_tanh_and_mul
 
