@@ -17,9 +17,9 @@ import torch
 
 from pageflash.kernels.gemv import gemv
 from pageflash.kernels.skinny_gemm import _bench_cold
-from pageflash.kernels.w8_linear import (_GEMV_CFG, GEMV_MAX_ROWS, _gemm_config, dequantize_int8,
+from pageflash.kernels.w8_linear import (GEMV_MAX_ROWS, _gemm_config, dequantize_int8,
                                          dequantize_int8_fast, quantize_int8, w8_gemm,
-                                         w8_linear, w8_linear_ref)
+                                         w8_gemv_cfg, w8_linear, w8_linear_ref)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 MS = [int(v) for v in os.environ.get("W8_MS", "1 2 4 8 16 32 64 128 256 512 2048 8192").split()]
@@ -61,7 +61,7 @@ def main():
 
             bf = {"cublas": _bench_cold(lambda: torch.nn.functional.linear(x, wb), flush)}
             if m <= 4:
-                bf["gemv"] = _bench_cold(lambda: gemv(x, wb, *_GEMV_CFG), flush)
+                bf["gemv"] = _bench_cold(lambda: gemv(x, wb, *w8_gemv_cfg()), flush)
             cand = {}
             if m <= 4:
                 for c in GEMV_CFGS:
@@ -105,7 +105,7 @@ def main():
             best_k = min(cand, key=cand.get)
             bbest = min(bf.values())
             rows.append(dict(shape=name, m=m, bf16_us=bbest * 1e3, bf16=bf, int8_default_us=default * 1e3,
-                             default_cfg=str(_GEMV_CFG if m <= GEMV_MAX_ROWS else _gemm_config(m, n, k)), best=best_k,
+                             default_cfg=str(w8_gemv_cfg() if m <= GEMV_MAX_ROWS else _gemm_config(m, n, k)), best=best_k,
                              best_us=cand[best_k] * 1e3, cands={k2: v * 1e3 for k2, v in cand.items()},
                              gbps=nbytes / default / 1e6))
             r = rows[-1]

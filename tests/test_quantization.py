@@ -113,6 +113,21 @@ def test_w8_gemm_bias_float_out_and_strided_x():
     assert y.dtype == torch.float32 and torch.allclose(y, ref.float(), rtol=2e-3, atol=2e-3)
 
 
+def test_w8_gemv_cfg_default_and_env_override(monkeypatch):
+    """PAGEFLASH_W8_GEMV_CFG ("rows,r,bk,stages,warps") replaces the INT8 / FP8 GEMV's config for A/Bs;
+    a malformed one is an error naming the variable."""
+    from pageflash.kernels import w8_linear as w8
+
+    monkeypatch.delenv("PAGEFLASH_W8_GEMV_CFG", raising=False)
+    assert w8.w8_gemv_cfg() == w8._GEMV_CFG
+    monkeypatch.setenv("PAGEFLASH_W8_GEMV_CFG", "16,8,1024,3,4")
+    assert w8.w8_gemv_cfg() == (16, 8, 1024, 3, 4)
+    for bad in ("8,8,512,4", "8,6,512,4,4", "8,8,500,4,4", "8,8,512,0,4", "12,8,512,4,4", "x"):
+        monkeypatch.setenv("PAGEFLASH_W8_GEMV_CFG", bad)
+        with pytest.raises(ValueError, match="PAGEFLASH_W8_GEMV_CFG"):
+            w8.w8_gemv_cfg()
+
+
 def test_w8_kernels_reject_bad_inputs():
     q, s = quantize_int8(torch.randn(8, 16))
     with pytest.raises(ValueError, match="K=16"):

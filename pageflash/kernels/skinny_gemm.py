@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pageflash.envs import int_tuple_env
 from pageflash.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pageflash.kernels.device_info import STAGES_BW_PER_SM, memory_bandwidth_per_sm
 from pageflash.kernels.gemv import gemv
@@ -113,19 +114,12 @@ def gemv_tile(device: Optional[torch.device] = None) -> tuple[int, int, int, int
     """The GEMV's tile config (r, bk, num_stages, num_warps) on this CUDA device: PAGEFLASH_GEMV_TILE
     ("r,bk,stages,warps", for A/Bs) if set, else by the device's peak bandwidth per SM: _GEMV_TILE_HIGH_BW
     above STAGES_BW_PER_SM, _GEMV_TILE otherwise (and without a device, or where it is unknown)."""
-    env = os.environ.get("PAGEFLASH_GEMV_TILE")
-    if not env:
-        if device is None or device.type != "cuda":
-            return _GEMV_TILE
-        bw = memory_bandwidth_per_sm(torch.cuda.get_device_properties(device))
-        return _GEMV_TILE_HIGH_BW if bw is not None and bw > STAGES_BW_PER_SM else _GEMV_TILE
-    try:
-        r, bk, stages, warps = (int(v) for v in env.split(","))
-    except ValueError:
-        raise ValueError(f"PAGEFLASH_GEMV_TILE must be 'r,bk,stages,warps' (four integers), got {env!r}") from None
-    if min(r, bk, stages, warps) < 1 or r & (r - 1) or bk & (bk - 1) or warps & (warps - 1):
-        raise ValueError(f"PAGEFLASH_GEMV_TILE: r, bk and warps must be powers of two, stages >= 1; got {env!r}")
-    return r, bk, stages, warps
+    if os.environ.get("PAGEFLASH_GEMV_TILE"):
+        return int_tuple_env("PAGEFLASH_GEMV_TILE", _GEMV_TILE, (True, True, False, True))
+    if device is None or device.type != "cuda":
+        return _GEMV_TILE
+    bw = memory_bandwidth_per_sm(torch.cuda.get_device_properties(device))
+    return _GEMV_TILE_HIGH_BW if bw is not None and bw > STAGES_BW_PER_SM else _GEMV_TILE
 
 
 _MARGIN = 0.985  # a candidate must beat the best so far by 1.5% (timed cold, see _bench_cold)

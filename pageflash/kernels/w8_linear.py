@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pageflash.envs import int_env
+from pageflash.envs import int_env, int_tuple_env
 from pageflash.kernels.gemv import CODE_DTYPES, gemv
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
@@ -246,6 +246,15 @@ def run_split_k(launch, out: torch.Tensor, bias: Optional[torch.Tensor], split_k
 # winner at M = 1 on every llama-3-8b shape (an [8, 512] int8 tile is as many bytes as the bf16
 # GEMV's [4, 512]). At M >= 3 the tensor-core GEMM's 16-row tile was faster (docs/BENCHMARKS.md).
 _GEMV_CFG = (8, 8, 512, 4, 4)
+
+
+def w8_gemv_cfg() -> tuple[int, int, int, int, int]:
+    """_GEMV_CFG, or PAGEFLASH_W8_GEMV_CFG="rows,r,bk,stages,warps" (for A/Bs: not measured on the H200,
+    where the bf16 GEMV wants a deeper tile, docs/BENCHMARKS.md run 61)."""
+    cfg = int_tuple_env("PAGEFLASH_W8_GEMV_CFG", _GEMV_CFG, (False, True, True, False, True))
+    if cfg[0] % cfg[1]:
+        raise ValueError(f"PAGEFLASH_W8_GEMV_CFG: rows ({cfg[0]}) must be a multiple of r ({cfg[1]})")
+    return cfg
 GEMV_MAX_ROWS = 2
 # from this M on: dequantize in one pass (dequantize_int8_fast), then cuBLAS: faster than the Triton
 # GEMM from 512 rows on (docs/BENCHMARKS.md run 31)
@@ -270,7 +279,7 @@ def w8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[
         y = torch.nn.functional.linear(x, dequantize_int8_fast(q, s, x.dtype), bias)
         return y.float() if float_out else y
     if 1 <= m <= GEMV_MAX_ROWS and bias is None:
-        y = gemv(x, q, *_GEMV_CFG, scale=s)  # gemv validates the operands itself
+        y = gemv(x, q, *w8_gemv_cfg(), scale=s)  # gemv validates the operands itself
     else:
         y = w8_gemm(x, q, s, bias)
     return y.float() if float_out else y
