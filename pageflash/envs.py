@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 
 def int_env(name: str, default: int, minimum: int = 0) -> int:
@@ -20,7 +21,7 @@ def int_env(name: str, default: int, minimum: int = 0) -> int:
     return n
 
 
-def int_tuple_env(name: str, default: tuple[int, ...], pow2: tuple[bool, ...]) -> tuple[int, ...]:
+def int_tuple_env(name: str, default: Optional[tuple[int, ...]], pow2: tuple[bool, ...]) -> Optional[tuple[int, ...]]:
     """os.environ[name] as len(pow2) comma-separated integers >= 1 (where pow2[i], a power of two), or
     default when unset or empty; ValueError naming the variable otherwise (a kernel's tile config)."""
     v = os.environ.get(name, "")

@@ -26,6 +26,12 @@ def memory_bandwidth_per_sm(props) -> Optional[float]:
     return 2.0 * clock_khz * 1e3 * bus_bits / 8 / sms
 
 
+def high_bandwidth_per_sm(bw_per_sm: Optional[float]) -> bool:
+    """Whether a GPU of this peak bandwidth per SM (memory_bandwidth_per_sm; None: unknown) needs the
+    configs with more bytes in flight per SM: above STAGES_BW_PER_SM (the H200, not the H100 SXM)."""
+    return bw_per_sm is not None and bw_per_sm > STAGES_BW_PER_SM
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch from Triton: an NVIDIA device (not ROCm) of compute capability
     9.0+ (the griddepcontrol instructions) and a Triton with ``tl.extra.cuda.gdc_wait`` (3.4+)."""
@@ -33,4 +39,3 @@ def pdl_supported(device: torch.device) -> bool:
     return (device.type == "cuda" and getattr(torch.version, "hip", None) is None
             and torch.cuda.get_device_capability(device) >= (9, 0)
             and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
-

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from pageflash.envs import int_env
+from pageflash.kernels.device_info import high_bandwidth_per_sm, memory_bandwidth_per_sm, pdl_supported
 from pageflash.kernels.flash_attention import scale_scores, softcap_arg
-from pageflash.kernels.device_info import STAGES_BW_PER_SM, memory_bandwidth_per_sm, pdl_supported
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.kv_store import check_store_args, kv_scale_args, store_quantized_row
 from pageflash.kernels.launch import fast_launch
@@ -462,7 +462,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, split
 def stages_for_bandwidth(bw_per_sm: Optional[float]) -> int:
     """Copy-pipeline stages of the D 65-128 16-bit decode config for a GPU of this peak bandwidth per
     SM: 1 up to STAGES_BW_PER_SM (or unknown), 2 above."""
-    return 2 if bw_per_sm is not None and bw_per_sm > STAGES_BW_PER_SM else 1
+    return 2 if high_bandwidth_per_sm(bw_per_sm) else 1
 
 
 def decode_stages(device: torch.device) -> int:

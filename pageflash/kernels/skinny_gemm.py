@@ -14,7 +14,6 @@ made during warm-up, so CUDA-graph capture only replays it.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -23,7 +22,7 @@ import triton.language as tl
 
 from pageflash.envs import int_tuple_env
 from pageflash.kernels.activation import gelu_tanh_and_mul, silu_and_mul
-from pageflash.kernels.device_info import STAGES_BW_PER_SM, memory_bandwidth_per_sm
+from pageflash.kernels.device_info import high_bandwidth_per_sm, memory_bandwidth_per_sm
 from pageflash.kernels.gemv import gemv
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch, precompiling
@@ -114,12 +113,13 @@ def gemv_tile(device: Optional[torch.device] = None) -> tuple[int, int, int, int
     """The GEMV's tile config (r, bk, num_stages, num_warps) on this CUDA device: PAGEFLASH_GEMV_TILE
     ("r,bk,stages,warps", for A/Bs) if set, else by the device's peak bandwidth per SM: _GEMV_TILE_HIGH_BW
     above STAGES_BW_PER_SM, _GEMV_TILE otherwise (and without a device, or where it is unknown)."""
-    if os.environ.get("PAGEFLASH_GEMV_TILE"):
-        return int_tuple_env("PAGEFLASH_GEMV_TILE", _GEMV_TILE, (True, True, False, True))
+    forced = int_tuple_env("PAGEFLASH_GEMV_TILE", None, (True, True, False, True))
+    if forced:
+        return forced
     if device is None or device.type != "cuda":
         return _GEMV_TILE
-    bw = memory_bandwidth_per_sm(torch.cuda.get_device_properties(device))
-    return _GEMV_TILE_HIGH_BW if bw is not None and bw > STAGES_BW_PER_SM else _GEMV_TILE
+    high = high_bandwidth_per_sm(memory_bandwidth_per_sm(torch.cuda.get_device_properties(device)))
+    return _GEMV_TILE_HIGH_BW if high else _GEMV_TILE
 
 
 _MARGIN = 0.985  # a candidate must beat the best so far by 1.5% (timed cold, see _bench_cold)

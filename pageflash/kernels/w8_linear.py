@@ -246,6 +246,10 @@ def run_split_k(launch, out: torch.Tensor, bias: Optional[torch.Tensor], split_k
 # winner at M = 1 on every llama-3-8b shape (an [8, 512] int8 tile is as many bytes as the bf16
 # GEMV's [4, 512]). At M >= 3 the tensor-core GEMM's 16-row tile was faster (docs/BENCHMARKS.md).
 _GEMV_CFG = (8, 8, 512, 4, 4)
+GEMV_MAX_ROWS = 2
+# from this M on: dequantize in one pass (dequantize_int8_fast), then cuBLAS: faster than the Triton
+# GEMM from 512 rows on (docs/BENCHMARKS.md run 31)
+_DEQUANT_M = 512
 
 
 def w8_gemv_cfg() -> tuple[int, int, int, int, int]:
@@ -255,10 +259,6 @@ def w8_gemv_cfg() -> tuple[int, int, int, int, int]:
     if cfg[0] % cfg[1]:
         raise ValueError(f"PAGEFLASH_W8_GEMV_CFG: rows ({cfg[0]}) must be a multiple of r ({cfg[1]})")
     return cfg
-GEMV_MAX_ROWS = 2
-# from this M on: dequantize in one pass (dequantize_int8_fast), then cuBLAS: faster than the Triton
-# GEMM from 512 rows on (docs/BENCHMARKS.md run 31)
-_DEQUANT_M = 512
 
 
 def _dequant_min_m() -> int:
