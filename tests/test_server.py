@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
+import math
 import re
 import socket
 import threading
@@ -1271,6 +1273,39 @@ def test_prompt_logprobs_field(srv: Srv) -> None:
     c = srv.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0}).json()
     assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"]
     assert all(len(e) == 1 for e in c["prompt_logprobs"][1:])
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_whole_vocabulary_logprobs(srv: Srv) -> None:
+    """vLLM's -1 for chat top_logprobs and prompt_logprobs: every token of the vocabulary, allowed only
+    when the server's --max-logprobs is -1 (else a 400 naming the field and the option)."""
+    eng = srv.aeng.engine
+    vocab = eng.vocab_size
+    chat = {"messages": CHAT, "max_tokens": 1, "temperature": 0, "logprobs": True, "top_logprobs": -1}
+    cmpl = {"prompt": "The sea is", "max_tokens": 1, "temperature": 0, "prompt_logprobs": -1}
+    assert_error(srv.post("/v1/chat/completions", chat), 400, param="top_logprobs",
+                 contains=("whole vocabulary", "max_logprobs"))
+    assert_error(srv.post("/v1/completions", cmpl), 400, param="prompt_logprobs", contains=("whole vocabulary",))
+    assert_error(srv.post("/v1/chat/completions", {**chat, "top_logprobs": -2}), 400, param="top_logprobs")
+    config = eng.config
+    eng.config = dataclasses.replace(config, max_logprobs=-1)  # as `serve --max-logprobs -1`
+    try:
+        c = srv.post("/v1/chat/completions", chat).json()
+        (tok,) = c["choices"][0]["logprobs"]["content"]
+        assert len(tok["top_logprobs"]) == vocab
+        lps = [t["logprob"] for t in tok["top_logprobs"]]
+        assert lps == sorted(lps, reverse=True) and tok["top_logprobs"][0]["logprob"] == tok["logprob"]  # greedy
+        assert math.isclose(sum(math.exp(x) for x in lps), 1.0, rel_tol=1e-3)
+        r = srv.post("/v1/completions", cmpl).json()
+        plp = r["choices"][0]["prompt_logprobs"]
+        assert plp[0] is None and all(len(e) == vocab for e in plp[1:])
+        assert {v["rank"] for v in plp[1].values()} == set(range(1, vocab + 1))
+        # echo + logprobs 1 with prompt_logprobs -1: the echoed prompt keeps its top 1 (+ the token itself)
+        e = srv.post("/v1/completions", {**cmpl, "echo": True, "logprobs": 1}).json()["choices"][0]
+        assert all(len(e["prompt_logprobs"][j]) == vocab for j in range(1, len(plp)))
+        assert all(1 <= len(t) <= 2 for t in e["logprobs"]["top_logprobs"][1:])
+    finally:
+        eng.config = config
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
 
 

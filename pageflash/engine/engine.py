@@ -498,14 +498,15 @@ class LLMEngine:
             self.bad_word_ids(params.bad_words)
         cap = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
+            k = asked = getattr(params, name)
             if k == -1:  # the whole vocabulary
                 k = self.vocab_size
+                asked = f"-1 (the whole vocabulary, {k})"
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size ({self.vocab_size})")
             if k is not None and cap >= 0 and k > cap:
-                raise ValueError(f"{name}={k} is more than the {cap} logprobs allowed per token (the engine's "
-                                 f"max_logprobs option)")
+                raise ValueError(f"{name}={asked} is more than the {cap} logprobs allowed per token (the engine's "
+                                 f"max_logprobs option; -1 allows the whole vocabulary)")
         if strict_length and params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens (max_model_len), but the "

@@ -720,9 +720,11 @@ class OpenAIServing:
         return out
 
     def prompt_logprobs_field(self, plp: list[Any] | None, ids: list[int], k: int) -> P.PromptLogprobs | None:
-        """vLLM's prompt_logprobs: per prompt token its own entry and the top k (the first null)."""
+        """vLLM's prompt_logprobs: per prompt token its own entry and the top k (the first null; k -1:
+        all the engine returned, the whole vocabulary)."""
         if plp is None:
             return None
+        k = _top_count(k)
         out: P.PromptLogprobs = []
         for j, d in enumerate(plp):
             if d is None:
@@ -755,7 +757,7 @@ class OpenAIServing:
             lp = (d or {}).get(tid)
             tok = self.decoded(tid, lp)
             top = []
-            for t, v in [(t, v) for t, v in self._ranked(d) if v.rank is not None][:k]:
+            for t, v in [(t, v) for t, v in self._ranked(d) if v.rank is not None][: _top_count(k)]:
                 s = self.decoded(t, v)
                 top.append(P.ChatTopLogprob(token=self.decoded(t, v, as_ids), logprob=_clamp(v.logprob),
                                             bytes=self.token_bytes(t, s)))  # fmt: skip
@@ -1210,7 +1212,8 @@ class OpenAIServing:
         if req.logprobs is not None:
             kw["logprobs"] = req.logprobs
             if req.echo:  # (the echoed prompt shows the top `logprobs`, prompt_logprobs its own count)
-                kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
+                plp = req.prompt_logprobs or 0
+                kw["prompt_logprobs"] = -1 if plp == -1 else max(req.logprobs, plp)
         params = self.sampling_params(kw, req.structured_from)
         await self.compile_constraint(params, req.structured_from)
         prompts: list[Any] = []
@@ -1456,6 +1459,11 @@ class OpenAIServing:
         body = P.ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=gen.usage(),
                                         prompt_logprobs=plp)  # fmt: skip
         return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _top_count(k: int) -> int:
+    """A request's top-logprobs count for slicing: -1 (the whole vocabulary) keeps every entry."""
+    return sys.maxsize if k < 0 else k
 
 
 def _in_request_terms(e: APIError, req: P.ChatCompletionRequest) -> APIError:

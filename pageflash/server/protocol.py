@@ -103,8 +103,9 @@ class _SamplingFields(_Strict):
     guided_whitespace_pattern: Any = None
     allowed_token_ids: list[StrictInt] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
-    # vLLM's: the prompt's tokens' logprobs and top k (completions: per choice; chat: the response's)
-    prompt_logprobs: StrictInt | None = Field(None, ge=0)
+    # vLLM's: the prompt's tokens' logprobs and top k (completions: per choice; chat: the response's);
+    # -1: the whole vocabulary (as vLLM; the server's --max-logprobs must allow it)
+    prompt_logprobs: StrictInt | None = Field(None, ge=-1)
     bad_words: list[StrictStr] | None = None
     # vLLM's extra parameters that change the result and that pageflash does not implement: asking
     # for one (anything but null / false) is a 400 naming it, not a silently different result.
@@ -427,7 +428,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = Field(None, ge=0)
+    top_logprobs: StrictInt | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM's; --max-logprobs -1)
     add_generation_prompt: StrictBool = True
     # Function calling: the tools go to the chat template; tool_choice "required" or a named function
     # constrains the output to their arguments' JSON (structured outputs), answered as tool_calls.
