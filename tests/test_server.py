@@ -1033,6 +1033,9 @@ def test_usage_counts_cached_prompt_tokens(srv: Srv) -> None:
     assert c.usage.prompt_tokens_details.cached_tokens == cached
     r = srv.client.responses.create(model=MODEL, input=msgs, max_output_tokens=2, temperature=0)
     assert r.usage.input_tokens_details.cached_tokens == cached
+    # beam search counts its prompt's cached tokens once (its rounds' re-sent beams are its own business)
+    b = srv.post("/v1/chat/completions", {**body, "n": 2, "use_beam_search": True}).json()["usage"]
+    assert b["prompt_tokens"] == u["prompt_tokens"] and b["prompt_tokens_details"]["cached_tokens"] == cached
 
 
 def test_tokenize_and_detokenize(srv: Srv) -> None:

@@ -839,10 +839,12 @@ class OpenAIServing:
             raise _value_error(e, ["n", "length_penalty"]) from None
         rid = f"beam-{uuid.uuid4().hex}"
         timer = self.metrics.timer()
+        cached = [0] * len(prompts)  # per prompt: its tokens found in the prefix cache (first round)
 
         async def rounds() -> None:
             r = 0
             while todo := search.pending():
+                owners = search.prompt_of_pending()
                 streams = await self.add_all(f"{rid}-{r}", [{"prompt_token_ids": t} for t in todo], search.step_params,
                                              param, lora)  # fmt: skip
                 try:
@@ -854,6 +856,8 @@ class OpenAIServing:
                         if last is None or not last.finished or not last.outputs[0].logprobs:
                             raise APIError(500, "beam search: a round's request ended without its token")
                         tops.append(last.outputs[0].logprobs[0])
+                        if r == 0:  # (later rounds' prompts are the beams, cached by the search itself)
+                            cached[owners[len(tops) - 1]] = last.num_cached_tokens or 0
                 finally:
                     for stream in streams:
                         stream.close()
@@ -874,7 +878,8 @@ class OpenAIServing:
             timer.finish(reasons, prompt_lens, generated)
         n_out = sum(len(s.output_token_ids) for r in results for s in r.sequences)
         n_in = sum(len(p) for p in prompts)
-        return results, P.Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
+        return results, P.Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out,
+                                prompt_tokens_details=P.PromptTokensDetails(cached_tokens=sum(cached)))
 
     # ---- /v1/responses (OpenAI's Responses API, the stateless text subset)
     async def responses(self, request: Request) -> Response:
