@@ -8,7 +8,8 @@ the same code bytes gives the ceiling. Every config is first checked against the
 Prints, per dtype, the configs ranked by the layer's sum over the four projections (us) and its GB/s
 (codes + scales over time), the default marked; M 2 is timed for the top 3 and the default.
 BEST_FILE: the two best configs per dtype, one "dtype rows,r,bk,stages,warps" per line (for A/Bs:
-PAGEFLASH_W8_GEMV_CFG). TILES="r,bk,stages,warps;..." and ROWS="8,16,32" change the sweep.
+PAGEFLASH_W8_GEMV_CFG). TILES="r,bk,stages,warps;..." and ROWS="8,16,32" change the sweep, DTYPES="int8"
+picks the codes.
 """
 
 import os
@@ -60,12 +61,13 @@ def graph_time(fn, n_calls=32):
 def main():
     dev = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a smoke run under TRITON_INTERPRET=1
     torch.manual_seed(0)
-    default = tuple(w8_gemv_cfg())
+    default = tuple(w8_gemv_cfg(torch.device(dev)))
     cfgs = list(dict.fromkeys([default] + [(rows, r, bk, st, wp) for r, bk, st, wp in TILES
                                            for rows in ROWS if rows % r == 0]))
     sink = torch.empty(1 << 20, device=dev, dtype=torch.int32)
     best_lines = []
-    for label, quant in (("int8", quantize_int8), ("e4m3", quantize_fp8)):
+    dtypes = os.environ.get("DTYPES", "int8 e4m3").split()
+    for label, quant in [(d, q) for d, q in (("int8", quantize_int8), ("e4m3", quantize_fp8)) if d in dtypes]:
         per = {c: {} for c in cfgs}  # cfg -> shape -> us (M 1)
         read_us, nbytes = {}, {}
         bad = set()

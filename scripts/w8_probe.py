@@ -16,6 +16,7 @@ import sys
 import torch
 
 from pageflash.kernels.gemv import gemv
+from pageflash.kernels import skinny_gemm as sg
 from pageflash.kernels.skinny_gemm import _bench_cold
 from pageflash.kernels.w8_linear import (GEMV_MAX_ROWS, _gemm_config, dequantize_int8,
                                          dequantize_int8_fast, quantize_int8, w8_gemm,
@@ -61,7 +62,7 @@ def main():
 
             bf = {"cublas": _bench_cold(lambda: torch.nn.functional.linear(x, wb), flush)}
             if m <= 4:
-                bf["gemv"] = _bench_cold(lambda: gemv(x, wb, *w8_gemv_cfg()), flush)
+                bf["gemv"] = _bench_cold(lambda: gemv(x, wb, 16, *sg.gemv_tile(x.device)), flush)
             cand = {}
             if m <= 4:
                 for c in GEMV_CFGS:
@@ -105,7 +106,7 @@ def main():
             best_k = min(cand, key=cand.get)
             bbest = min(bf.values())
             rows.append(dict(shape=name, m=m, bf16_us=bbest * 1e3, bf16=bf, int8_default_us=default * 1e3,
-                             default_cfg=str(w8_gemv_cfg() if m <= GEMV_MAX_ROWS else _gemm_config(m, n, k)), best=best_k,
+                             default_cfg=str(w8_gemv_cfg(x.device) if m <= GEMV_MAX_ROWS else _gemm_config(m, n, k)), best=best_k,
                              best_us=cand[best_k] * 1e3, cands={k2: v * 1e3 for k2, v in cand.items()},
                              gbps=nbytes / default / 1e6))
             r = rows[-1]

@@ -15,6 +15,9 @@ uses is still decided by timing (`skinny_gemm.SkinnyDispatch`).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -33,13 +36,64 @@ CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 
+@triton.jit
+def i8x4_to_f32(w):
+    """int32 words of 4 int8 codes each (little-endian: code 4i + j in byte j) -> the 4 codes as float32
+    tensors (byte 0's, 1's, 2's, 3's), without I2F, a quarter-rate conversion on sm_8x / sm_9x that
+    caps an int8 GEMV below the HBM's bandwidth: flip the 4 sign bits (code + 128 as a byte), place
+    each byte under the exponent of 2^23 with one PRMT (the float 2^23 + code + 128) and subtract
+    2^23 + 128. Exact: the values ``.to(tl.float32)`` gives. CUDA only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t;
+        xor.b32 t, $4, 0x80808080;
+        prmt.b32 $0, t, 0x4B000000, 0x7440;
+        prmt.b32 $1, t, 0x4B000000, 0x7441;
+        prmt.b32 $2, t, 0x4B000000, 0x7442;
+        prmt.b32 $3, t, 0x4B000000, 0x7443;
+        sub.f32 $0, $0, 0f4B000080;
+        sub.f32 $1, $1, 0f4B000080;
+        sub.f32 $2, $2, 0f4B000080;
+        sub.f32 $3, $3, 0f4B000080;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[w], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def e4m3x4_to_f32(w):
+    """int32 words of 4 float8_e4m3fn codes each (code 4i + j in byte j) -> the 4 codes as float32
+    tensors, two codes per cvt.rn.f16x2.e4m3x2 (sm_89+) and then each half widened: no byte-wise
+    shared-memory loads. Exact (every e4m3 value is an fp16 one). CUDA only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi, a, b, c, d;
+        .reg .b32 h01, h23;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 h01, lo;
+        cvt.rn.f16x2.e4m3x2 h23, hi;
+        mov.b32 {a, b}, h01;
+        mov.b32 {c, d}, h23;
+        cvt.f32.f16 $0, a;
+        cvt.f32.f16 $1, b;
+        cvt.f32.f16 $2, c;
+        cvt.f32.f16 $3, d;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[w], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+        is_pure=True, pack=1)
+
+
 # M, ROWS and HALF are not specialized: one compile per tile config serves every shape (cold start)
 @triton.jit(do_not_specialize=["M", "ROWS", "HALF"])
 def _gemv_kernel(
     X, W, S, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym,
     BM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     SILU: tl.constexpr, LIBDEVICE: tl.constexpr, SCALED: tl.constexpr, GELU: tl.constexpr = False,
+    CODE_WORDS: tl.constexpr = 0,
 ):
+    # CODE_WORDS 1 / 2: W is int8 / float8_e4m3fn codes seen as int32 words of 4 (K and BK count
+    # words; x's column of code j of word i is 4i + j), widened by i8x4_to_f32 / e4m3x4_to_f32: 16-byte
+    # loads of the staged tile instead of one shared-memory load (and, for int8, one I2F) per code
     # SCALED: W holds int8 codes and S one float32 scale per row (kernels/w8_linear.py): a row's sums
     # are multiplied by its scale before rounding, so the codes are read as they are (half the bytes)
     # SILU: W is a fused [gate; up] projection (2 * HALF rows) and Y = silu(x W_gate^T) * (x W_up^T),
@@ -68,11 +122,28 @@ def _gemv_kernel(
             rows = r0 + g * R + offs_r
             row_ok = rows < N
         kk = kc * BK + offs_k
-        w = tl.load(W + rows[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                    mask=row_ok[:, None] & (kk[None, :] < K), other=0.0)
-        x = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :],
-                    mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        w_ptr = W + rows[:, None].to(tl.int64) * stride_wn + kk[None, :]
+        w_ok = row_ok[:, None] & (kk[None, :] < K)
+        if CODE_WORDS > 0:
+            if CODE_WORDS == 1:
+                w0, w1, w2, w3 = i8x4_to_f32(tl.load(w_ptr, mask=w_ok, other=0))
+            else:
+                w0, w1, w2, w3 = e4m3x4_to_f32(tl.load(w_ptr, mask=w_ok, other=0))
+            kx = kc * (4 * BK) + tl.arange(0, 4 * BK)
+            x = tl.load(X + offs_m[:, None] * stride_xm + kx[None, :], mask=(offs_m[:, None] < M) & (kx[None, :] < 4 * K),
+                        other=0.0).to(tl.float32)
+            x02, x13 = tl.split(tl.reshape(x, [BM, BK, 2, 2]))  # x[.., 4i + j]: j = 2p + q, q split first
+            x0, x2 = tl.split(x02)
+            x1, x3 = tl.split(x13)
+            acc += w0[None, :, :] * x0[:, None, :]
+            acc += w1[None, :, :] * x1[:, None, :]
+            acc += w2[None, :, :] * x2[:, None, :]
+            acc += w3[None, :, :] * x3[:, None, :]
+        else:
+            w = tl.load(w_ptr, mask=w_ok, other=0.0)
+            x = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :],
+                        mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0)
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         if kc == n_k - 1:
             out = tl.sum(acc, axis=2)  # [BM, R]
             if SCALED:
@@ -99,6 +170,27 @@ def _gemv_kernel(
 
 
 _gemv_kernel = fast_launch(_gemv_kernel)  # host launches via the cached CompiledKernel
+
+
+def code_words(w: torch.Tensor) -> int:
+    """How the GEMV reads 8-bit codes w: 1 (int8) / 2 (float8_e4m3fn, sm_89+) as int32 words of 4
+    (i8x4_to_f32 / e4m3x4_to_f32), on CUDA outside Triton's interpreter where w's rows are whole words
+    (K, the row stride and the address multiples of 4); else 0, one code at a time (also for
+    PAGEFLASH_CODE_WORDS=0, for A/Bs: the same values, summed in another order)."""
+    kind = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(w.dtype, 0)
+    if not kind or not w.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1" \
+            or os.environ.get("PAGEFLASH_CODE_WORDS", "1") == "0":
+        return 0
+    if w.shape[1] % 4 or w.stride(0) % 4 or w.data_ptr() % 4:
+        return 0
+    if kind == 2 and not _has_e4m3_cvt(w.device.index if w.device.index is not None else torch.cuda.current_device()):
+        return 0
+    return kind
+
+
+@functools.lru_cache(maxsize=None)
+def _has_e4m3_cvt(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int = 512, num_stages: int = 4,
@@ -146,10 +238,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device) if out is None else out
     bm = 1 if m == 1 else (2 if m == 2 else 4)
     per = rows // 2 if silu_mul else rows
+    words = code_words(w) if bk % 4 == 0 else 0
+    wk = w.view(torch.int32) if words else w  # (codes as words of 4: K, BK and the row stride in words)
     _gemv_kernel[(cdiv(n_out, per),)](
-        x, w, w if scale is None else scale, y, m, n, k, rows, n_out, x.stride(0), w.stride(0), y.stride(0),
-        BM=bm, R=r, BK=bk, STAGES=num_stages, SILU=silu_mul, LIBDEVICE=x.is_cuda, SCALED=scale is not None,
-        GELU=silu_mul and act == "gelu_pytorch_tanh", num_warps=num_warps,
+        x, wk, w if scale is None else scale, y, m, n, wk.shape[1], rows, n_out, x.stride(0), wk.stride(0),
+        y.stride(0), BM=bm, R=r, BK=bk // 4 if words else bk, STAGES=num_stages, SILU=silu_mul,
+        LIBDEVICE=x.is_cuda, SCALED=scale is not None, GELU=silu_mul and act == "gelu_pytorch_tanh",
+        CODE_WORDS=words, num_warps=num_warps,
     )
     return y
 

@@ -28,6 +28,7 @@ the plain reference every kernel is tested against.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from pageflash.envs import int_env, int_tuple_env
+from pageflash.kernels.device_info import high_bandwidth_per_sm, memory_bandwidth_per_sm
 from pageflash.kernels.gemv import CODE_DTYPES, gemv
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
@@ -246,19 +248,34 @@ def run_split_k(launch, out: torch.Tensor, bias: Optional[torch.Tensor], split_k
 # winner at M = 1 on every llama-3-8b shape (an [8, 512] int8 tile is as many bytes as the bf16
 # GEMV's [4, 512]). At M >= 3 the tensor-core GEMM's 16-row tile was faster (docs/BENCHMARKS.md).
 _GEMV_CFG = (8, 8, 512, 4, 4)
+# Where the peak bandwidth per SM exceeds device_info.STAGES_BW_PER_SM (H200), as the bf16 GEMV's
+# tile there: 3 stages of [8, 1024] (scripts/w8_gemv_probe.py's best for int8 and e4m3, with the codes
+# read as words; W-decode1 -q int8 320.4 -> 344.5 tok/s, -q fp8 340.3 -> 360.3, docs/BENCHMARKS.md
+# run 62). The H100 keeps the tile above (not re-measured since the words).
+_GEMV_CFG_HIGH_BW = (8, 8, 1024, 3, 4)
 GEMV_MAX_ROWS = 2
 # from this M on: dequantize in one pass (dequantize_int8_fast), then cuBLAS: faster than the Triton
 # GEMM from 512 rows on (docs/BENCHMARKS.md run 31)
 _DEQUANT_M = 512
 
 
-def w8_gemv_cfg() -> tuple[int, int, int, int, int]:
-    """_GEMV_CFG, or PAGEFLASH_W8_GEMV_CFG="rows,r,bk,stages,warps" (for A/Bs: not measured on the H200,
-    where the bf16 GEMV wants a deeper tile, docs/BENCHMARKS.md run 61)."""
-    cfg = int_tuple_env("PAGEFLASH_W8_GEMV_CFG", _GEMV_CFG, (False, True, True, False, True))
+def w8_gemv_cfg(device: Optional[torch.device] = None) -> tuple[int, int, int, int, int]:
+    """The 8-bit GEMV's config on this device: PAGEFLASH_W8_GEMV_CFG="rows,r,bk,stages,warps" (for
+    A/Bs) if set, else by the peak bandwidth per SM (as skinny_gemm.gemv_tile): _GEMV_CFG_HIGH_BW
+    above STAGES_BW_PER_SM, _GEMV_CFG otherwise (and without a CUDA device)."""
+    cfg = int_tuple_env("PAGEFLASH_W8_GEMV_CFG", None, (False, True, True, False, True))
+    if cfg is None:
+        high = device is not None and device.type == "cuda" and _high_bw(
+            device.index if device.index is not None else torch.cuda.current_device())
+        return _GEMV_CFG_HIGH_BW if high else _GEMV_CFG
     if cfg[0] % cfg[1]:
         raise ValueError(f"PAGEFLASH_W8_GEMV_CFG: rows ({cfg[0]}) must be a multiple of r ({cfg[1]})")
     return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _high_bw(index: int) -> bool:
+    return high_bandwidth_per_sm(memory_bandwidth_per_sm(torch.cuda.get_device_properties(index)))
 
 
 def _dequant_min_m() -> int:
@@ -279,7 +296,7 @@ def w8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: Optional[
         y = torch.nn.functional.linear(x, dequantize_int8_fast(q, s, x.dtype), bias)
         return y.float() if float_out else y
     if 1 <= m <= GEMV_MAX_ROWS and bias is None:
-        y = gemv(x, q, *w8_gemv_cfg(), scale=s)  # gemv validates the operands itself
+        y = gemv(x, q, *w8_gemv_cfg(x.device), scale=s)  # gemv validates the operands itself
     else:
         y = w8_gemm(x, q, s, bias)
     return y.float() if float_out else y

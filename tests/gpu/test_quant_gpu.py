@@ -53,6 +53,36 @@ def test_gemv_int8_silu_bf16_matches_reference(poison_outputs):
     _close(y, ref)
 
 
+@pytest.mark.parametrize("code", ["int8", "e4m3"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k,cfg", [(6144, 4096, (8, 8, 512, 4, 4)), (4096, 14336, (16, 16, 512, 3, 4)),
+                                     (1000, 1000, (8, 8, 1024, 3, 4)), (37, 260, (8, 4, 2048, 2, 4))])
+def test_gemv_code_words_equal_per_code_loads(code, m, n, k, cfg, monkeypatch, poison_outputs):
+    """The 8-bit GEMV's word path (4 codes per int32, gemv.i8x4_to_f32 / e4m3x4_to_f32) against the
+    per-code path (PAGEFLASH_CODE_WORDS=0) and the float32 reference: K tails inside a tile, ragged N,
+    M 1-4, the fused SiLU; codes that are not whole words take the per-code path."""
+    from pageflash.kernels.fp8_linear import quantize_fp8
+    from pageflash.kernels.gemv import code_words
+
+    g = torch.Generator(device="cuda").manual_seed(n + k + m)
+    q, s = (quantize_int8 if code == "int8" else quantize_fp8)(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    assert code_words(q) == (1 if code == "int8" else 2) and not code_words(q[:, 1:]) and not code_words(q[:, : k - 2])
+    ref = w8_linear_ref(x.float(), q, s)
+    y = gemv(x, q, *cfg, scale=s)
+    _close(y, ref)
+    monkeypatch.setenv("PAGEFLASH_CODE_WORDS", "0")
+    y0 = gemv(x, q, *cfg, scale=s)
+    monkeypatch.delenv("PAGEFLASH_CODE_WORDS")
+    _close(y0, ref)
+    assert ((y.float() - y0.float()).abs() <= y0.float().abs() * 2**-7 + 1e-6).all()  # a bf16 rounding apart at most
+    sub = q[:, : k - 2]  # not whole words (and a strided view)
+    _close(gemv(x[:, : k - 2], sub, *cfg, scale=s), w8_linear_ref(x[:, : k - 2].float(), sub, s))
+    if n % 2 == 0 and cfg[0] % (2 * cfg[1]) == 0:
+        ref2 = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2:]
+        _close(gemv(x, q, *cfg, silu_mul=True, scale=s), ref2)
+
+
 PROMPTS = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 17, 33, 64, 100, 1, 250, 16))]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
