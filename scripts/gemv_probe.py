@@ -14,42 +14,16 @@ import os
 
 import torch
 import triton
-import triton.language as tl
-from triton.testing import do_bench
 
+from graph_timing import graph_time, read_kernel  # (scripts/, the running script's folder)
 from pageflash.kernels import skinny_gemm as sg
 from pageflash.kernels.gemv import gemv
-
-
-@triton.jit
-def _read_kernel(W, N, SINK, BLOCK: tl.constexpr, PER: tl.constexpr, STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    start = pid.to(tl.int64) * (BLOCK * PER)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.range(PER, num_stages=STAGES):
-        offs = start + j * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(W + offs, mask=offs < N, other=0.0).to(tl.float32)
-    tl.store(SINK + pid, tl.sum(acc, axis=0))
 
 
 shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 dev = "cuda"
 NW = 8
 sink = torch.empty(1 << 20, device=dev)
-
-
-def graph_time(fn, n_calls=32):
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        with torch.cuda.graph(g, stream=st):
-            for i in range(n_calls):
-                fn(i)
-    torch.cuda.synchronize()
-    return do_bench(g.replay, warmup=5, rep=60, return_mode="median") / n_calls * 1e3  # us per call
 
 
 # GEMV_TILES="r,bk,stages,warps;..." and GEMV_PROGS="384,512,768" widen the sweep (session 14, H200);
@@ -84,7 +58,7 @@ for name, (N, K) in shapes.items():
             progs = 132 * waves
             per = triton.cdiv(N * K, progs * block)
             grid = triton.cdiv(N * K, block * per)
-            t = graph_time(lambda i: _read_kernel[(grid,)](ws[i % NW], N * K, sink, BLOCK=block, PER=per,
+            t = graph_time(lambda i: read_kernel[(grid,)](ws[i % NW], N * K, sink, BLOCK=block, PER=per,
                                                           STAGES=stages, num_warps=warps))
             res.append((t, f"read B{block} s{stages} w{warps} x{waves}"))
     res.sort()

@@ -17,23 +17,11 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
-from triton.testing import do_bench
 
+from graph_timing import graph_time, read_kernel  # (scripts/, the running script's folder)
 from pageflash.kernels.fp8_linear import quantize_fp8
 from pageflash.kernels.gemv import gemv, gemv_ref
 from pageflash.kernels.w8_linear import quantize_int8, w8_gemv_cfg
-
-
-@triton.jit
-def _read_kernel(W, N, SINK, BLOCK: tl.constexpr, PER: tl.constexpr, STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    start = pid.to(tl.int64) * (BLOCK * PER)
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for j in tl.range(PER, num_stages=STAGES):
-        offs = start + j * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(W + offs, mask=offs < N, other=0).to(tl.int32)
-    tl.store(SINK + pid, tl.sum(acc, axis=0))
 
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -42,20 +30,6 @@ TILES = [tuple(int(v) for v in t.split(",")) for t in os.environ.get(
     "TILES", "8,512,4,4;8,1024,3,4;8,1024,4,4;8,2048,2,4;8,2048,3,8;4,1024,3,4;4,2048,3,4;16,1024,2,8;"
              "16,512,3,4;8,1024,3,8;16,1024,3,8").split(";")]
 ROWS = [int(v) for v in os.environ.get("ROWS", "8,16,32").split(",")]
-
-
-def graph_time(fn, n_calls=32):
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        with torch.cuda.graph(g, stream=st):
-            for i in range(n_calls):
-                fn(i)
-    torch.cuda.synchronize()
-    return do_bench(g.replay, warmup=5, rep=60, return_mode="median") / n_calls * 1e3  # us per call
 
 
 def main():
@@ -80,7 +54,7 @@ def main():
             codes = [q.view(torch.int8) for q, _ in ws]
             block, pr = 4096, 8
             grid = (triton.cdiv(n * k, block * pr),)
-            read_us[name] = graph_time(lambda i: _read_kernel[grid](codes[i % NW], n * k, sink, BLOCK=block, PER=pr,
+            read_us[name] = graph_time(lambda i: read_kernel[grid](codes[i % NW], n * k, sink, BLOCK=block, PER=pr,
                                                                     STAGES=3, num_warps=8))
             q0, s0 = ws[0]
             ref = gemv_ref(x[:1].float(), q0, s0)

@@ -127,9 +127,7 @@ def test_w8_gemv_cfg_default_and_env_override(monkeypatch):
     h100 = SimpleNamespace(memory_clock_rate=2_619_000, memory_bus_width=5120, multi_processor_count=132)
     for i, (props, want) in enumerate(((h200, w8._GEMV_CFG_HIGH_BW), (h100, w8._GEMV_CFG))):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, p=props: p)
-        w8._high_bw.cache_clear()
         assert w8.w8_gemv_cfg(torch.device("cuda", i)) == want
-    w8._high_bw.cache_clear()
     monkeypatch.setenv("PAGEFLASH_W8_GEMV_CFG", "16,8,1024,3,4")
     assert w8.w8_gemv_cfg() == (16, 8, 1024, 3, 4)
     for bad in ("8,8,512,4", "8,6,512,4,4", "8,8,500,4,4", "8,8,512,0,4", "12,8,512,4,4", "x"):

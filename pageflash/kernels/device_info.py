@@ -4,6 +4,7 @@ where it is high: the decode kernel's copy stages, the GEMV's tile) and programm
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -30,6 +31,13 @@ def high_bandwidth_per_sm(bw_per_sm: Optional[float]) -> bool:
     """Whether a GPU of this peak bandwidth per SM (memory_bandwidth_per_sm; None: unknown) needs the
     configs with more bytes in flight per SM: above STAGES_BW_PER_SM (the H200, not the H100 SXM)."""
     return bw_per_sm is not None and bw_per_sm > STAGES_BW_PER_SM
+
+
+@functools.lru_cache(maxsize=None)
+def has_fp8(index: int) -> bool:
+    """Whether CUDA device `index` is of compute capability 8.9+: FP8 tensor cores and the e4m3x2
+    conversions (cached: asked by every FP8 product and 8-bit GEMV of an eager step)."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def pdl_supported(device: torch.device) -> bool:

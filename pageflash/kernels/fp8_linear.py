@@ -30,7 +30,6 @@ W8A8 path, which ``fp8_scaled_mm`` is tested against.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
@@ -39,6 +38,7 @@ import triton
 import triton.language as tl
 
 from pageflash.envs import int_env
+from pageflash.kernels.device_info import has_fp8 as _fp8_tensor_cores
 from pageflash.kernels.fp8_quant import (FP8, FP8_MAX, INV_MAX, Fp8Rows, quantize_rows_fp8,
                                          quantize_rows_fp8_ref)
 from pageflash.kernels.launch import fast_launch
@@ -224,11 +224,6 @@ def fp8_tensor_cores(dev: torch.device) -> bool:
     capability >= 8.9): where the W8A8 products and MoE experts run."""
     return _fp8_tensor_cores(dev.index if dev.index is not None else torch.cuda.current_device())
 
-
-@functools.lru_cache(maxsize=None)
-def _fp8_tensor_cores(device: int) -> bool:
-    # (cached: asked by every FP8 product of an eager step)
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def fp8_scaled_mm(x, q: torch.Tensor, s: torch.Tensor,

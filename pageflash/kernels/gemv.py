@@ -15,7 +15,6 @@ uses is still decided by timing (`skinny_gemm.SkinnyDispatch`).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -23,6 +22,7 @@ import triton
 import triton.language as tl
 
 from pageflash.kernels.activation import gelu_tanh_f32, silu_f32
+from pageflash.kernels.device_info import has_fp8
 from pageflash.kernels.host_math import cdiv
 from pageflash.kernels.launch import fast_launch
 
@@ -183,14 +183,9 @@ def code_words(w: torch.Tensor) -> int:
         return 0
     if w.shape[1] % 4 or w.stride(0) % 4 or w.data_ptr() % 4:
         return 0
-    if kind == 2 and not _has_e4m3_cvt(w.device.index if w.device.index is not None else torch.cuda.current_device()):
+    if kind == 2 and not has_fp8(w.device.index if w.device.index is not None else torch.cuda.current_device()):
         return 0
     return kind
-
-
-@functools.lru_cache(maxsize=None)
-def _has_e4m3_cvt(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int = 512, num_stages: int = 4,

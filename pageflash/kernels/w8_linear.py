@@ -28,7 +28,6 @@ the plain reference every kernel is tested against.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
@@ -265,17 +264,13 @@ def w8_gemv_cfg(device: Optional[torch.device] = None) -> tuple[int, int, int, i
     above STAGES_BW_PER_SM, _GEMV_CFG otherwise (and without a CUDA device)."""
     cfg = int_tuple_env("PAGEFLASH_W8_GEMV_CFG", None, (False, True, True, False, True))
     if cfg is None:
-        high = device is not None and device.type == "cuda" and _high_bw(
-            device.index if device.index is not None else torch.cuda.current_device())
+        high = device is not None and device.type == "cuda" and high_bandwidth_per_sm(
+            memory_bandwidth_per_sm(torch.cuda.get_device_properties(device)))
         return _GEMV_CFG_HIGH_BW if high else _GEMV_CFG
     if cfg[0] % cfg[1]:
         raise ValueError(f"PAGEFLASH_W8_GEMV_CFG: rows ({cfg[0]}) must be a multiple of r ({cfg[1]})")
     return cfg
 
-
-@functools.lru_cache(maxsize=None)
-def _high_bw(index: int) -> bool:
-    return high_bandwidth_per_sm(memory_bandwidth_per_sm(torch.cuda.get_device_properties(index)))
 
 
 def _dequant_min_m() -> int:
