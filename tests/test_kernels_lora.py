@@ -87,3 +87,37 @@ def test_launchers_check_shapes():
         lora_expand(p, b, *meta, torch.zeros(4, 16), [8])
     with pytest.raises(AssertionError, match="dtypes"):
         lora_expand(p, b, *meta, torch.zeros(4, 16, dtype=torch.float16), [16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("slot", [0, 1, 2])
+def test_gemv_with_lora_equals_gemv_then_shrink_expand(dtype, silu, slot):
+    """kernels/gemv.py's ``lora=``: one token's product and its adapter's delta in one launch equal the
+    GEMV followed by the shrink / expand references (and, for gate/up, the activation after), for an
+    adapter of the slots' rank, one of half of it (zero padding) and slot 0 (no delta, bitwise the
+    plain GEMV); the launch leaves its counters zero for the next."""
+    from pageflash.kernels.activation import silu_and_mul
+    from pageflash.kernels.gemv import GemvLoRA, gemv
+
+    slices = [64, 64] if silu else [40, 24, 24]
+    x, a, b, scale, _ = _case(1, 96, 8, slices, 4, dtype, seed=slot + 10 * silu)
+    w = (torch.randn(sum(slices), 96, generator=torch.Generator().manual_seed(5)) / 96 ** 0.5).to(dtype)
+    slots = torch.tensor([slot], dtype=torch.int32)
+    groups = group_by_slot(slots, 4)
+    base = gemv(x, w, 8, 4, 32, 2, 4)
+    ref = lora_expand_ref(lora_shrink_ref(x, a, scale, *groups), b, *groups, base.clone(), slices)
+    ref = silu_and_mul(ref) if silu else ref
+    counters = torch.zeros(3, dtype=torch.int32)
+    lo = GemvLoRA(a, b, scale, slots, torch.zeros(len(slices) * 8), counters,
+                  torch.empty(sum(slices), dtype=dtype) if silu else None, tuple(slices))
+    y = gemv(x, w, 8, 4, 32, 2, 4, silu_mul=silu, lora=lo)
+    if slot == 0 and not silu:
+        assert torch.equal(y, base)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol), (y - ref).abs().max()
+    assert counters.tolist() == [0, 0, 0]
+    with pytest.raises(ValueError, match="LoRA"):
+        gemv(torch.cat([x, x]), w, 8, 4, 32, 2, 4, lora=lo)  # one row only
+    with pytest.raises(ValueError, match="slices"):
+        gemv(x, w, 8, 4, 32, 2, 4, lora=lo._replace(slices=(sum(slices) - 8, 8, 8)))

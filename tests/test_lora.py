@@ -197,6 +197,54 @@ def test_decode_graph_path_with_lora_kernels(model, monkeypatch):
         assert len(picked) >= NEW - 2 and all(c is want for c in picked), batch
 
 
+def test_one_row_steps_add_the_delta_in_the_gemv(model, monkeypatch):
+    """Steps of one token add each projection's delta inside the GEMV's launch (LoRASlots.fused_gemv;
+    the interpreter, with a fixed tile): every targeted projection of a decode step at batch 1 takes
+    it, gate/up with the activation in its epilogue, and greedy output equals HF + peft, one request
+    at a time under each adapter and the base model (slot 0: the GEMV adds nothing). Steps of more
+    rows keep the shrink and expand kernels."""
+    from pageflash.lora.layers import LoRASlots
+
+    folder, reqs, refs = model
+    llm = LLM(folder, enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4, max_model_len=64,
+              num_kv_blocks=64, attention_backend="triton", enforce_eager=True)
+    r = llm.llm_engine.runner
+    r.lora.kernels = True
+    r.lora.gemv_tile = (8, 4, 32, 2, 4)
+    calls = []  # (rows, act, fused) of each projection of a step with adapter rows
+    real = LoRASlots.fused_gemv
+
+    def fused_gemv(self, x, w, act=None):
+        y = real(self, x, w, act)
+        calls.append((x.shape[0], act is not None, y is not None))
+        return y
+
+    monkeypatch.setattr(LoRASlots, "fused_gemv", fused_gemv)
+    prompts = _prompts(12, (3, 11))
+    for name in ("a", "b", None):
+        calls.clear()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], GREEDY, use_tqdm=False,
+                            lora_request=reqs[name])
+        assert _tokens(outs) == [hf_greedy(refs[name], prompts[0], NEW)], name
+        one = [c for c in calls if c[0] == 1]
+        if name is None:  # (steps without adapter rows skip LoRA: nothing fused)
+            assert not any(c[2] for c in calls)
+            continue
+        layers = len({i for i, _, _ in r.model.lora_targets})
+        # NEW - 1 decode steps, each: q/k/v, o, down plain and gate/up with the activation, per layer
+        assert len(one) == 4 * layers * (NEW - 1) and all(c[2] for c in one)
+        assert sum(1 for c in one if c[1]) == layers * (NEW - 1)
+        assert not any(c[2] for c in calls if c[0] > 1)  # the prefill: shrink and expand
+    # two requests in one batch: nothing fused, the same tokens as each alone
+    calls.clear()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=[reqs["a"], reqs["b"]])
+    assert _tokens(outs) == [hf_greedy(refs[n], p, NEW) for p, n in zip(prompts, "ab")]
+    assert calls and not any(c[2] for c in calls if c[0] > 1)
+    for mod in (m for _, _, m in r.model.lora_targets):
+        assert mod.lora.gemv_counters.tolist() == [0, 0, 0]  # reset by each launch's last program
+
+
 # ---- vLLM's signatures ---------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ made during warm-up, so CUDA-graph capture only replays it.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -195,16 +196,38 @@ class SkinnyDispatch:
         ran W-decode1 2.7% slower on the H200: 231 against 237.6 tok/s, docs/BENCHMARKS.md run 61.)"""
         if x.shape[0] != 1:
             return None
+        c = self._silu_choice(x, w, act)
+        return None if c is None else gemv(x, w, *c[1], silu_mul=True, act=act)
+
+    def _silu_choice(self, x: torch.Tensor, w: torch.Tensor, act: str, lora=None) -> Optional[tuple]:
         key = (w.shape[0], w.shape[1], 1, x.dtype, act)
         if key not in self.choice:
             if torch.cuda.is_current_stream_capturing():
                 return None
             if precompiling():
                 self._queue_gemv(x, w, silu_mul=True, act=act)
+                if lora is not None:
+                    self._queue_gemv(x, w, silu_mul=True, act=act, lora=lora)
                 return None
             self.choice[key] = self._decide(x, w, skinny=False, act=act)
-        c = self.choice[key]
-        return None if c is None else gemv(x, w, *c[1], silu_mul=True, act=act)
+        return self.choice[key]
+
+    def gemv_config(self, x: torch.Tensor, w: torch.Tensor, act: Optional[str] = None,
+                    lora=None) -> Optional[tuple]:
+        """The GEMV tile (rows, r, bk, stages, warps) that won for this one-row shape (act: the fused
+        gate/up GEMV's decision), or None where cuBLAS won or nothing can be decided now (a capture).
+        For the LoRA GEMV (kernels/gemv.py, ``lora=``), which runs the same rows with the delta's
+        programs beside them. Under precompile: queues the candidates' compiles (with lora's variant
+        too) and returns None."""
+        if x.shape[0] != 1:
+            return None
+        if act is not None:
+            c = self._silu_choice(x, w, act, lora)
+        else:
+            if precompiling() and lora is not None and (w.shape[0], w.shape[1], 1, x.dtype) not in self.choice:
+                self._queue_gemv(x, w, lora=lora)
+            c = self._choice(x, w, False)
+        return c[1] if c is not None and c[0] == "gemv" else None
 
     def _choice(self, x: torch.Tensor, w: torch.Tensor, large: bool) -> Optional[tuple]:
         key = (w.shape[0], w.shape[1], x.shape[0], x.dtype)
@@ -304,6 +327,14 @@ def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor, large: bool = False,
     """Decode-sized bf16/fp16 products on CUDA through the faster of cuBLAS and the skinny kernel, or
     at one row of cuBLAS and the GEMV."""
     return _dispatch()(x, w, large, out_dtype)
+
+
+def gemv_config(x: torch.Tensor, w: torch.Tensor, act: Optional[str] = None, lora=None) -> Optional[tuple]:
+    """SkinnyDispatch.gemv_config of the process's dispatch; None off CUDA / 16-bit dtypes or with
+    PAGEFLASH_SKINNY_GEMM=0 (where no GEMV runs)."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and os.environ.get("PAGEFLASH_SKINNY_GEMM", "1") != "0"):
+        return None
+    return _dispatch().gemv_config(x, w, act, lora)
 
 
 def maybe_gate_up_silu(x: torch.Tensor, w: torch.Tensor, act: str = "silu") -> Optional[torch.Tensor]:

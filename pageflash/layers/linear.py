@@ -116,6 +116,10 @@ class Linear(nn.Module):
         Fp8Rows from the launch that computed them)."""
         if self.lora is None:
             return linear(x, self.weight, self.bias, scale=self.weight_scale)
+        if self.weight_scale is None:
+            y = self.lora.fused_gemv(x, self.weight)  # (one row: the delta in the GEMV's launch)
+            if y is not None:
+                return y if self.bias is None else y + self.bias
         pending = self.lora.shrink(x)  # (before the base product: a graph runs the two side by side)
         y = linear(x, self.weight, self.bias, scale=self.weight_scale)
         self.lora.expand_(pending, y)

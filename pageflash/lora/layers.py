@@ -63,6 +63,11 @@ class LoRAContext:
         self.kernels: Optional[bool] = None
         self._side: Optional[torch.cuda.Stream] = None
         self.fork = int_env("PAGEFLASH_LORA_SIDE_STREAM", 1) > 0  # (0: the shrinks stay in line; the A/B)
+        # one-row steps: the delta inside the base GEMV's launch (LoRASlots.fused_gemv; 0: the A/B)
+        self.fused = int_env("PAGEFLASH_LORA_GEMV", 1) > 0
+        # the GEMV tile for fused_gemv off CUDA (tests, under Triton's interpreter; on CUDA the
+        # dispatch's choice for the shape): (rows, r, bk, stages, warps), None = not fused there
+        self.gemv_tile: Optional[tuple] = None
 
     def side_stream(self, x: torch.Tensor) -> Optional["torch.cuda.Stream"]:
         """The stream the shrinks go on while a CUDA graph is being captured (None otherwise: eager
@@ -98,6 +103,11 @@ class LoRASlots(nn.Module):
         self.register_buffer("a", torch.zeros(s, len(self.slices) * r, in_features, dtype=dtype, device=device))
         self.register_buffer("b", torch.zeros(s, sum(self.slices), r, dtype=dtype, device=device))
         self.register_buffer("scale", torch.zeros(s, len(self.slices), dtype=torch.float32, device=device))
+        # fused_gemv's scratch: p, the launch's counters (zero between launches) and, for gate/up, the
+        # sums before the activation; plain attributes (not state)
+        self.gemv_p = torch.zeros(len(self.slices) * r, dtype=torch.float32, device=device)
+        self.gemv_counters = torch.zeros(3, dtype=torch.int32, device=device)
+        self.gemv_gu = torch.empty(sum(self.slices), dtype=dtype, device=device) if len(self.slices) == 2 else None
 
     def load(self, slot: int, parts: Sequence[tuple[int, float, torch.Tensor, torch.Tensor]]) -> None:
         """Put an adapter's parts of this projection into slot: (slice, scale, A [r, in], B [rows, r]);
@@ -118,6 +128,34 @@ class LoRASlots(nn.Module):
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.scale[slot].zero_()
+
+    def fused_gemv(self, x: torch.Tensor, w: torch.Tensor, act: Optional[str] = None) -> Optional[torch.Tensor]:
+        """x W^T plus the token's delta in one GEMV launch (kernels/gemv.py, ``lora=``), for a step of
+        one token where the GEMV runs this shape (its timed choice on CUDA; ctx.gemv_tile under the
+        interpreter); act ("silu" / "gelu_pytorch_tanh", gate/up only): act(gate) * up of the sums
+        with their deltas, as the fused gate/up GEMV. None where it does not apply: the caller runs
+        shrink, the product and expand_. Why: at batch 1 a shrink / expand pair costs llama-3-8b
+        ~8.7 us a projection of launches and waits, 0.83x the base model's speed (docs/BENCHMARKS.md run 47)."""
+        ctx = self.ctx
+        if ctx.groups is None or not ctx.fused or x.shape[0] != 1 or x.shape[0] != ctx.num_tokens \
+                or w.dtype != x.dtype or ctx.kernels is False or (act is not None and len(self.slices) != 2):
+            return None
+        gemv = triton_kernel("pageflash.kernels.gemv", "gemv")
+        if gemv is None:
+            return None
+        from pageflash.kernels.gemv import GemvLoRA
+
+        lo = GemvLoRA(self.a, self.b, self.scale, ctx.token_slots[:1], self.gemv_p, self.gemv_counters,
+                      self.gemv_gu, tuple(self.slices))
+        if x.is_cuda:
+            from pageflash.kernels.skinny_gemm import gemv_config
+
+            cfg = gemv_config(x, w, act, lora=lo)
+        else:
+            cfg = ctx.gemv_tile if ctx.kernels else None
+        if cfg is None:
+            return None
+        return gemv(x, w, *cfg, silu_mul=act is not None, act=act or "silu", lora=lo)
 
     def add_(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [T, out] += each token's adapter delta for x [T, in], in place."""

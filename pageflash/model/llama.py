@@ -127,11 +127,14 @@ class LlamaMLP(_Prefetching, nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # decode at batch 1: the activation in the GEMV's epilogue (not in a step with LoRA rows: their
-        # delta is added to gate/up before the activation)
+        # decode at batch 1: the activation in the GEMV's epilogue (in a step with LoRA rows, the GEMV
+        # that also adds their delta to gate/up before the activation, or none)
         lora = self.gate_up_proj.lora
-        act = None if lora is not None and lora.ctx.groups is not None else \
-            gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.weight_scale, self.act)
+        if lora is not None and lora.ctx.groups is not None:
+            act = None if self.gate_up_proj.weight_scale is not None else \
+                lora.fused_gemv(x, self.gate_up_proj.weight, act=self.act)
+        else:
+            act = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.weight_scale, self.act)
         if act is None:
             gu = self.gate_up_proj(x)
             self._prefetch("down", self.down_proj.weight)  # while the activation runs

@@ -54,6 +54,57 @@ def test_kernels_match_reference(poison_outputs, dtype, t, k, rank, slices):
     assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol * rank ** 0.5)
 
 
+@pytest.mark.parametrize("silu,slices", [(False, [4096, 1024, 1024]), (True, [14336, 14336]), (False, [4096])])
+def test_gemv_with_lora_in_graphs(silu, slices):
+    """The batch-1 GEMV with the LoRA delta in its launch (kernels/gemv.py ``lora=``) at llama-3-8b
+    sizes in bf16, eagerly and replayed in a CUDA graph 50 times while the token's slot changes (0: no
+    adapter; the ticket / counter protocol must reset itself every launch): equal to the GEMV followed
+    by the shrink / expand references."""
+    from pageflash.kernels.activation import silu_and_mul
+    from pageflash.kernels.gemv import GemvLoRA, gemv
+    from pageflash.kernels.skinny_gemm import gemv_tile
+
+    dtype, rank, s, k = torch.bfloat16, 16, 4, 4096 if len(slices) != 1 else 14336
+    g = torch.Generator(DEV).manual_seed(len(slices))
+    n = sum(slices)
+    x = torch.randn(1, k, device=DEV, generator=g).to(dtype)
+    w = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).to(dtype)
+    a = (torch.randn(s, len(slices) * rank, k, device=DEV, generator=g) / k ** 0.5).to(dtype)
+    b = (torch.randn(s, n, rank, device=DEV, generator=g) * 0.5).to(dtype)
+    a[0], b[0] = 0, 0
+    scale = torch.rand(s, len(slices), device=DEV, generator=g) + 0.5
+    slot = torch.zeros(1, dtype=torch.int32, device=DEV)
+    lo = GemvLoRA(a, b, scale, slot, torch.zeros(len(slices) * rank, device=DEV),
+                  torch.zeros(3, dtype=torch.int32, device=DEV),
+                  torch.empty(n, dtype=dtype, device=DEV) if silu else None, tuple(slices))
+    r, bk, stages, warps = gemv_tile(DEV)
+    cfg = (2 * 2 * r if silu else 2 * r, r, bk, stages, warps)
+
+    def ref(sl):
+        groups = group_by_slot(torch.tensor([sl], dtype=torch.int32, device=DEV), s)
+        y = lora_expand_ref(lora_shrink_ref(x, a, scale, *groups), b, *groups, gemv(x, w, *cfg), slices)
+        return silu_and_mul(y) if silu else y
+
+    refs = [ref(sl) for sl in range(s)]
+    out = torch.empty_like(refs[0])
+    run = lambda: gemv(x, w, *cfg, out=out, silu_mul=silu, lora=lo)  # noqa: E731
+    for sl in (1, 0, 3):
+        slot.fill_(sl)
+        run()
+        assert torch.allclose(out.float(), refs[sl].float(), rtol=2e-2, atol=2e-2), (sl, (out - refs[sl]).abs().max())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for i in range(50):
+        sl = (i * 7) % s
+        slot.fill_(sl)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(out.float(), refs[sl].float(), rtol=2e-2, atol=2e-2), (i, sl)
+    assert lo.counters.tolist() == [0, 0, 0]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora_gpu")
