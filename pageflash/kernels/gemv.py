@@ -204,17 +204,29 @@ def _lora_rows(X, LA, LS, LP, LCNT, M, K, LNR, stride_xm, stride_las, stride_lar
 
 
 @triton.jit
-def _lora_delta(LP, LB, rows, ok, piece, slot, stride_lbs, stride_lbn, LRANK: tl.constexpr, BRANK: tl.constexpr):
-    """[R] float32: the LoRA delta of output rows (their slice piece's p, rounded to B's dtype as
-    lora_expand rounds it, times the rows of B)."""
+def _lora_b(LB, rows, ok, slot, stride_lbs, stride_lbn, LRANK: tl.constexpr, BRANK: tl.constexpr):
+    """[R, BRANK] float32: the rows of the slot's B (zero past the rank)."""
     offs_q = tl.arange(0, BRANK)
-    q_ok = offs_q < LRANK
-    m = ok[:, None] & q_ok[None, :]
-    pv = tl.load(LP + piece[:, None] * LRANK + offs_q[None, :], mask=m, other=0.0, cache_modifier=".cg")
-    pv = pv.to(LB.dtype.element_ty).to(tl.float32)
-    bv = tl.load(LB + slot.to(tl.int64) * stride_lbs + rows[:, None].to(tl.int64) * stride_lbn + offs_q[None, :],
-                 mask=m, other=0.0).to(tl.float32)
-    return tl.sum(pv * bv, axis=1)
+    return tl.load(LB + slot.to(tl.int64) * stride_lbs + rows[:, None].to(tl.int64) * stride_lbn + offs_q[None, :],
+                   mask=ok[:, None] & (offs_q < LRANK)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _lora_delta(LP, bv, ok, piece, LRANK: tl.constexpr, BRANK: tl.constexpr, DTYPE: tl.constexpr):
+    """[R] float32: the LoRA delta of output rows whose B rows are bv (their slice piece's p, rounded to
+    B's dtype as lora_expand rounds it, times bv)."""
+    offs_q = tl.arange(0, BRANK)
+    pv = tl.load(LP + piece[:, None] * LRANK + offs_q[None, :], mask=ok[:, None] & (offs_q < LRANK)[None, :],
+                 other=0.0, cache_modifier=".cg")
+    return tl.sum(pv.to(DTYPE).to(tl.float32) * bv, axis=1)
+
+
+@triton.jit
+def _lora_wait(LCNT, NP):
+    """Until the NP LoRA programs have written p (LCNT[1], acquire)."""
+    done = tl.atomic_add(LCNT + 1, 0, sem="acquire", scope="gpu")
+    while done < NP:
+        done = tl.atomic_add(LCNT + 1, 0, sem="acquire", scope="gpu")
 
 
 @triton.jit
@@ -222,15 +234,13 @@ def _lora_epilogue(Y, GU, LB, LP, LCNT, N, ROWS, HALF, LN0, LN1, NP, stride_lbs,
                    R: tl.constexpr, SILU: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr,
                    LRANK: tl.constexpr, BRANK: tl.constexpr):
     """After a product program's rows are stored (M = 1): wait until the NP LoRA programs have
-    written p (LCNT[1], acquire), then add each row's delta to what the program stored -- rounded to
-    the output dtype as lora_expand adds it to a stored product; SILU: to the gate and up sums in GU
-    [2 * HALF], then the activation and the product as the fused epilogue computes them, into Y."""
+    written p, then add each row's delta to what the program stored -- rounded to the output dtype
+    as lora_expand adds it to a stored product; SILU: to the gate and up sums in GU [2 * HALF], then
+    the activation and the product as the fused epilogue computes them, into Y. The first group's
+    stored sums and B rows are loaded before the wait, so that their latency and the wait's overlap."""
     offs_r = tl.arange(0, R)
+    DT: tl.constexpr = LB.dtype.element_ty
     tl.debug_barrier()  # this program's stores of its rows, before any thread reads them back
-    if live:
-        done = tl.atomic_add(LCNT + 1, 0, sem="acquire", scope="gpu")
-        while done < NP:
-            done = tl.atomic_add(LCNT + 1, 0, sem="acquire", scope="gpu")
     if SILU:
         r0 = pid * (ROWS // 2)
         for g in range(0, ROWS // (2 * R)):
@@ -239,9 +249,13 @@ def _lora_epilogue(Y, GU, LB, LP, LCNT, N, ROWS, HALF, LN0, LN1, NP, stride_lbs,
             gate = tl.load(GU + feats, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
             up = tl.load(GU + HALF + feats, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
             if live:
+                b_gate = _lora_b(LB, feats, ok, slot, stride_lbs, stride_lbn, LRANK, BRANK)
+                b_up = _lora_b(LB, feats + HALF, ok, slot, stride_lbs, stride_lbn, LRANK, BRANK)
+                if g == 0:
+                    _lora_wait(LCNT, NP)
                 zero = tl.zeros([R], dtype=tl.int32)
-                gate += _lora_delta(LP, LB, feats, ok, zero, slot, stride_lbs, stride_lbn, LRANK, BRANK)
-                up += _lora_delta(LP, LB, feats + HALF, ok, zero + 1, slot, stride_lbs, stride_lbn, LRANK, BRANK)
+                gate += _lora_delta(LP, b_gate, ok, zero, LRANK, BRANK, DT)
+                up += _lora_delta(LP, b_up, ok, zero + 1, LRANK, BRANK, DT)
             gate = gate.to(Y.dtype.element_ty).to(tl.float32)
             up = up.to(Y.dtype.element_ty).to(tl.float32)
             if GELU:
@@ -255,9 +269,12 @@ def _lora_epilogue(Y, GU, LB, LP, LCNT, N, ROWS, HALF, LN0, LN1, NP, stride_lbs,
         for g in range(0, ROWS // R):
             rows = r0 + g * R + offs_r
             ok = rows < N
-            piece = (rows >= LN0).to(tl.int32) + (rows >= LN0 + LN1).to(tl.int32)
-            d = _lora_delta(LP, LB, rows, ok, piece, slot, stride_lbs, stride_lbn, LRANK, BRANK)
             y = tl.load(Y + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            bv = _lora_b(LB, rows, ok, slot, stride_lbs, stride_lbn, LRANK, BRANK)
+            if g == 0:
+                _lora_wait(LCNT, NP)
+            piece = (rows >= LN0).to(tl.int32) + (rows >= LN0 + LN1).to(tl.int32)
+            d = _lora_delta(LP, bv, ok, piece, LRANK, BRANK, DT)
             tl.store(Y + rows, (y + d).to(Y.dtype.element_ty), mask=ok)
 
 
@@ -271,7 +288,8 @@ def _gemv_kernel(
     CODE_WORDS: tl.constexpr = 0, LORA: tl.constexpr = False, LRANK: tl.constexpr = 16, BRANK: tl.constexpr = 16,
 ):
     # LORA (M = 1, 16-bit or float32 W): the token's LoRA delta added in the same launch (no shrink
-    # and expand launches). LSLOT holds the token's adapter slot (0: none). The first NP programs to
+    # and expand launches). LSLOT holds the token's adapter slot (0: none, no delta; the counters
+    # run all the same). The first NP programs to
     # start (a ticket from LCNT[0], so that every program waiting on them has started after them and
     # none can wait on a program that is not resident) compute p = scale * (x A[slot]^T), R rows each
     # (_lora_rows); the others compute the product's rows as without LoRA, then wait for p and add
@@ -279,15 +297,16 @@ def _gemv_kernel(
     # for the next launch: a launch's counters must not be shared by two launches in flight. A SILU
     # product stores its gate and up sums in GU [2 * HALF] first.
     if LORA:
+        # (the ticket does not wait for the slot's load: one round trip before the rows start, not two)
+        pid = tl.atomic_add(LCNT, 1, sem="relaxed", scope="gpu")
         slot = tl.load(LSLOT)
         live = slot != 0
-        pid = tl.program_id(0)
-        if live:
-            pid = tl.atomic_add(LCNT, 1, sem="relaxed", scope="gpu")
         if pid < NP:
             if live:
                 _lora_rows(X, LA, LS, LP, LCNT, M, K, LNR, stride_xm, stride_las, stride_lar, stride_lss, slot, pid,
                            BM, R, BK, STAGES, LRANK)
+            else:
+                tl.atomic_add(LCNT + 1, 1, sem="release", scope="gpu")  # (slot 0: nothing to write)
         else:
             if SILU:
                 _gemv_rows(X, W, S, GU, M, N, K, ROWS, HALF, stride_xm, stride_wn, 2 * HALF, pid - NP, BM, R, BK,
@@ -297,12 +316,11 @@ def _gemv_kernel(
                            STAGES, SILU, LIBDEVICE, SCALED, GELU, CODE_WORDS, False)
             _lora_epilogue(Y, GU, LB, LP, LCNT, N, ROWS, HALF, LN0, LN1, NP, stride_lbs, stride_lbn, slot, live, pid - NP,
                            R, SILU, GELU, LIBDEVICE, LRANK, BRANK)
-        if live:
-            tl.debug_barrier()
-            if tl.atomic_add(LCNT + 2, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-                tl.atomic_xchg(LCNT, 0, sem="relaxed", scope="gpu")  # every program has its ticket and p
-                tl.atomic_xchg(LCNT + 1, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(LCNT + 2, 0, sem="relaxed", scope="gpu")
+        tl.debug_barrier()
+        if tl.atomic_add(LCNT + 2, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(LCNT, 0, sem="relaxed", scope="gpu")  # every program has its ticket and p
+            tl.atomic_xchg(LCNT + 1, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(LCNT + 2, 0, sem="relaxed", scope="gpu")
     else:
         _gemv_rows(X, W, S, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym, tl.program_id(0), BM, R, BK,
                    STAGES, SILU, LIBDEVICE, SCALED, GELU, CODE_WORDS, False)
