@@ -85,6 +85,17 @@ def e4m3x4_to_f32(w):
 
 
 @triton.jit
+def _act_rounded(gate, GELU: tl.constexpr, LIBDEVICE: tl.constexpr, DT: tl.constexpr):
+    """The gate's activation (SiLU, or GELU's tanh form) of sums rounded to DT, rounded to DT and widened:
+    the activation kernel's arithmetic step for step."""
+    if GELU:
+        act = gelu_tanh_f32(gate, LIBDEVICE)
+    else:
+        act = silu_f32(gate, LIBDEVICE)
+    return act.to(DT).to(tl.float32)
+
+
+@triton.jit
 def _gemv_rows(
     X, W, S, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym, pid,
     BM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
@@ -159,11 +170,7 @@ def _gemv_rows(
                 # rounded to the output dtype as the unfused projection would store it, then the
                 # SiLU kernel's arithmetic step for step
                 v = out.to(Y.dtype.element_ty).to(tl.float32)
-                if GELU:
-                    act = gelu_tanh_f32(gate, LIBDEVICE)
-                else:
-                    act = silu_f32(gate, LIBDEVICE)
-                act = act.to(Y.dtype.element_ty).to(tl.float32)
+                act = _act_rounded(gate, GELU, LIBDEVICE, Y.dtype.element_ty)
                 is_up = (tl.zeros([BM, R], dtype=tl.int32) + (g % 2)) > 0
                 tl.store(Y + offs_m[:, None] * stride_ym + feats[None, :], (act * v).to(Y.dtype.element_ty),
                          mask=(offs_m[:, None] < M) & row_ok[None, :] & is_up)
@@ -258,11 +265,7 @@ def _lora_epilogue(Y, GU, LB, LP, LCNT, N, ROWS, HALF, LN0, LN1, NP, stride_lbs,
                 up += _lora_delta(LP, b_up, ok, zero + 1, LRANK, BRANK, DT)
             gate = gate.to(Y.dtype.element_ty).to(tl.float32)
             up = up.to(Y.dtype.element_ty).to(tl.float32)
-            if GELU:
-                act = gelu_tanh_f32(gate, LIBDEVICE)
-            else:
-                act = silu_f32(gate, LIBDEVICE)
-            act = act.to(Y.dtype.element_ty).to(tl.float32)
+            act = _act_rounded(gate, GELU, LIBDEVICE, Y.dtype.element_ty)
             tl.store(Y + feats, (act * up).to(Y.dtype.element_ty), mask=ok)
     elif live:
         r0 = pid * ROWS
