@@ -68,6 +68,10 @@ class LoRAContext:
         # the GEMV tile for fused_gemv off CUDA (tests, under Triton's interpreter; on CUDA the
         # dispatch's choice for the shape): (rows, r, bk, stages, warps), None = not fused there
         self.gemv_tile: Optional[tuple] = None
+        # fused_gemv's rows per program, as a multiple of the plain GEMV's choice (A/Bs)
+        self.gemv_rows_x = int_env("PAGEFLASH_LORA_GEMV_ROWS", 1)
+        if self.gemv_rows_x < 1:
+            raise ValueError(f"PAGEFLASH_LORA_GEMV_ROWS must be >= 1, got {self.gemv_rows_x}")
 
     def side_stream(self, x: torch.Tensor) -> Optional["torch.cuda.Stream"]:
         """The stream the shrinks go on while a CUDA graph is being captured (None otherwise: eager
@@ -155,6 +159,7 @@ class LoRASlots(nn.Module):
             cfg = ctx.gemv_tile if ctx.kernels else None
         if cfg is None:
             return None
+        cfg = (cfg[0] * ctx.gemv_rows_x,) + tuple(cfg[1:])
         return gemv(x, w, *cfg, silu_mul=act is not None, act=act or "silu", lora=lo)
 
     def add_(self, x: torch.Tensor, y: torch.Tensor) -> None:
