@@ -18,9 +18,7 @@ for what in "$@"; do
   if [[ $what == fused ]]; then
     for round in $(seq ${ROUNDS:-2}); do
       for v in ${VARIANTS:-1 0}; do
-        # (a variant "2r" / "4r": the LoRA GEMV with 2 / 4 times the plain GEMV's rows per program)
-        rx=1; [[ $v == *r ]] && rx=${v%r}
-        PAGEFLASH_LORA_GEMV=${v//[0-9]r/1} PAGEFLASH_LORA_GEMV_ROWS=$rx python3 -m pageflash.cli bench latency --model ${MODEL:-llama-3-8b} --input-len 128 \
+        PAGEFLASH_LORA_GEMV=$v python3 -m pageflash.cli bench latency --model ${MODEL:-llama-3-8b} --input-len 128 \
           --output-len 256 --batch-size 1 --num-iters 2 --disable-tqdm --lora-rank 16 \
           --json "$OUT/fused$v.r$round.json" 2>&1 | tee "$OUT/fused$v.r$round.log" | grep -v "^wrote" | tail -2 | sed "s/^/gemv=$v round $round: /"
       done

@@ -14,7 +14,6 @@ made during warm-up, so CUDA-graph capture only replays it.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -330,10 +329,8 @@ def maybe_skinny_linear(x: torch.Tensor, w: torch.Tensor, large: bool = False,
 
 
 def gemv_config(x: torch.Tensor, w: torch.Tensor, act: Optional[str] = None, lora=None) -> Optional[tuple]:
-    """SkinnyDispatch.gemv_config of the process's dispatch; None off CUDA / 16-bit dtypes or with
-    PAGEFLASH_SKINNY_GEMM=0 (where no GEMV runs)."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and os.environ.get("PAGEFLASH_SKINNY_GEMM", "1") != "0"):
-        return None
+    """SkinnyDispatch.gemv_config of the process's dispatch (the caller checks that the GEMV may run
+    at all: layers/linear.py's _skinny_enabled and _SKINNY_DTYPES)."""
     return _dispatch().gemv_config(x, w, act, lora)
 
 

@@ -68,10 +68,6 @@ class LoRAContext:
         # the GEMV tile for fused_gemv off CUDA (tests, under Triton's interpreter; on CUDA the
         # dispatch's choice for the shape): (rows, r, bk, stages, warps), None = not fused there
         self.gemv_tile: Optional[tuple] = None
-        # fused_gemv's rows per program, as a multiple of the plain GEMV's choice (A/Bs)
-        self.gemv_rows_x = int_env("PAGEFLASH_LORA_GEMV_ROWS", 1)
-        if self.gemv_rows_x < 1:
-            raise ValueError(f"PAGEFLASH_LORA_GEMV_ROWS must be >= 1, got {self.gemv_rows_x}")
 
     def side_stream(self, x: torch.Tensor) -> Optional["torch.cuda.Stream"]:
         """The stream the shrinks go on while a CUDA graph is being captured (None otherwise: eager
@@ -152,6 +148,10 @@ class LoRASlots(nn.Module):
         lo = GemvLoRA(self.a, self.b, self.scale, ctx.token_slots[:1], self.gemv_p, self.gemv_counters,
                       self.gemv_gu, tuple(self.slices))
         if x.is_cuda:
+            from pageflash.layers.linear import _SKINNY_DTYPES, _skinny_enabled
+
+            if x.dtype not in _SKINNY_DTYPES or not _skinny_enabled():  # where no GEMV runs
+                return None
             from pageflash.kernels.skinny_gemm import gemv_config
 
             cfg = gemv_config(x, w, act, lora=lo)
@@ -159,7 +159,6 @@ class LoRASlots(nn.Module):
             cfg = ctx.gemv_tile if ctx.kernels else None
         if cfg is None:
             return None
-        cfg = (cfg[0] * ctx.gemv_rows_x,) + tuple(cfg[1:])
         return gemv(x, w, *cfg, silu_mul=act is not None, act=act or "silu", lora=lo)
 
     def add_(self, x: torch.Tensor, y: torch.Tensor) -> None:
