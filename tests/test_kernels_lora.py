@@ -91,14 +91,18 @@ def test_launchers_check_shapes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("slot", [0, 1, 2])
-def test_gemv_with_lora_equals_gemv_then_shrink_expand(dtype, silu, slot):
+@pytest.mark.parametrize("slot,chunk,p_last", [(0, 16, False), (1, 16, False), (2, 16, True), (1, 1024, False),
+                                               (2, 8, False), (0, 8, True)])
+def test_gemv_with_lora_equals_gemv_then_shrink_expand(dtype, silu, slot, chunk, p_last):
     """kernels/gemv.py's ``lora=``: one token's product and its adapter's delta in one launch equal the
     GEMV followed by the shrink / expand references (and, for gate/up, the activation after), for an
     adapter of the slots' rank, one of half of it (zero padding) and slot 0 (no delta, bitwise the
-    plain GEMV); the launch leaves its counters zero for the next."""
+    plain GEMV); chunks of 8 / 16 features (several, some across the slices' bounds, a last one
+    short) and one of all of them; p computed first (as on the GPU) or, under the interpreter's one
+    program after another, after every product (the last p program closes every chunk); the launch
+    leaves its counters zero for the next."""
     from pageflash.kernels.activation import silu_and_mul
-    from pageflash.kernels.gemv import GemvLoRA, gemv
+    from pageflash.kernels.gemv import GemvLoRA, gemv, gemv_lora_scratch
 
     slices = [64, 64] if silu else [40, 24, 24]
     x, a, b, scale, _ = _case(1, 96, 8, slices, 4, dtype, seed=slot + 10 * silu)
@@ -108,15 +112,16 @@ def test_gemv_with_lora_equals_gemv_then_shrink_expand(dtype, silu, slot):
     base = gemv(x, w, 8, 4, 32, 2, 4)
     ref = lora_expand_ref(lora_shrink_ref(x, a, scale, *groups), b, *groups, base.clone(), slices)
     ref = silu_and_mul(ref) if silu else ref
-    counters = torch.zeros(3, dtype=torch.int32)
-    lo = GemvLoRA(a, b, scale, slots, torch.zeros(len(slices) * 8), counters,
-                  torch.empty(sum(slices), dtype=dtype) if silu else None, tuple(slices))
-    y = gemv(x, w, 8, 4, 32, 2, 4, silu_mul=silu, lora=lo)
+    p, counters, gu = gemv_lora_scratch(sum(slices), len(slices), 8, silu, dtype, "cpu", chunk=chunk)
+    lo = GemvLoRA(a, b, scale, slots, p, counters, gu, tuple(slices))
+    y = gemv(x, w, 8, 4, 32, 2, 4, silu_mul=silu, lora=lo, lora_chunk=chunk, _lora_p_last=p_last)
     if slot == 0 and not silu:
         assert torch.equal(y, base)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol), (y - ref).abs().max()
-    assert counters.tolist() == [0, 0, 0]
+    assert not counters.any()
+    with pytest.raises(ValueError, match="counters"):  # scratch sized for larger chunks
+        gemv(x, w, 8, 4, 32, 2, 4, silu_mul=silu, lora=lo._replace(counters=counters[:1]), lora_chunk=8)
     with pytest.raises(ValueError, match="LoRA"):
         gemv(torch.cat([x, x]), w, 8, 4, 32, 2, 4, lora=lo)  # one row only
     with pytest.raises(ValueError, match="slices"):

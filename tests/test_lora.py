@@ -242,7 +242,7 @@ def test_one_row_steps_add_the_delta_in_the_gemv(model, monkeypatch):
     assert _tokens(outs) == [hf_greedy(refs[n], p, NEW) for p, n in zip(prompts, "ab")]
     assert calls and not any(c[2] for c in calls if c[0] > 1)
     for mod in (m for _, _, m in r.model.lora_targets):
-        assert mod.lora.gemv_counters.tolist() == [0, 0, 0]  # reset by each launch's last program
+        assert not mod.lora.gemv_counters.any()  # reset by each chunk's last arrival
 
 
 # ---- vLLM's signatures ---------------------------------------------------------------------------

@@ -24,10 +24,11 @@ import triton.language as tl
 
 from pageflash.kernels.activation import gelu_tanh_f32, silu_f32
 from pageflash.kernels.device_info import has_fp8
+from pageflash.kernels.gemv_scratch import LORA_CHUNK, gemv_lora_scratch  # noqa: F401 (re-exported)
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.launch import fast_launch
 
-__all__ = ["gemv", "gemv_ref", "GemvLoRA", "MAX_M", "CODE_DTYPES"]
+__all__ = ["gemv", "gemv_ref", "GemvLoRA", "gemv_lora_scratch", "MAX_M", "CODE_DTYPES"]
 
 MAX_M = 4
 # the 8-bit weight codes read with a per-row scale: int8 (kernels/w8_linear.py) and float8_e4m3fn
@@ -103,7 +104,7 @@ def _gemv_rows(
     CODE_WORDS: tl.constexpr, STORE_RAW: tl.constexpr,
 ):
     """Program pid's rows of the product (the GEMV proper). STORE_RAW (with SILU): the gate and up
-    rows' sums go to Y [M, 2 * HALF] as they are, for _lora_epilogue to finish."""
+    rows' sums go to Y [M, 2 * HALF] as they are, for _lora_close to finish."""
     # CODE_WORDS 1 / 2: W is int8 / float8_e4m3fn codes seen as int32 words of 4 (K and BK count
     # words; x's column of code j of word i is 4i + j), widened by i8x4_to_f32 / e4m3x4_to_f32: 16-byte
     # loads of the staged tile instead of one shared-memory load (and, for int8, one I2F) per code
@@ -163,7 +164,7 @@ def _gemv_rows(
                 out = out * tl.load(S + rows, mask=row_ok, other=0.0)[None, :]
             if SILU and STORE_RAW:
                 # the gate and up sums as the unfused projection would store them (LoRA: its delta is
-                # added before the activation, in _lora_epilogue)
+                # added before the activation, in _lora_close)
                 tl.store(Y + offs_m[:, None] * stride_ym + rows[None, :], out.to(Y.dtype.element_ty),
                          mask=(offs_m[:, None] < M) & row_ok[None, :])
             elif SILU:
@@ -186,144 +187,147 @@ def _gemv_rows(
 
 
 @triton.jit
-def _lora_rows(X, LA, LS, LP, LCNT, M, K, LNR, stride_xm, stride_las, stride_lar, stride_lss, slot, pid,
-               BM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, LRANK: tl.constexpr):
-    """A LoRA program: R rows of the token's scaled shrink, p = scale * (x A^T), into LP float32
-    [M, LNR]; then one more on the count of finished LoRA programs (LCNT[1], released after a
-    barrier: every thread's stores first)."""
-    offs_m = tl.arange(0, BM)
+def _lora_rows(X, LA, LS, LP, K, LNR, stride_las, stride_lar, stride_lss, slot, pid,
+               R: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, LRANK: tl.constexpr):
+    """A LoRA p program (M = 1): R rows of the token's scaled shrink, p = scale * (x A^T), into LP
+    float32 [LNR] ([1, R, BK] tiles: the product's layout, no more registers than it)."""
     offs_r = tl.arange(0, R)
     offs_k = tl.arange(0, BK)
     prow = pid * R + offs_r
     p_ok = prow < LNR
     a_base = LA + slot.to(tl.int64) * stride_las + prow[:, None].to(tl.int64) * stride_lar
-    acc = tl.zeros([BM, R, BK], dtype=tl.float32)
+    acc = tl.zeros([1, R, BK], dtype=tl.float32)
     for kc in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
         kk = kc * BK + offs_k
         a = tl.load(a_base + kk[None, :], mask=p_ok[:, None] & (kk[None, :] < K), other=0.0)
-        x = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=(offs_m[:, None] < M) & (kk[None, :] < K),
-                    other=0.0)
+        x = tl.load(X + kk[None, :], mask=kk[None, :] < K, other=0.0)
         acc += a.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
     p = tl.sum(acc, axis=2) * tl.load(LS + slot * stride_lss + prow // LRANK, mask=p_ok, other=0.0)[None, :]
-    tl.store(LP + offs_m[:, None] * LNR + prow[None, :], p, mask=(offs_m[:, None] < M) & p_ok[None, :])
-    tl.debug_barrier()
-    tl.atomic_add(LCNT + 1, 1, sem="release", scope="gpu")
+    tl.store(LP + prow[None, :], p, mask=p_ok[None, :])
 
 
 @triton.jit
 def _lora_b(LB, rows, ok, slot, stride_lbs, stride_lbn, LRANK: tl.constexpr, BRANK: tl.constexpr):
-    """[R, BRANK] float32: the rows of the slot's B (zero past the rank)."""
+    """[rows, BRANK] float32: the rows of the slot's B (zero past the rank)."""
     offs_q = tl.arange(0, BRANK)
     return tl.load(LB + slot.to(tl.int64) * stride_lbs + rows[:, None].to(tl.int64) * stride_lbn + offs_q[None, :],
                    mask=ok[:, None] & (offs_q < LRANK)[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _lora_delta(LP, bv, ok, piece, LRANK: tl.constexpr, BRANK: tl.constexpr, DTYPE: tl.constexpr):
-    """[R] float32: the LoRA delta of output rows whose B rows are bv (their slice piece's p, rounded to
-    B's dtype as lora_expand rounds it, times bv)."""
+def _lora_p(LP, s, LRANK: tl.constexpr, BRANK: tl.constexpr, DT: tl.constexpr):
+    """[BRANK] float32: slice s's p, rounded to B's dtype as lora_expand rounds it (zero past the rank)."""
     offs_q = tl.arange(0, BRANK)
-    pv = tl.load(LP + piece[:, None] * LRANK + offs_q[None, :], mask=ok[:, None] & (offs_q < LRANK)[None, :],
-                 other=0.0, cache_modifier=".cg")
-    return tl.sum(pv.to(DTYPE).to(tl.float32) * bv, axis=1)
+    pv = tl.load(LP + s * LRANK + offs_q, mask=offs_q < LRANK, other=0.0, cache_modifier=".cg")
+    return pv.to(DT).to(tl.float32)
 
 
 @triton.jit
-def _lora_wait(LCNT, NP):
-    """Until the NP LoRA programs have written p (LCNT[1], acquire)."""
-    done = tl.atomic_add(LCNT + 1, 0, sem="acquire", scope="gpu")
-    while done < NP:
-        done = tl.atomic_add(LCNT + 1, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
-def _lora_epilogue(Y, GU, LB, LP, LCNT, N, ROWS, HALF, LN0, LN1, NP, stride_lbs, stride_lbn, slot, live, pid,
-                   R: tl.constexpr, SILU: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr,
-                   LRANK: tl.constexpr, BRANK: tl.constexpr):
-    """After a product program's rows are stored (M = 1): wait until the NP LoRA programs have
-    written p, then add each row's delta to what the program stored -- rounded to the output dtype
-    as lora_expand adds it to a stored product; SILU: to the gate and up sums in GU [2 * HALF], then
-    the activation and the product as the fused epilogue computes them, into Y. The first group's
-    stored sums and B rows are loaded before the wait, so that their latency and the wait's overlap."""
-    offs_r = tl.arange(0, R)
+def _lora_close(Y, GU, LB, LP, N, HALF, LN0, LN1, NSL, CH, stride_lbs, stride_lbn, c, slot, live,
+                SILU: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr, LRANK: tl.constexpr,
+                BRANK: tl.constexpr, CHB: tl.constexpr):
+    """Chunk c's last arrival (its products' sums and p are stored, acquired): each feature's delta,
+    p of its slice times its B row, added to the stored product and rounded to the output dtype as
+    lora_expand adds it; SILU: to the gate and up sums in GU [2 * HALF], then the activation and the
+    product as the fused epilogue computes them, into Y. Slot 0 (not live): no delta (SILU: only the
+    activation)."""
     DT: tl.constexpr = LB.dtype.element_ty
-    tl.debug_barrier()  # this program's stores of its rows, before any thread reads them back
-    if SILU:
-        r0 = pid * (ROWS // 2)
-        for g in range(0, ROWS // (2 * R)):
-            feats = r0 + g * R + offs_r
-            ok = feats < HALF
-            gate = tl.load(GU + feats, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            up = tl.load(GU + HALF + feats, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    f_lo = c * CH
+    f_hi = tl.minimum(f_lo + CH, HALF)
+    for f0 in range(f_lo, f_hi, CHB):
+        f = f0 + tl.arange(0, CHB)
+        ok = f < f_hi
+        if SILU:
+            gate = tl.load(GU + f, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            up = tl.load(GU + HALF + f, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
             if live:
-                b_gate = _lora_b(LB, feats, ok, slot, stride_lbs, stride_lbn, LRANK, BRANK)
-                b_up = _lora_b(LB, feats + HALF, ok, slot, stride_lbs, stride_lbn, LRANK, BRANK)
-                if g == 0:
-                    _lora_wait(LCNT, NP)
-                zero = tl.zeros([R], dtype=tl.int32)
-                gate += _lora_delta(LP, b_gate, ok, zero, LRANK, BRANK, DT)
-                up += _lora_delta(LP, b_up, ok, zero + 1, LRANK, BRANK, DT)
+                b_gate = _lora_b(LB, f, ok, slot, stride_lbs, stride_lbn, LRANK, BRANK)
+                b_up = _lora_b(LB, f + HALF, ok, slot, stride_lbs, stride_lbn, LRANK, BRANK)
+                gate += tl.sum(b_gate * _lora_p(LP, 0, LRANK, BRANK, DT)[None, :], axis=1)
+                up += tl.sum(b_up * _lora_p(LP, 1, LRANK, BRANK, DT)[None, :], axis=1)
             gate = gate.to(Y.dtype.element_ty).to(tl.float32)
             up = up.to(Y.dtype.element_ty).to(tl.float32)
             act = _act_rounded(gate, GELU, LIBDEVICE, Y.dtype.element_ty)
-            tl.store(Y + feats, (act * up).to(Y.dtype.element_ty), mask=ok)
-    elif live:
-        r0 = pid * ROWS
-        for g in range(0, ROWS // R):
-            rows = r0 + g * R + offs_r
-            ok = rows < N
-            y = tl.load(Y + rows, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            bv = _lora_b(LB, rows, ok, slot, stride_lbs, stride_lbn, LRANK, BRANK)
-            if g == 0:
-                _lora_wait(LCNT, NP)
-            piece = (rows >= LN0).to(tl.int32) + (rows >= LN0 + LN1).to(tl.int32)
-            d = _lora_delta(LP, bv, ok, piece, LRANK, BRANK, DT)
-            tl.store(Y + rows, (y + d).to(Y.dtype.element_ty), mask=ok)
+            tl.store(Y + f, (act * up).to(Y.dtype.element_ty), mask=ok)
+        elif live:
+            y = tl.load(Y + f, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            bv = _lora_b(LB, f, ok, slot, stride_lbs, stride_lbn, LRANK, BRANK)
+            piece = (f >= LN0).to(tl.int32) + (f >= LN0 + LN1).to(tl.int32)
+            d = tl.zeros([CHB], dtype=tl.float32)
+            for s in tl.static_range(3):  # (the chunk may reach two slices)
+                if s < NSL:
+                    d += tl.where(piece == s, tl.sum(bv * _lora_p(LP, s, LRANK, BRANK, DT)[None, :], axis=1), 0.0)
+            tl.store(Y + f, (y + d).to(Y.dtype.element_ty), mask=ok)
 
 
 # M, ROWS and HALF are not specialized: one compile per tile config serves every shape (cold start)
-@triton.jit(do_not_specialize=["M", "ROWS", "HALF", "LN0", "LN1", "LNR", "NP"])
+@triton.jit(do_not_specialize=["M", "ROWS", "HALF", "LN0", "LN1", "LNR", "NSL", "NP", "NCH", "PPC", "CH"])
 def _gemv_kernel(
     X, W, S, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym,
-    LA, LB, LS, LSLOT, LP, LCNT, GU, LN0, LN1, LNR, NP, stride_las, stride_lar, stride_lbs, stride_lbn, stride_lss,
+    LA, LB, LS, LSLOT, LP, LCNT, GU, LN0, LN1, LNR, NSL, NP, NCH, PPC, CH,
+    stride_las, stride_lar, stride_lbs, stride_lbn, stride_lss,
     BM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     SILU: tl.constexpr, LIBDEVICE: tl.constexpr, SCALED: tl.constexpr, GELU: tl.constexpr = False,
     CODE_WORDS: tl.constexpr = 0, LORA: tl.constexpr = False, LRANK: tl.constexpr = 16, BRANK: tl.constexpr = 16,
+    CHB: tl.constexpr = 128, CB: tl.constexpr = 128, P_LAST: tl.constexpr = False,
 ):
     # LORA (M = 1, 16-bit or float32 W): the token's LoRA delta added in the same launch (no shrink
-    # and expand launches). LSLOT holds the token's adapter slot (0: none, no delta; the counters
-    # run all the same). The first NP programs to
-    # start (a ticket from LCNT[0], so that every program waiting on them has started after them and
-    # none can wait on a program that is not resident) compute p = scale * (x A[slot]^T), R rows each
-    # (_lora_rows); the others compute the product's rows as without LoRA, then wait for p and add
-    # their rows' deltas (_lora_epilogue). The last program to finish (LCNT[2]) zeroes the counters
-    # for the next launch: a launch's counters must not be shared by two launches in flight. A SILU
-    # product stores its gate and up sums in GU [2 * HALF] first.
+    # and expand launches). LSLOT holds the token's adapter slot (0: none, no delta; the counters run
+    # all the same). NP programs compute p = scale * (x A[slot]^T), R rows each (_lora_rows), and
+    # count themselves on LCNT[0]; the others compute the product's rows as without LoRA (a SILU
+    # product stores its gate and up sums in GU [2 * HALF] first). The output is cut in NCH chunks of
+    # CH features, PPC product programs each, counted on LCNT[1 + c]; the last p program adds one to
+    # every chunk's count. Each count is acq_rel after a barrier (every thread's stores first), and
+    # a chunk's last arrival adds its deltas (_lora_close) and zeroes its count for the next launch
+    # (the last p program zeroes LCNT[0]). No program waits for another: none can wait on one that is
+    # not resident, and Triton's interpreter, which runs programs one after another, runs it too. The
+    # p programs are the first NP (P_LAST: the last, for tests of a late p). A launch's scratch must
+    # not be shared by two launches in flight.
     if LORA:
-        # (the ticket does not wait for the slot's load: one round trip before the rows start, not two)
-        pid = tl.atomic_add(LCNT, 1, sem="relaxed", scope="gpu")
+        pid = tl.program_id(0)
         slot = tl.load(LSLOT)
         live = slot != 0
-        if pid < NP:
+        nprod = tl.num_programs(0) - NP
+        if P_LAST:
+            is_p = pid >= nprod
+            q = tl.where(is_p, pid - nprod, pid)
+        else:
+            is_p = pid < NP
+            q = tl.where(is_p, pid, pid - NP)
+        if is_p:
             if live:
-                _lora_rows(X, LA, LS, LP, LCNT, M, K, LNR, stride_xm, stride_las, stride_lar, stride_lss, slot, pid,
-                           BM, R, BK, STAGES, LRANK)
-            else:
-                tl.atomic_add(LCNT + 1, 1, sem="release", scope="gpu")  # (slot 0: nothing to write)
+                _lora_rows(X, LA, LS, LP, K, LNR, stride_las, stride_lar, stride_lss, slot, q, R, BK, STAGES, LRANK)
+            tl.debug_barrier()
+            if tl.atomic_add(LCNT, 1, sem="acq_rel", scope="gpu") == NP - 1:  # the last p program
+                tl.atomic_xchg(LCNT, 0, sem="relaxed", scope="gpu")
+                offs_c = tl.arange(0, CB)
+                for c0 in range(0, NCH, CB):
+                    cc = c0 + offs_c
+                    c_ok = cc < NCH
+                    arrivals = tl.minimum(PPC, nprod - cc * PPC) + 1
+                    old = tl.atomic_add(LCNT + 1 + cc, tl.full([CB], 1, tl.int32), mask=c_ok, sem="acq_rel",
+                                        scope="gpu")
+                    last = (c_ok & (old == arrivals - 1)).to(tl.int32)
+                    if tl.max(last, axis=0) > 0:  # p came after some chunks' products: close those here
+                        for c in range(c0, tl.minimum(c0 + CB, NCH)):
+                            if tl.sum(tl.where(cc == c, last, 0), axis=0) > 0:
+                                _lora_close(Y, GU, LB, LP, N, HALF, LN0, LN1, NSL, CH, stride_lbs, stride_lbn, c,
+                                            slot, live, SILU, GELU, LIBDEVICE, LRANK, BRANK, CHB)
+                                tl.atomic_xchg(LCNT + 1 + c, 0, sem="relaxed", scope="gpu")
         else:
             if SILU:
-                _gemv_rows(X, W, S, GU, M, N, K, ROWS, HALF, stride_xm, stride_wn, 2 * HALF, pid - NP, BM, R, BK,
+                _gemv_rows(X, W, S, GU, M, N, K, ROWS, HALF, stride_xm, stride_wn, 2 * HALF, q, BM, R, BK,
                            STAGES, SILU, LIBDEVICE, SCALED, GELU, CODE_WORDS, True)
             else:
-                _gemv_rows(X, W, S, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym, pid - NP, BM, R, BK,
+                _gemv_rows(X, W, S, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym, q, BM, R, BK,
                            STAGES, SILU, LIBDEVICE, SCALED, GELU, CODE_WORDS, False)
-            _lora_epilogue(Y, GU, LB, LP, LCNT, N, ROWS, HALF, LN0, LN1, NP, stride_lbs, stride_lbn, slot, live, pid - NP,
-                           R, SILU, GELU, LIBDEVICE, LRANK, BRANK)
-        tl.debug_barrier()
-        if tl.atomic_add(LCNT + 2, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(LCNT, 0, sem="relaxed", scope="gpu")  # every program has its ticket and p
-            tl.atomic_xchg(LCNT + 1, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(LCNT + 2, 0, sem="relaxed", scope="gpu")
+            c = q // PPC
+            arrivals = tl.minimum(PPC, nprod - c * PPC) + 1
+            tl.debug_barrier()
+            if tl.atomic_add(LCNT + 1 + c, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
+                _lora_close(Y, GU, LB, LP, N, HALF, LN0, LN1, NSL, CH, stride_lbs, stride_lbn, c, slot, live,
+                            SILU, GELU, LIBDEVICE, LRANK, BRANK, CHB)
+                tl.atomic_xchg(LCNT + 1 + c, 0, sem="relaxed", scope="gpu")
     else:
         _gemv_rows(X, W, S, Y, M, N, K, ROWS, HALF, stride_xm, stride_wn, stride_ym, tl.program_id(0), BM, R, BK,
                    STAGES, SILU, LIBDEVICE, SCALED, GELU, CODE_WORDS, False)
@@ -351,9 +355,10 @@ def code_words(w: torch.Tensor) -> int:
 class GemvLoRA(NamedTuple):
     """What the GEMV needs to add one token's LoRA delta in its own launch (lora/layers.py's LoRASlots):
     a [S, n x rank, K], b [S, N, rank] and scale float32 [S, n] (slot 0: no adapter), slot int32 [>= 1]
-    (the token's slot, read on the device: graph-safe), p float32 [n x rank] and counters int32 [3]
-    (zero; scratch of this projection's launches, which must not overlap), gu [2 x I] in x's dtype
-    (the gate and up sums of a SiLU launch; else unused), slices: the output slices' sizes."""
+    (the token's slot, read on the device: graph-safe), and this projection's scratch, from
+    gemv_lora_scratch (its launches must not overlap): p float32 [n x rank], counters int32
+    [1 + chunks] (zero), gu [N] in x's dtype (the gate and up sums of a SiLU launch; else unused);
+    slices: the output slices' sizes."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -365,23 +370,26 @@ class GemvLoRA(NamedTuple):
     slices: tuple
 
 
-def _check_lora(lo: GemvLoRA, x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> int:
-    """The rank, after checking lo against x [1, K] and w [N, K]."""
+def _check_lora(lo: GemvLoRA, x: torch.Tensor, w: torch.Tensor, silu_mul: bool, nch: int) -> int:
+    """The rank, after checking lo against x [1, K], w [N, K] and the launch's nch chunks."""
     n, k = w.shape
     s, nr, ka = lo.a.shape
     n_slices = len(lo.slices)
     if x.shape[0] != 1 or w.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"gemv: LoRA needs one row of x and a 16-bit or float32 w, got {x.shape[0]} rows, {w.dtype}")
-    if not 1 <= n_slices <= 3 or sum(lo.slices) != n or (silu_mul and n_slices != 2) or nr % n_slices:
+    if not 1 <= n_slices <= 3 or sum(lo.slices) != n or (silu_mul and n_slices != 2) or nr % n_slices \
+            or (silu_mul and lo.slices[0] != lo.slices[1]):
         raise ValueError(f"gemv: LoRA slices {list(lo.slices)} do not fit N={n}" + (" (gate/up: two)" if silu_mul else ""))
     rank = nr // n_slices
     if ka != k or lo.a.dtype != w.dtype or lo.b.dtype != w.dtype or lo.b.shape != (s, n, rank) \
             or lo.scale.shape != (s, n_slices) or lo.scale.dtype != torch.float32:
         raise ValueError(f"gemv: LoRA a {tuple(lo.a.shape)} {lo.a.dtype}, b {tuple(lo.b.shape)} {lo.b.dtype}, scale "
                          f"{tuple(lo.scale.shape)} {lo.scale.dtype} do not fit w {tuple(w.shape)} {w.dtype}")
-    if lo.a.stride(2) != 1 or lo.b.stride(2) != 1 or lo.p.numel() < nr or lo.p.dtype != torch.float32 \
-            or lo.counters.numel() < 3 or lo.counters.dtype != torch.int32 or lo.slot.dtype != torch.int32:
-        raise ValueError("gemv: LoRA a / b rows must be contiguous, p float32 [n x rank], counters int32 [3], slot int32")
+    if lo.a.stride(2) != 1 or lo.b.stride(2) != 1 or lo.scale.stride(1) != 1 or lo.slot.dtype != torch.int32 \
+            or lo.p.numel() < nr or lo.p.dtype != torch.float32 or lo.counters.numel() < 1 + nch \
+            or lo.counters.dtype != torch.int32:
+        raise ValueError(f"gemv: LoRA a / b rows must be contiguous, slot int32, scratch from gemv_lora_scratch "
+                         f"(p float32 [>= {nr}], counters int32 [>= {1 + nch}])")
     if silu_mul and (lo.gu is None or lo.gu.numel() < n or lo.gu.dtype != x.dtype):
         raise ValueError(f"gemv: a LoRA gate/up launch needs gu [{n}] {x.dtype}")
     return rank
@@ -389,7 +397,8 @@ def _check_lora(lo: GemvLoRA, x: torch.Tensor, w: torch.Tensor, silu_mul: bool) 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int = 512, num_stages: int = 4,
          num_warps: int = 4, out: torch.Tensor | None = None, silu_mul: bool = False,
-         scale: torch.Tensor | None = None, act: str = "silu", lora: GemvLoRA | None = None) -> torch.Tensor:
+         scale: torch.Tensor | None = None, act: str = "silu", lora: GemvLoRA | None = None,
+         lora_chunk: int = LORA_CHUNK, _lora_p_last: bool = False) -> torch.Tensor:
     """x: [M, K] with M <= MAX_M, w: [N, K] (rows contiguous along K), same float dtype. Returns [M, N]
     in x's dtype, or in out ([M, N], x's dtype or float32: the product rounded to x's dtype, then
     widened). rows: rows of W per program (a multiple of r); r x bk: the tile.
@@ -403,7 +412,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
 
     lora (M = 1, no scale): also the token's LoRA delta scale (x A^T) B^T of its slot, in the same
     launch (GemvLoRA; the kernel's LORA comment), added as lora_expand adds it to the stored product
-    (silu_mul: to gate and up, before the activation)."""
+    (silu_mul: to gate and up, before the activation); lora_chunk: about how many output features a
+    chunk of it holds (the kernel's LORA comment; smaller in tests); _lora_p_last (tests): the p
+    programs last in the grid, so that under the interpreter p comes after every product."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"gemv: expected 2-D x and w, got {tuple(x.shape)} and {tuple(w.shape)}")
     m, k = x.shape
@@ -436,24 +447,29 @@ def gemv(x: torch.Tensor, w: torch.Tensor, rows: int = 16, r: int = 4, bk: int =
     if lora is not None:
         if scale is not None or (out is not None and out.dtype != x.dtype):
             raise ValueError("gemv: LoRA is for unquantized w and an output in x's dtype")
-        rank = _check_lora(lora, x, w, silu_mul)
+        if lora_chunk < 1:
+            raise ValueError(f"gemv: lora_chunk must be >= 1, got {lora_chunk}")
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device) if out is None else out
     bm = 1 if m == 1 else (2 if m == 2 else 4)
     per = rows // 2 if silu_mul else rows
     words = code_words(w) if bk % 4 == 0 else 0
     wk = w.view(torch.int32) if words else w  # (codes as words of 4: K, BK and the row stride in words)
     programs = cdiv(n_out, per)
-    lo_args: tuple = (None,) * 7 + (0, 0, 0, 0) + (0,) * 5
+    lo_args: tuple = (None,) * 7 + (0,) * 8 + (0,) * 5
     extra = {}
     if lora is not None:
         lo = lora
         nr = lo.a.shape[1]
-        n_p = cdiv(nr, r)  # LoRA programs: r rows of p each
+        ppc = max(1, lora_chunk // per)  # product programs a chunk
+        nch = cdiv(programs, ppc)
+        rank = _check_lora(lo, x, w, silu_mul, nch)
+        n_p = cdiv(nr, r)  # p programs: r rows of p each
         programs += n_p
         n0, n1 = (list(lo.slices) + [0])[:2]
-        lo_args = (lo.a, lo.b, lo.scale, lo.slot, lo.p, lo.counters, lo.gu, n0, n1, nr, n_p, lo.a.stride(0),
-                   lo.a.stride(1), lo.b.stride(0), lo.b.stride(1), lo.scale.stride(0))
-        extra = dict(LORA=True, LRANK=rank, BRANK=max(16, next_pow2(rank)))
+        lo_args = (lo.a, lo.b, lo.scale, lo.slot, lo.p, lo.counters, lo.gu, n0, n1, nr, len(lo.slices), n_p, nch, ppc,
+                   ppc * per, lo.a.stride(0), lo.a.stride(1), lo.b.stride(0), lo.b.stride(1), lo.scale.stride(0))
+        extra = dict(LORA=True, LRANK=rank, BRANK=max(16, next_pow2(rank)), CHB=min(128, next_pow2(ppc * per)),
+                     P_LAST=bool(_lora_p_last))
     _gemv_kernel[(programs,)](
         x, wk, w if scale is None else scale, y, m, n, wk.shape[1], rows, n_out, x.stride(0), wk.stride(0),
         y.stride(0), *lo_args, BM=bm, R=r, BK=bk // 4 if words else bk, STAGES=num_stages, SILU=silu_mul,

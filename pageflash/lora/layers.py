@@ -103,11 +103,12 @@ class LoRASlots(nn.Module):
         self.register_buffer("a", torch.zeros(s, len(self.slices) * r, in_features, dtype=dtype, device=device))
         self.register_buffer("b", torch.zeros(s, sum(self.slices), r, dtype=dtype, device=device))
         self.register_buffer("scale", torch.zeros(s, len(self.slices), dtype=torch.float32, device=device))
-        # fused_gemv's scratch: p, the launch's counters (zero between launches) and, for gate/up, the
-        # sums before the activation; plain attributes (not state)
-        self.gemv_p = torch.zeros(len(self.slices) * r, dtype=torch.float32, device=device)
-        self.gemv_counters = torch.zeros(3, dtype=torch.int32, device=device)
-        self.gemv_gu = torch.empty(sum(self.slices), dtype=dtype, device=device) if len(self.slices) == 2 else None
+        # fused_gemv's scratch (kernels/gemv_scratch.py): p, the launch's counters (zero between
+        # launches) and, for gate/up, the sums before the activation; plain attributes (not state)
+        from pageflash.kernels.gemv_scratch import gemv_lora_scratch
+
+        self.gemv_p, self.gemv_counters, self.gemv_gu = gemv_lora_scratch(
+            sum(self.slices), len(self.slices), r, len(self.slices) == 2, dtype, device)
 
     def load(self, slot: int, parts: Sequence[tuple[int, float, torch.Tensor, torch.Tensor]]) -> None:
         """Put an adapter's parts of this projection into slot: (slice, scale, A [r, in], B [rows, r]);
@@ -145,8 +146,8 @@ class LoRASlots(nn.Module):
             return None
         from pageflash.kernels.gemv import GemvLoRA
 
-        lo = GemvLoRA(self.a, self.b, self.scale, ctx.token_slots[:1], self.gemv_p, self.gemv_counters,
-                      self.gemv_gu, tuple(self.slices))
+        lo = GemvLoRA(self.a, self.b, self.scale, ctx.token_slots[:1], self.gemv_p,
+                      self.gemv_counters, self.gemv_gu, tuple(self.slices))
         if x.is_cuda:
             from pageflash.layers.linear import _SKINNY_DTYPES, _skinny_enabled
 
