@@ -36,7 +36,8 @@ def _case(t, k, rank, slices, num_slots, dtype, seed):
     (1, 64, 8, [48], 3, None),                     # decode of one token
     (7, 100, 16, [40, 24, 24], 5, None),           # qkv-like slices, K not a multiple of the tile
     (37, 96, 8, [96, 96], 4, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, split_k=3)),  # gate/up, split K
-    (70, 64, 32, [64], 5, None),                   # several m-blocks per slot (BLOCK_M 32)
+    (70, 64, 32, [64], 5, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, split_k=2)),  # several m-blocks per slot
+    (300, 96, 8, [40, 24, 24], 3, None),           # past the decode-sized tiles (lora_shrink.DECODE_TOKENS)
 ])
 def test_shrink_expand_match_reference(dtype, t, k, rank, slices, num_slots, cfg):
     x, a, b, scale, slots = _case(t, k, rank, slices, num_slots, dtype, seed=t * 7 + k)
@@ -47,7 +48,7 @@ def test_shrink_expand_match_reference(dtype, t, k, rank, slices, num_slots, cfg
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert p.shape[1:] == (t, len(slices) * rank)
     if cfg is not None:
-        assert p.shape[0] == 3
+        assert p.shape[0] == cfg["split_k"]
     assert torch.allclose(p.sum(0)[has], ref_p[0][has], rtol=tol, atol=tol * k ** 0.5)
 
     base = torch.randn(t, sum(slices), generator=torch.Generator().manual_seed(3)).to(dtype)

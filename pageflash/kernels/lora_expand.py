@@ -24,7 +24,7 @@ import triton.language as tl
 
 from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.launch import fast_launch
-from pageflash.kernels.lora_shrink import slot_rows
+from pageflash.kernels.lora_shrink import DECODE_TOKENS, slot_rows
 from pageflash.lora.layers import lora_expand_ref  # the reference: plain PyTorch (runs without Triton)
 
 __all__ = ["lora_expand", "lora_expand_ref", "expand_config"]
@@ -82,10 +82,15 @@ def _lora_expand_kernel(
 _lora_expand_kernel = fast_launch(_lora_expand_kernel)  # host launches via the cached CompiledKernel
 
 
-def expand_config(num_tokens: int, rank: int) -> dict:
-    """Tiles by shapes the host knows (T, rank)."""
-    return dict(BLOCK_M=16 if num_tokens <= 64 else 32 if num_tokens <= 256 else 64, BLOCK_N=64,
-                BLOCK_R=min(64, max(16, next_pow2(rank))))
+def expand_config(num_tokens: int, rank: int, n: int = 0) -> dict:
+    """Tiles by shapes the host knows (T, rank, N outputs). Decode-sized T (lora_shrink.DECODE_TOKENS):
+    wide column tiles and 8 warps (scripts/lora_tiles_probe.py --pipeline, H200; 256 columns from
+    16384 outputs on, gate/up); larger T keeps 64-column tiles of 4 warps."""
+    block_r = min(64, max(16, next_pow2(rank)))
+    if num_tokens <= DECODE_TOKENS:
+        return dict(BLOCK_M=16 if num_tokens <= 64 else 32, BLOCK_N=256 if n >= 16384 else 128, BLOCK_R=block_r,
+                    num_warps=8, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_R=block_r)
 
 
 def _check(p: torch.Tensor, b: torch.Tensor, out: torch.Tensor, slices: Sequence[int]) -> int:
@@ -110,13 +115,14 @@ def lora_expand(p: torch.Tensor, b: torch.Tensor, order: torch.Tensor, counts: t
     assert b.stride(2) == 1 and out.stride(1) == 1, "lora_expand: rows of b and out must be contiguous"
     if t == 0:
         return out
-    cfg = dict(config or expand_config(t, rank))
+    cfg = dict(config or expand_config(t, rank, out.shape[1]))
+    cfg.setdefault("num_warps", 4)
     n0, n1, n2 = (list(slices) + [0, 0])[:3]
     tiles = sum(cdiv(w, cfg["BLOCK_N"]) for w in (n0, n1, n2))
     grid = (cdiv(t, cfg["BLOCK_M"]), tiles, b.shape[0])
     _lora_expand_kernel[grid](
         p, b, order, counts, starts, out, n0, n1, n2, rank, p.shape[0],
         p.stride(0), p.stride(1), b.stride(0), b.stride(1), out.stride(0),
-        PREC="ieee" if b.dtype == torch.float32 else "tf32", num_warps=4, **cfg,
+        PREC="ieee" if b.dtype == torch.float32 else "tf32", **cfg,
     )
     return out

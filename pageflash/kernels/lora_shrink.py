@@ -27,7 +27,7 @@ from pageflash.kernels.host_math import cdiv, next_pow2
 from pageflash.kernels.launch import fast_launch
 from pageflash.lora.layers import lora_shrink_ref  # the reference: plain PyTorch (runs without Triton)
 
-__all__ = ["lora_shrink", "lora_shrink_ref", "shrink_config"]
+__all__ = ["DECODE_TOKENS", "lora_shrink", "lora_shrink_ref", "shrink_config"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -81,11 +81,24 @@ def _lora_shrink_kernel(
 _lora_shrink_kernel = fast_launch(_lora_shrink_kernel)  # host launches via the cached CompiledKernel
 
 
+# Decode-sized steps (T <= DECODE_TOKENS): the winners of scripts/lora_tiles_probe.py --pipeline on an
+# H200 at llama-3-8b's projections, rank 16, each shrink beside its base GEMM on a side stream and the
+# expand after both, as the decode graphs run them (docs/BENCHMARKS.md run 65). The expand is on the
+# critical path and sums the shrink's split_k partials, so the split is kept small: 4 up to 32 tokens,
+# 8 above (1-2 leave the shrink too few programs; 16-32 slow the expand).
+DECODE_TOKENS = 256
+
+
 def shrink_config(num_tokens: int, rank: int, k: int) -> dict:
-    """Tiles and the K split by shapes the host knows (T, R, K), never by the routing of tokens to
-    adapters: row tiles grow with T; K is split when the tiles would leave few programs per adapter
-    (decode), into ranges of at least 512."""
-    block_m = 16 if num_tokens <= 64 else 32 if num_tokens <= 256 else 64
+    """Tiles and the K split by shapes the host knows (T, R = slices x rank, K), never by the routing
+    of tokens to adapters. Decode-sized T: the probe's tiles above. Larger T (prefill chunks): row
+    tiles grow with T; K is split when the tiles would leave few programs per adapter, into ranges of
+    at least 512."""
+    if num_tokens <= DECODE_TOKENS:
+        return dict(BLOCK_M=16 if num_tokens <= 64 else 64,
+                    BLOCK_N=min(64, max(16, next_pow2(rank))) if num_tokens <= 16 else 16, BLOCK_K=128,
+                    split_k=max(1, min(4 if num_tokens <= 32 else 8, k // 128)), num_warps=4, num_stages=3)
+    block_m = 64
     block_n = min(64, max(16, next_pow2(rank)))
     tiles = cdiv(num_tokens, block_m) * cdiv(rank, block_n)
     split_k = 1 if tiles >= 32 else max(1, min(16, k // 512, 32 // tiles))
@@ -108,6 +121,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, scale: torch.Tensor, order: to
     assert counts.shape == (s,) and starts.shape == (s,) and order.shape == (t,), "lora_shrink: metadata shapes"
     cfg = dict(config or shrink_config(t, r, k))
     split_k = cfg.pop("split_k")
+    cfg.setdefault("num_warps", 4)
     per_split = cdiv(cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = cdiv(k, per_split)  # (no empty ranges)
     p = torch.empty(split_k, t, r, dtype=torch.float32, device=x.device)
@@ -117,6 +131,6 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, scale: torch.Tensor, order: to
     _lora_shrink_kernel[grid](
         x, a, scale, order, counts, starts, p, k, r, r // scale.shape[1], per_split,
         x.stride(0), a.stride(0), a.stride(1), scale.stride(0), p.stride(0), p.stride(1),
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **cfg,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
     )
     return p
