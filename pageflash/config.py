@@ -349,12 +349,9 @@ class ModelConfig:
         rank holds every expert, a slice of each). Raises naming the size that does not divide."""
         if tp_size == 1:
             return self
-        if self.qk_norm_full:
-            # (each rank would hold a slice of q and k, but the norms' variance is over the whole
-            # projection: that would need an all-reduce of the sums of squares, not implemented)
-            raise ValueError(f"tensor_parallel_size={tp_size}: {self.architecture}'s q_norm / k_norm over the whole "
-                             f"q and k projections are not supported with tensor parallelism (use "
-                             f"tensor_parallel_size=1)")
+        # (OLMo 2's q / k norms over the whole projections: each rank holds its heads' slice of the
+        # norm weights, and the variance is over the whole projection: an all-reduce of the sums of
+        # squares, model/llama.py _full_qk_norms)
         dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
         sizes = {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads}
         if dense:

@@ -1,8 +1,8 @@
 """OLMo 2 (Olmo2ForCausalLM): a Llama without input norms whose attention and MLP outputs are normed
 (post_attention_layernorm, post_feedforward_layernorm) before each residual add, with q_norm / k_norm
 over the whole q and k projections (not per head) and Olmo2RMSNorm's arithmetic (weight times the
-normed x in float32, rounded once). Its config as transformers 5 reads it (defaults, refusals,
-tensor parallelism refused); the norm's arithmetic in bfloat16; HF's greedy tokens and prompt
+normed x in float32, rounded once). Its config as transformers 5 reads it (defaults, refusals);
+the norms' weights as tensor-parallel ranks slice them; the norm's arithmetic in bfloat16; HF's greedy tokens and prompt
 log-probabilities with prefix-cache hits; the Triton backend (interpreter) with rotary fused into the
 K/V store and the decode launch, and speculative decoding through the static-buffer step path; and a
 check that per-head q/k norms would give other logits. (Greedy equality with chunked prefill and
@@ -66,9 +66,9 @@ def test_config_reads_as_transformers():
 def test_config_refusals_and_flags_kept_to_olmo2():
     with pytest.raises(ValueError, match="attention_bias"):
         ModelConfig.from_hf_dict({**SMALL, "attention_bias": True})
-    # whole-projection q/k norms need the variance of the whole projection: no tensor parallelism
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        ModelConfig.from_hf_dict(SMALL).shard(2)
+    # tensor parallelism: each rank's share of the heads, its q / k norms over its slice of them
+    s = ModelConfig.from_hf_dict(SMALL).shard(2)
+    assert (s.num_attention_heads, s.q_size, s.kv_size, s.qk_norm_full) == (2, 32, 32, True)
     llama = dict(vocab_size=10, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=8)
     with pytest.raises(ValueError, match="no OLMo 2 norms"):
@@ -175,7 +175,23 @@ def test_triton_backend_and_drafts_match_hf(tmp_path, monkeypatch, mode):
         assert ropes and all(ropes)
 
 
-def test_tensor_parallel_engine_is_refused_before_ranks_start(tmp_path):
-    folder = make_random_hf_folder(tmp_path, CONFIGS["olmo2"])
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        LLM(folder, tensor_parallel_size=2, max_model_len=64)
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_tensor_parallel_shards_slice_the_whole_projection_norms(tmp_path, kv_heads):
+    """Under tensor parallelism each rank's q_norm / k_norm weights are the slices of the whole ones
+    that scale its q / k columns (one KV head over two ranks: both hold it whole); the engine's two
+    ranks over gloo give HF's greedy tokens: tests/test_tensor_parallel.py."""
+    from pageflash.model.llama import LlamaForCausalLM
+    from pageflash.model.loader import iter_weights, load_config, resolve_model
+
+    src = resolve_model(make_random_hf_folder(tmp_path, dict(CONFIGS["olmo2"], num_key_value_heads=kv_heads)))
+    cfg = load_config(src)
+    models = [LlamaForCausalLM(cfg.shard(size), max_positions=64, tp_rank=r, tp_size=size)
+              for r, size in [(0, 1), (0, 2), (1, 2)]]
+    for m in models:
+        m.load_weights(iter_weights(src, cfg))
+    full, r0, r1 = (m.layers[0].self_attn for m in models)
+    torch.testing.assert_close(torch.cat([r0.q_norm.weight, r1.q_norm.weight]), full.q_norm.weight, rtol=0, atol=0)
+    ks = [r0.k_norm.weight, r1.k_norm.weight]
+    want = [full.k_norm.weight] * 2 if kv_heads == 1 else list(full.k_norm.weight.chunk(2))
+    for got, w in zip(ks, want):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)

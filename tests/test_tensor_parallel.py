@@ -3,8 +3,9 @@
 The sharding itself (ModelConfig.shard, the model's checkpoint slices) is checked without processes:
 each rank's MLP / MoE block gives a partial sum and the ranks' sums add up to the whole model's. End
 to end, an engine of two ranks gives HF transformers' greedy tokens (float32; chunked prefill,
-preemption), for dense, GQA, MQA (replicated KV head), biased, q/k-norm and mixture-of-experts
-models, and with INT8 weights it equals HF over weights quantized as the shards quantize them.
+preemption), for dense, GQA, MQA (replicated KV head), biased, q/k-norm (per head, and OLMo 2's over
+the whole projections) and mixture-of-experts models, and with INT8 weights it equals HF over
+weights quantized as the shards quantize them.
 """
 
 import gc
@@ -109,19 +110,23 @@ def _close(llm) -> None:
                                                    ("qwen2-moe", False), ("mistral-window", True),
                                                    ("gemma2", True), ("gemma3", False), ("phi3", False),
                                                    ("granite", True), ("phi3-longrope", True),
-                                                   ("smollm3", False), ("smollm3-window-yarn", True)])
+                                                   ("smollm3", False), ("smollm3-window-yarn", True),
+                                                   ("olmo2", True), ("olmo2-mqa", False)])
 def test_two_ranks_match_hf(tmp_path, name, async_scheduling):
     """Two ranks give HF's greedy tokens, with chunked prefill (a budget of 24 tokens, blocks of 4) in a
     pool small enough to preempt (a sliding window over every layer: blocks behind it given back); no KV block leaks; the workers stop at shutdown. With async
     scheduling, rank 0 broadcasts the in-flight step's sampled ids that the next step reads."""
     from transformers import AutoModelForCausalLM
 
-    folder = make_random_hf_folder(tmp_path, CONFIGS[name])
+    # (OLMo 2's whole-projection q / k norms: the sums of squares all-reduced; with one KV head, the
+    # replicated head's k counted on both ranks)
+    config = dict(CONFIGS["olmo2"], num_key_value_heads=1) if name == "olmo2-mqa" else CONFIGS[name]
+    folder = make_random_hf_folder(tmp_path, config)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = _prompts()
     want = [hf_greedy(hf, p, 16) for p in prompts]
     # (a sliding window's sequences hold only their windows: a smaller pool to preempt)
-    pool = dict(num_kv_blocks=8, max_num_batched_tokens=8) if ModelConfig.from_hf_dict(CONFIGS[name]).kv_window else \
+    pool = dict(num_kv_blocks=8, max_num_batched_tokens=8) if ModelConfig.from_hf_dict(config).kv_window else \
         dict(num_kv_blocks=20, max_num_batched_tokens=24)
     llm = LLM(folder, block_size=4, max_model_len=64, tensor_parallel_size=2, async_scheduling=async_scheduling,
               **pool)

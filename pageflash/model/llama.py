@@ -51,7 +51,7 @@ def _fused_qk_norm(qkv: torch.Tensor, weight: torch.Tensor) -> Optional[Callable
 
 
 class LlamaAttention(_Prefetching, nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         # sliding-window layers pass the backend their window (and the positions: a token tree's keys
         # sit at their depth, not at their place in the cache)
@@ -71,6 +71,7 @@ class LlamaAttention(_Prefetching, nn.Module):
         q_dim, k_dim = (cfg.q_size, cfg.kv_size) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
         self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, off, fw) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, off, fw) if cfg.qk_norm else None
+        self.tp_size = tp_size  # (cfg: this rank's shard; OLMo 2's whole-projection norms then all-reduce)
 
     def forward(
         self,
@@ -95,7 +96,8 @@ class LlamaAttention(_Prefetching, nn.Module):
                           self.num_kv_heads, self.head_dim, unit_offset=self.q_norm.unit_offset)
         q, k, v = self.qkv_proj.split(qkv)
         if self.qk_norm_full:  # OLMo 2: [T, heads * head_dim] rows normed whole (new tensors)
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = (self.q_norm(q), self.k_norm(k)) if self.tp_size == 1 else \
+                _full_qk_norms(q, k, self.q_norm, self.k_norm, self.tp_size)
         self._prefetch("o", self.o_proj.weight)  # while attention runs
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -162,6 +164,22 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _full_qk_norms(q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+                   tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """OLMo 2's q / k norms over the whole projections when each of tp_size ranks holds a slice of
+    them (its heads' columns, and the same slice of the norm weights): the sums of squares of both,
+    added up over the ranks in one all-reduce, over tp_size x the slice's width (a KV head replicated
+    on r ranks is counted r times, and so is its width), then Olmo2RMSNorm's arithmetic
+    (rms_norm_ref with float_weight)."""
+    qf, kf = q.float(), k.float()
+    ss = _all_reduce(torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1)], dim=-1))  # [T, 2]
+    out = []
+    for xf, col, norm, x in ((qf, 0, q_norm, q), (kf, 1, k_norm, k)):
+        var = ss[:, col: col + 1] / (tp_size * x.shape[-1])
+        out.append((norm.weight.float() * (xf * torch.rsqrt(var + norm.eps))).to(x.dtype))
+    return out[0], out[1]
+
+
 class LlamaDecoderLayer(_Prefetching, nn.Module):
     """tp_size > 1: cfg is one rank's shard (ModelConfig.shard); the attention output and the MLP's
     (or MoE block's) are partial sums, added up over the ranks (two all-reduces per layer)."""
@@ -169,7 +187,7 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.tp_size = tp_size
-        self.self_attn = LlamaAttention(cfg, index)
+        self.self_attn = LlamaAttention(cfg, index, tp_size)
         self.local_rope = cfg.layer_rope_local(index)  # Gemma 3's sliding layers: the model's rotary_local
         self.mlp = _moe_block(cfg) if cfg.is_moe_layer(index) else \
             LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
@@ -229,7 +247,7 @@ class LlamaDecoderLayer(_Prefetching, nn.Module):
             x = residual + pre(x)
         self._prefetch("qkv", self.self_attn.qkv_proj.weight)
         h = self.self_attn(x, positions, rotary, kv_cache, backend, plan, rope_rows)
-        if self.tp_size > 1:  # (unreachable: ModelConfig.shard refuses OLMo 2's whole-projection q/k norms)
+        if self.tp_size > 1:
             h = _all_reduce(h)
         if isinstance(self.mlp, LlamaMLP):
             self._prefetch("gate_up", self.mlp.gate_up_proj.weight)
@@ -393,6 +411,9 @@ class LlamaForCausalLM(_Prefetching, nn.Module):
                 gate, up = t.chunk(2, dim=1)
                 return torch.cat([self._take(gate, 1, name), self._take(up, 1, name)], dim=1)
             return self._take(t, t.dim() - 1 if part == "down" else t.dim() - 2, name)
+        if self.cfg.qk_norm_full and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            # OLMo 2: the whole-projection norms' weights, sliced as the q / k rows they scale
+            shard = "q" if name.endswith("q_norm.weight") else "k"
         if shard in ("k", "v") and t.shape[0] // self.cfg.head_dim < self.tp_size:
             # fewer KV heads than ranks (ModelConfig.shard): rank r holds KV head r // (ranks per head)
             d = self.cfg.head_dim

@@ -48,7 +48,7 @@ def _hf_check(tmp_path, name: str, one_device: bool) -> None:
     assert got == [hf_greedy(hf, p, 16) for p in prompts]
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qk-norm", "qwen3-moe", "qwen2-moe", "mistral-window"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qk-norm", "qwen3-moe", "qwen2-moe", "mistral-window", "olmo2"])
 def test_two_ranks_on_one_gpu_match_hf_fp32(tmp_path, name, monkeypatch):
     monkeypatch.setenv("PAGEFLASH_TP_ONE_DEVICE", "1")
     _hf_check(tmp_path, name, one_device=True)
@@ -60,7 +60,7 @@ def test_two_int8_ranks_on_one_gpu_match_hf_on_their_quantization(tmp_path, monk
 
 
 @two_gpus
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-mqa-tied", "qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mqa-tied", "qwen3-moe", "qwen2-moe", "olmo2"])
 def test_two_gpus_match_hf_fp32(tmp_path, name):
     _hf_check(tmp_path, name, one_device=False)
 
