@@ -12,8 +12,10 @@ from pageflash.engine.sampler import (
     argmax_rows,
     SamplingBatch,
     SamplingRow,
+    SeedStream,
     apply_penalties_and_min_tokens,
     compute_probs,
+    sample_rows_keyed,
 )
 from pageflash.sampling_params import SamplingParams
 
@@ -421,6 +423,30 @@ def test_seeded_row_is_independent_of_batch_composition():
         out = Sampler()(logits_seq[s][None], build([target], vocab, gens=[g]))
         other_seed.append(out.token_ids.item())
     assert other_seed != alone
+
+
+def test_seed_stream_keys_and_keyed_draws_equal_the_samplers():
+    """SeedStream.at(pos, salt): the same key gives the same generator state, another position or
+    salt another; sample_rows_keyed draws a row exactly as the sampler draws a seeded row with that
+    generator (the speculative verification of a seeded request relies on it)."""
+    st = SeedStream(1234, DEVICE)
+    draw = lambda g: torch.rand(4, generator=g)  # noqa: E731
+    assert torch.equal(draw(st.at(5)), draw(SeedStream(1234, DEVICE).at(5)))
+    keys = [(5, 0), (6, 0), (5, SeedStream.DRAFT), (5, SeedStream.VERIFY)]
+    draws = [draw(st.at(p, s)) for p, s in keys]
+    assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1:])
+    assert not torch.equal(draw(SeedStream(1235, DEVICE).at(5)), draws[0])
+    SeedStream(-3, DEVICE).at(0)  # (seeds as SamplingParams takes them: negative, up to 2**64 - 1)
+    SeedStream(2**64 - 1, DEVICE).at(2**40)
+    torch.manual_seed(0)
+    vocab = 50
+    params = SamplingParams(temperature=0.9, top_k=20, seed=7)
+    for pos in range(20):
+        logits = torch.randn(1, vocab)
+        batch = build([params], vocab, gens=[st.at(pos)])
+        want = Sampler()(logits, batch).token_ids
+        probs = compute_probs(logits, batch)
+        assert torch.equal(sample_rows_keyed(probs, [st.at(pos)]), want)
 
 
 def test_compute_probs_rows_with_same_params_are_identical_and_expand():

@@ -278,6 +278,27 @@ def test_seeded_sampling_with_drafts_is_reproducible(env, name):
     assert _no_leaks(llm)
 
 
+@pytest.mark.parametrize("name", ["ngram", "ngram-tree", "ngram-adaptive", "medusa-tree"])
+def test_seeded_requests_get_plain_decodings_tokens_under_deterministic_drafts(env, name):
+    """A seeded request's token at each output position is drawn from its generator for that
+    position (sampler.SeedStream): with deterministic drafts (n-gram, Medusa) verification samples
+    each drafted position so and keeps the matching drafts, so the tokens are plain decoding's --
+    alone, beside unseeded requests, with n = 2 siblings, and in the adaptive mode, whose choice of k
+    follows measured step times. Drafts are accepted (the top-k of 3 keeps acceptance up)."""
+    seeded = [SamplingParams(temperature=0.8, top_k=3, seed=11, max_tokens=NEW, ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, top_k=3, seed=3, max_tokens=NEW, ignore_eos=True)]
+    prompts = PROMPTS[4:6]
+    want = [[c.token_ids for c in o.outputs] for o in _run(env["plain"], seeded, prompts)]
+    llm = LLM(env["target"], num_kv_blocks=400, speculative_config=_spec(env, name), **ENGINE)
+    alone = [[c.token_ids for c in o.outputs] for o in _run(llm, seeded, prompts)]
+    free = SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)
+    mixed = _run(llm, [free, seeded[0], free, seeded[1]], [PROMPTS[1], prompts[0], PROMPTS[3], prompts[1]])
+    assert alone == want
+    assert [[c.token_ids for c in o.outputs] for o in (mixed[1], mixed[3])] == want
+    assert llm.llm_engine.get_stats()["spec"][SPECS[name]["method"]]["num_accepted_tokens"] > 0
+    assert _no_leaks(llm)
+
+
 @pytest.mark.parametrize("name", ["ngram", "draft_model-tree"])
 def test_allowed_token_ids_with_speculation(env, name):
     """Greedy with allowed_token_ids goes through the processed distribution in verification too:

@@ -25,7 +25,7 @@ from pageflash.config import ModelConfig
 from pageflash.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pageflash.engine.kv_cache import KVCacheManager, blocks_held_max
 from pageflash.engine.model_runner import ModelRunner
-from pageflash.engine.sampler import Sampler, SamplingBatch, SamplingRow
+from pageflash.engine.sampler import Sampler, SamplingBatch, SamplingRow, SeedStream
 from pageflash.engine.scheduler import Scheduler, SchedulerOutput
 from pageflash.engine.sequence import Request
 from pageflash.engine.structured import StructuredOutputs
@@ -549,10 +549,8 @@ class LLMEngine:
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured_outputs().matcher(params.structured_outputs)
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        req = Request(request_id, text, ids, params, arrival_time or time.monotonic(), generator=gen)
+        seeds = SeedStream(params.seed, self.device) if params.seed is not None else None
+        req = Request(request_id, text, ids, params, arrival_time or time.monotonic(), seeds=seeds)
         req.pooling = pooling
         req.lora = adapter
         req.lora_request = lora_request
@@ -846,13 +844,11 @@ class LLMEngine:
         family = [req]
         prev = req
         for j in range(1, req.params.n):
-            gen = None
-            if req.params.seed is not None:
-                seed = req.params.seed + j  # wrapped into the range a generator takes (seed <= 2**64 - 1)
-                gen = torch.Generator(device=self.device).manual_seed(seed - 2**64 if seed >= 2**64 else seed)
+            # sibling j's seed is seed + j (vLLM's), its generators keyed by position as the parent's
+            seeds = SeedStream(req.params.seed + j, self.device) if req.params.seed is not None else None
             child = Request(
                 f"{req.group_id}#{j}", req.prompt, req.prompt_token_ids, req.params,
-                req.metrics.arrival_time, index=j, group_id=req.group_id, generator=gen,
+                req.metrics.arrival_time, index=j, group_id=req.group_id, seeds=seeds,
             )
             child.num_computed_tokens = req.num_computed_tokens
             child.forked = True

@@ -17,7 +17,10 @@ penalized logits. The draw is ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. p
 exponential-race form of categorical sampling, as in gpt-fast): no ``multinomial``, no host sync.
 A row with its own ``torch.Generator`` draws its noise from it, so a seeded request gets the same
 tokens alone or anywhere in any batch; the other rows share one draw (from the generator passed
-to the call, or torch's default RNG).
+to the call, or torch's default RNG). A seeded request's generator is keyed by the output position
+it samples (:class:`SeedStream`), not drawn in sequence, so its tokens do not depend on how many
+draws earlier steps took either: speculative steps sample several positions at once, and a seeded
+request's token at each position is the one plain decoding samples there (spec/decoding.py).
 
 Logprobs are ``log_softmax`` of the raw logits, before penalties and temperature (vLLM's default
 "raw_logprobs" mode).
@@ -602,6 +605,53 @@ def _top_k_top_p(
     if top_k is not None:
         threshold = torch.maximum(threshold, kth)
     return x.masked_fill(x < threshold, float("-inf"))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(*words: int) -> int:
+    """A 63-bit seed from integers (splitmix64's finalizer over their golden-ratio-weighted sum)."""
+    x = 0
+    for i, w in enumerate(words):
+        x = (x + (w & _MASK64) * (0x9E3779B97F4A7C15 + 2 * i)) & _MASK64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x >> 1
+
+
+class SeedStream:
+    """A seeded request's randomness, keyed by use rather than drawn in sequence: ``at(pos, salt)`` is
+    a new generator seeded from (seed, pos, salt), where pos is the output position a draw is for.
+
+    salt: SAMPLE (0) for the token at pos -- plain sampling, and the speculative verification that
+    samples each drafted position and keeps the drafts that match (spec/decoding.py); DRAFT (1) for a
+    draft model's draws from pos on; VERIFY (2) for the uniforms and residual draws of rejection
+    sampling from pos on. So the token at a position does not depend on how many draws earlier steps
+    took (a verify step draws for several positions, a plain step for one)."""
+
+    SAMPLE, DRAFT, VERIFY = 0, 1, 2
+
+    def __init__(self, seed: int, device: Union[str, torch.device]) -> None:
+        self.seed = int(seed)
+        self.device = torch.device(device)
+
+    def at(self, pos: int, salt: int = SAMPLE) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(_mix64(self.seed, pos, salt))
+
+
+def sample_rows_keyed(probs: torch.Tensor, gens: Sequence[torch.Generator]) -> torch.Tensor:
+    """Row i of probs [m, V] (float32) drawn with noise from gens[i], exactly as the sampler draws a
+    seeded row (_exponential_race): the same token as plain sampling for the same generator and
+    distribution. int64 [m]."""
+    noise = torch.empty_like(probs)
+    for i, gen in enumerate(gens):
+        noise[i].exponential_(generator=gen)
+    noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs / noise).argmax(dim=-1)
 
 
 def _exponential_race(

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from pageflash.engine.sampler import SeedStream
 from pageflash.outputs import Logprob, RequestMetrics
 from pageflash.sampling_params import SamplingParams
 
@@ -40,7 +41,7 @@ class Request:
         arrival_time: float,
         index: int = 0,
         group_id: Optional[str] = None,
-        generator: Optional[torch.Generator] = None,
+        seeds: Optional[SeedStream] = None,
     ) -> None:
         self.request_id = request_id  # unique per sequence (siblings get "<group_id>#<index>")
         self.group_id = group_id or request_id  # the user's request id
@@ -51,7 +52,7 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = Status.WAITING
-        self.generator = generator
+        self.seeds = seeds  # a seeded request's generators, keyed by output position (sampler.SeedStream)
         self.spec_token_ids: list[int] = []
         self.num_pending = 0  # sampled on the device, not yet in token_ids (async scheduling)
         self.pending_row = -1
@@ -102,6 +103,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def generator(self) -> Optional[torch.Generator]:
+        """A seeded request's generator for the token it samples next (output position
+        num_output_tokens + num_pending); None without a seed."""
+        return None if self.seeds is None else self.seeds.at(self.num_output_tokens + self.num_pending)
+
+    def generator_at(self, pos: int, salt: int = 0) -> Optional[torch.Generator]:
+        """A seeded request's generator for output position pos and a use (SeedStream's salts)."""
+        return None if self.seeds is None else self.seeds.at(pos, salt)
 
     @property
     def is_finished(self) -> bool:

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from pageflash.engine.model_runner import ModelRunner, StepResult
-from pageflash.engine.sampler import SamplerOutput, SamplingBatch, SamplingRow, _add_logprobs, compute_probs
+from pageflash.engine.sampler import (SamplerOutput, SamplingBatch, SamplingRow, SeedStream, _add_logprobs, compute_probs,
+                                     sample_rows_keyed)
 from pageflash.engine.scheduler import SchedulerOutput
 from pageflash.engine.sequence import Request
 from pageflash.spec.adaptive import AdaptiveConfig, SpecController
@@ -399,7 +400,8 @@ class SpecDecoder:
         preqs = []
         for r, k, _ in asked:
             st = _state(r)
-            preqs.append(ProposalRequest(r.request_id, st.tokens(r.token_ids), k, st.hidden, r.params, r.generator))
+            preqs.append(ProposalRequest(r.request_id, st.tokens(r.token_ids), k, st.hidden, r.params,
+                                         r.generator_at(r.num_output_tokens, SeedStream.DRAFT)))
         t0 = time.perf_counter()
         trees = self.proposer.propose(preqs)
         if self.ctrl is not None:
@@ -540,12 +542,42 @@ class SpecDecoder:
                                          bad_words=r.bad_words) if ctx else row)
         batch = SamplingBatch.build(srows, eng.vocab_size, logits.device, eos_token_ids=sorted(eng.eos_token_ids))
         probs = compute_probs(logits, batch)
-        gens = [r.generator for r in reqs]
-        if all(t.is_chain for t in trees):
-            out = verify_chains([list(t.tokens) for t in trees], probs, [t.draft_probs for t in trees],
-                                greedy=greedy, generators=gens)
-            return [TreeVerifyResult(path=list(range(len(e) - 1)), tokens=e) for e in out.to_lists()]
-        return verify_trees(trees, probs, greedy=greedy, generators=gens)
+        # A seeded request's deterministic drafts (n-gram, Medusa, early exit's argmax): the token
+        # at every query row is sampled as plain decoding samples that position (its generator for
+        # the position, the same distribution), and the drafts that match it are kept -- the greedy
+        # walk over those samples. Lossless (a one-hot draft is kept with probability p(draft), a
+        # rejection emits a sample of p without it), and the request's tokens are plain decoding's
+        # whatever was drafted: they do not depend on the batch, the adaptive controller's timing, or
+        # whether the step speculated.
+        offsets = np.cumsum([0] + [t.num_query_tokens for t in trees]).tolist()
+        keyed = [b for b, (r, t, g) in enumerate(zip(reqs, trees, greedy))
+                 if r.seeds is not None and not g and t.is_deterministic]
+        out: list[Optional[TreeVerifyResult]] = [None] * len(reqs)
+        if keyed:
+            rows = [offsets[b] + i for b in keyed for i in range(trees[b].num_query_tokens)]
+            gens = [reqs[b].generator_at(reqs[b].num_output_tokens + d) for b in keyed
+                    for d in (0,) + trees[b].depths]
+            picked = sample_rows_keyed(probs[torch.tensor(rows, device=probs.device)], gens).tolist()
+            firsts = np.cumsum([0] + [trees[b].num_query_tokens for b in keyed]).tolist()
+            for b, v in zip(keyed, verify_greedy([trees[b] for b in keyed], picked, firsts)):
+                out[b] = v
+        rest = [b for b in range(len(reqs)) if out[b] is None]
+        if not rest:
+            return out
+        if len(rest) < len(reqs):
+            rows = [offsets[b] + i for b in rest for i in range(trees[b].num_query_tokens)]
+            probs = probs[torch.tensor(rows, device=probs.device)]
+        sub_reqs, sub_trees, sub_greedy = [reqs[b] for b in rest], [trees[b] for b in rest], [greedy[b] for b in rest]
+        gens = [r.generator_at(r.num_output_tokens, SeedStream.VERIFY) for r in sub_reqs]
+        if all(t.is_chain for t in sub_trees):
+            res = verify_chains([list(t.tokens) for t in sub_trees], probs, [t.draft_probs for t in sub_trees],
+                                greedy=sub_greedy, generators=gens)
+            res = [TreeVerifyResult(path=list(range(len(e) - 1)), tokens=e) for e in res.to_lists()]
+        else:
+            res = verify_trees(sub_trees, probs, greedy=sub_greedy, generators=gens)
+        for b, v in zip(rest, res):
+            out[b] = v
+        return out
 
     def _compact_kv(self, reqs: list[Request], paths: list[list[int]]) -> None:
         """Move accepted tree nodes' KV next to the root (query row 1 + path[i] -> row 1 + i)."""
