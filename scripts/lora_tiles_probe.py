@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 
+from pageflash.bench.moe import graph_time_us
 from pageflash.kernels.host_math import next_pow2
 from pageflash.kernels.lora_expand import expand_config, lora_expand
 from pageflash.kernels.lora_shrink import lora_shrink, shrink_config
@@ -32,27 +32,7 @@ SHAPES = [("qkv", 4096, [4096, 1024, 1024]), ("o", 4096, [4096]), ("gate_up", 40
 
 def time_graph(fn, launches: int = 20, reps: int = 5) -> float:
     """µs per launch of fn, from replays of a graph of `launches` calls (median of reps)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(launches):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
-    return statistics.median(times)
+    return graph_time_us(fn, iters=launches, reps=reps)
 
 
 def shrink_configs(t: int, r: int, k: int):
