@@ -529,16 +529,18 @@ class SpecDecoder:
                         greedy: list[bool], ctxs: list[bool]) -> list[TreeVerifyResult]:
         """Verification against the distributions the requests sample from (temperature, top-k/p,
         penalties, min_tokens; greedy rows take the argmax of theirs): rejection sampling on the
-        device, one read. logits: the requests' rows, gathered."""
+        device, one read (seeded requests with deterministic drafts: the keyed samples below).
+        logits: the requests' rows, gathered."""
         eng = self.engine
         # The target's distribution at every query row; a node sees its own path as outputs so far.
+        # (no generators: these rows only give distributions; the draws below take theirs by position)
         srows: list[SamplingRow] = []
         for r, t, ctx in zip(reqs, trees, ctxs):
             outs = r.output_token_ids
-            row = SamplingRow(r.params, r.prompt_token_ids, outs, r.generator, bad_words=r.bad_words)
+            row = SamplingRow(r.params, r.prompt_token_ids, outs, None, bad_words=r.bad_words)
             srows.append(row)
             for j in range(len(t)):
-                srows.append(SamplingRow(r.params, r.prompt_token_ids, outs + t.path_tokens(j), r.generator,
+                srows.append(SamplingRow(r.params, r.prompt_token_ids, outs + t.path_tokens(j), None,
                                          bad_words=r.bad_words) if ctx else row)
         batch = SamplingBatch.build(srows, eng.vocab_size, logits.device, eos_token_ids=sorted(eng.eos_token_ids))
         probs = compute_probs(logits, batch)
