@@ -91,3 +91,30 @@ def test_spec_step_graphs_equal_eager_and_plain() -> None:
         assert got == plain, spec
         eng = llm.llm_engine
         assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_seeded_sampling_under_ngram_speculation_equals_plain_decoding() -> None:
+    """A seeded request's generator is keyed by output position on the GPU too: under n-gram
+    speculation (chain, tree, adaptive; verify steps from CUDA graphs) its sampled tokens are plain
+    decoding's, beside unseeded requests (float32, dummy smollm2 config; top-k 2 at low temperatures,
+    so that drafts are accepted)."""
+    from pageflash import LLM, SamplingParams
+
+    prompts = [[5, 6, 7, 8, 9] * 8, [(7 * j) % 50 + 3 for j in range(33)]]
+    seeded = [SamplingParams(temperature=0.3, top_k=2, seed=11, max_tokens=32, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.5, top_k=2, seed=3, max_tokens=32, ignore_eos=True)]
+    free = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True)
+    kw = dict(load_format="dummy", max_model_len=512, num_kv_blocks=512, dtype="float32")
+
+    def toks(outs):
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    plain = toks(LLM("smollm2-135m", **kw).generate([{"prompt_token_ids": p} for p in prompts], seeded,
+                                                     use_tqdm=False))
+    for spec in (dict(method="ngram", num_speculative_tokens=4), dict(method="ngram", tree=[2], num_speculative_tokens=6),
+                 dict(method="ngram", num_speculative_tokens=4, adaptive=True)):
+        llm = LLM("smollm2-135m", speculative_config=spec, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in [prompts[1], prompts[0], prompts[0], prompts[1]]],
+                            [free, seeded[0], free, seeded[1]], use_tqdm=False)
+        assert toks([outs[1], outs[3]]) == plain, spec
+        assert llm.llm_engine.get_stats()["spec"]["ngram"]["num_accepted_tokens"] > 0, spec
