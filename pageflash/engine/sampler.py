@@ -650,6 +650,12 @@ def sample_rows_keyed(probs: torch.Tensor, gens: Sequence[torch.Generator]) -> t
     noise = torch.empty_like(probs)
     for i, gen in enumerate(gens):
         noise[i].exponential_(generator=gen)
+    return _race(probs, noise)
+
+
+def _race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(probs / noise) per row, noise Exp(1) draws (floored in place: Exp(1) can round to 0 on
+    some backends; a tiny floor keeps p/E finite and 0/E = 0)."""
     noise.clamp_min_(torch.finfo(torch.float32).tiny)
     return (probs / noise).argmax(dim=-1)
 
@@ -667,9 +673,7 @@ def _exponential_race(
         noise = torch.empty_like(probs).exponential_(generator=generator)
     for i, gen in batch.generators:
         noise[i].exponential_(generator=gen)
-    # Exp(1) can round to 0 on some backends; a tiny floor keeps p/E finite and 0/E = 0.
-    noise.clamp_min_(torch.finfo(torch.float32).tiny)
-    return (probs / noise).argmax(dim=-1)
+    return _race(probs, noise)
 
 
 def _add_logprobs(out: SamplerOutput, logits: torch.Tensor, k: int) -> None:

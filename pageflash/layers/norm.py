@@ -9,13 +9,17 @@ from pageflash.layers import triton_kernel
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
-                 float_weight: bool = False) -> torch.Tensor:
+                 float_weight: bool = False, mean_square: Optional[torch.Tensor] = None) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back, as transformers' LlamaRMSNorm does; unit_offset: as
     GemmaRMSNorm does, times (1 + weight) in float32, rounded once to x's dtype; float_weight: as
-    Olmo2RMSNorm does, times weight in float32, rounded once to x's dtype."""
+    Olmo2RMSNorm does, times weight in float32, rounded once to x's dtype. mean_square: float32
+    [..., 1], the mean of squares to norm by instead of x's own (x a slice of the normed rows:
+    tensor-parallel ranks, model/llama.py _full_qk_norms)."""
     dtype = x.dtype
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if mean_square is None:
+        mean_square = xf.pow(2).mean(-1, keepdim=True)
+    xf = xf * torch.rsqrt(mean_square + eps)
     if float_weight:
         return (weight.float() * xf).to(dtype)
     if unit_offset:

@@ -24,7 +24,7 @@ from pageflash.layers.activation import act_and_mul
 from pageflash.layers.attention import AttentionBackend
 from pageflash.layers.linear import GateUpLinear, Linear, QKVLinear, VocabEmbedding, gate_up_silu, linear
 from pageflash.layers.moe import SparseMoE
-from pageflash.layers.norm import RMSNorm
+from pageflash.layers.norm import RMSNorm, rms_norm_ref
 from pageflash.layers.rotary import RotaryEmbedding
 from pageflash.model.fp8_checkpoint import Fp8Pairs, dequantize, per_row_scale
 
@@ -169,15 +169,12 @@ def _full_qk_norms(q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RM
     """OLMo 2's q / k norms over the whole projections when each of tp_size ranks holds a slice of
     them (its heads' columns, and the same slice of the norm weights): the sums of squares of both,
     added up over the ranks in one all-reduce, over tp_size x the slice's width (a KV head replicated
-    on r ranks is counted r times, and so is its width), then Olmo2RMSNorm's arithmetic
-    (rms_norm_ref with float_weight)."""
-    qf, kf = q.float(), k.float()
-    ss = _all_reduce(torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1)], dim=-1))  # [T, 2]
-    out = []
-    for xf, col, norm, x in ((qf, 0, q_norm, q), (kf, 1, k_norm, k)):
-        var = ss[:, col: col + 1] / (tp_size * x.shape[-1])
-        out.append((norm.weight.float() * (xf * torch.rsqrt(var + norm.eps))).to(x.dtype))
-    return out[0], out[1]
+    on r ranks is counted r times, and so is its width), then each norm's own arithmetic over that
+    mean of squares (rms_norm_ref)."""
+    ss = _all_reduce(torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)], dim=-1))  # [T, 2]
+    return tuple(rms_norm_ref(x, n.weight, n.eps, n.unit_offset, n.float_weight,
+                              mean_square=ss[:, c: c + 1] / (tp_size * x.shape[-1]))
+                 for c, (x, n) in enumerate(((q, q_norm), (k, k_norm))))
 
 
 class LlamaDecoderLayer(_Prefetching, nn.Module):
