@@ -96,6 +96,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.graphs: Optional[DecodeGraphs] = None
         self.step_graphs: Optional[StepGraphs] = None
+        self.prefill_graphs: Optional[PrefillGraphs] = None
         self.graph_pool = None  # CUDA graph memory pool shared by every graph of this runner
         self.captured: list[Any] = []  # every CUDA graph captured (release_graphs destroys them)
         self.lora: Any = None  # a lora.layers.LoRAContext once enable_lora has run
@@ -217,6 +218,7 @@ class ModelRunner:
         enough when anything else still holds a graph: each one is reset explicitly."""
         self.graphs = None
         self.step_graphs = None
+        self.prefill_graphs = None
         graphs, self.captured = self.captured, []
         for g in graphs:
             g.reset()
@@ -256,6 +258,8 @@ class ModelRunner:
         graphs.capture(also=[functools.partial(self._prefill_once, n) for n in _PRECOMPILE_PROMPTS
                              if n <= self.max_model_len])
         self.graphs = graphs
+        if self.tp_size == 1:  # (lazily captured: the ranks would have to capture in step)
+            self.enable_prefill_graphs()
 
     @torch.inference_mode()
     def _prefill_once(self, n: int) -> None:
@@ -271,6 +275,19 @@ class ModelRunner:
             self.lora.begin_step(n, active=False)
         hidden = self.model(ids, pos, self.kv_caches, self.backend, plan)
         self.model.compute_logits(hidden[-1:])
+
+    def enable_prefill_graphs(self, max_tokens: Optional[int] = None, cuda_graphs: bool = True) -> None:
+        """Lazily captured graphs of one sequence's prefill step of up to max_tokens tokens (default
+        PAGEFLASH_PREFILL_GRAPH_TOKENS, 512; 0: none): see :class:`PrefillGraphs`. cuda_graphs=False runs
+        the same static-buffer path eagerly (the tests' way to check it where there is no CUDA)."""
+        if max_tokens is None:
+            max_tokens = int_env("PAGEFLASH_PREFILL_GRAPH_TOKENS", _PREFILL_GRAPH_TOKENS, minimum=0)
+        max_tokens = min(max_tokens, self.max_model_len)
+        if self.backend.name != "triton" or (cuda_graphs and self.device.type != "cuda") \
+                or self.model.rotary.long_offset is not None or max_tokens < PrefillGraphs.MIN_BUCKET:
+            self.prefill_graphs = None
+            return
+        self.prefill_graphs = PrefillGraphs(self, max_tokens, cuda_graphs)
 
     def enable_step_graphs(self, max_batch: int, cuda_graphs: bool = True) -> None:
         """Lazily captured graphs of small multi-token steps (speculative verify, draft chains,
@@ -409,6 +426,12 @@ class ModelRunner:
         if sg is not None and kv_caches is None and not fixes and prompt_rows is None:
             res = sg.run(ids, pos, slots, qlens, seq_lens, logit_idx, rows, block_tables, tree_mask, num_layers,
                          rope_rows)
+            if res is not None:
+                return res
+        pg = self.prefill_graphs
+        if pg is not None and kv_caches is None and not fixes and prompt_rows is None and tree_mask is None \
+                and positions_override is None and num_layers is None and rope_rows is None:
+            res = pg.run(sched, ids, pos, slots, seq_lens, rows, logit_idx, block_tables)
             if res is not None:
                 return res
         meta = self.metadata(qlens, seq_lens, slots, block_tables, tree_mask)
@@ -1023,3 +1046,130 @@ class StepGraphs:
         out_rows = [(logit_idx[first], cnt) if cnt else (0, 0) for first, cnt in rows]
         # views of the shared output buffers: valid until the next step (a consumer that keeps rows copies them)
         return StepResult(self.out_logits[:n], out_rows, self.out_hidden[:n])
+
+
+# Prefill graphs: the largest step they take (PAGEFLASH_PREFILL_GRAPH_TOKENS; 0: no prefill graphs)
+_PREFILL_GRAPH_TOKENS = 512
+
+
+class PrefillGraphs:
+    """CUDA graphs of a step that feeds one sequence 2..max_tokens tokens: a prompt's prefill (or its
+    last chunk, or what a prefix-cache hit leaves) when it is the step's only sequence, as W-decode1's
+    first token and a chat request arriving at an idle server are.
+
+    Why: such a step is launch-bound on the host, not bound by the GPU. llama-3-8b on an H200, a
+    128-token prompt: 5.2 ms of kernels but 14.0 ms to the first token, 24.9 ms under a LoRA adapter
+    (eight more launches a layer; docs/BENCHMARKS.md run 66).
+
+    A step of n tokens runs the graph of the smallest bucket T >= n (powers of two from 16), with the
+    tokens padded to T rows that store nothing (slot -1) and belong to no sequence. Attention goes
+    through the paged kernel, causal over the cached context plus the new keys, its work list sized
+    for T queries; it reads the real lengths from the static buffers. Logits are computed at one row
+    (the last token's). With LoRA on, each bucket has a graph with the LoRA kernels and a twin
+    without them, for base-model requests. A key is captured the CAPTURE_AFTER-th time it is seen
+    (the first run of a bucket stays eager), into the runner's shared graph pool. Not taken: prompt
+    logprobs, async steps whose input token is still on the device, LongRoPE models, tensor
+    parallelism (ModelRunner.capture_decode_graphs)."""
+
+    CAPTURE_AFTER = 2
+    MIN_BUCKET = 16
+
+    def __init__(self, runner: ModelRunner, max_tokens: int, cuda_graphs: bool = True) -> None:
+        self.runner = runner
+        self.cuda_graphs = cuda_graphs
+        dev = runner.device
+        self.buckets = []
+        t = self.MIN_BUCKET
+        while t <= max_tokens:
+            self.buckets.append(t)
+            t *= 2
+        m = self.max_tokens = self.buckets[-1] if self.buckets else 0
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        # inputs: int64 [ids | positions | slots | the logits row], int32 [query starts | length |
+        # block table], each refilled by one copy a step from a persistent pinned image
+        self._i64 = torch.zeros(3 * m + 1, dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.slots = self._i64[:m], self._i64[m: 2 * m], self._i64[2 * m: 3 * m]
+        self.logit_row = self._i64[3 * m:]
+        self._i32 = torch.zeros(3 + self.max_blocks, dtype=torch.int32, device=dev)
+        self.qsl, self.seq_lens = self._i32[:2], self._i32[2:3]
+        self.block_tables = self._i32[3:].view(1, self.max_blocks)
+        self._stage = HostStage(dev, [(torch.int64, 3 * m + 1), (torch.int32, 3 + self.max_blocks), (torch.int32, m)])
+        self.graphs: dict[tuple[int, bool], Any] = {}
+        self.seen: dict[tuple[int, bool], int] = {}
+        self.replays = 0  # steps served by this class (tests and stats)
+
+    def _forward(self, t: int, lora: bool):
+        r = self.runner
+        meta = AttentionMetadata(
+            query_start_loc=self.qsl, seq_lens=self.seq_lens, block_tables=self.block_tables,
+            slot_mapping=self.slots[:t], query_lens_cpu=[t], seq_lens_cpu=[t + 1],  # (not a fresh prefill:
+            block_size=r.block_size,                                                 # the paged kernel)
+        )
+        plan = r.backend.plan(meta)
+
+        def fwd():
+            if r.lora is not None:
+                r.lora.begin_step(t, active=lora)
+            h = r.model(self.input_ids[:t], self.positions[:t], r.kv_caches, r.backend, plan)
+            h = h.index_select(0, self.logit_row)
+            return r.model.compute_logits(h), h
+
+        return fwd
+
+    def _capture(self, t: int, lora: bool) -> tuple[Any, Any, Any]:
+        """(graph or None, the forward, its outputs in the graph's memory or None). The forward holds
+        the plan, whose work list the captured kernels read: it lives as long as the graph."""
+        fwd = self._forward(t, lora)
+        if not self.cuda_graphs:
+            return None, fwd, None
+        # warm-up and capture with no sequence: nothing is read or stored
+        self.qsl.zero_()
+        self.seq_lens.zero_()
+        self.slots.fill_(-1)
+        self.logit_row.zero_()
+        g, out = _capture_graph(self.runner, fwd)
+        return g, fwd, out
+
+    def run(self, sched: SchedulerOutput, ids, pos, slots, seq_lens, rows, logit_idx, block_tables):
+        """The step through a graph, or None (not eligible / not captured yet: run it eagerly)."""
+        n = len(ids)
+        if len(sched.seqs) != 1 or n < 2 or n > self.max_tokens or len(logit_idx) > 1 \
+                or len(block_tables[0]) > self.max_blocks:
+            return None
+        t = next(x for x in self.buckets if x >= n)
+        r = self.runner
+        lslot = getattr(sched.seqs[0].request, "lora_slot", 0) if r.lora is not None else 0
+        if r.lora is not None and t > r.lora.token_slots.shape[0]:
+            return None
+        key = (t, bool(lslot))
+        entry = self.graphs.get(key)
+        if entry is None:
+            seen = self.seen[key] = self.seen.get(key, 0) + 1
+            if seen < self.CAPTURE_AFTER:
+                return None
+            entry = self.graphs[key] = self._capture(t, bool(lslot))
+        m = self.max_tokens
+        t64, t32, tlora = self._stage.take()
+        h64, h32 = t64.numpy(), t32.numpy()
+        h64[:n], h64[m: m + n], h64[2 * m: 2 * m + n] = ids, pos, slots
+        h64[2 * m + n: 3 * m] = -1  # padding rows store nothing
+        h64[3 * m] = logit_idx[0] if logit_idx else n - 1
+        cols = len(block_tables[0])
+        h32[:3] = (0, n, seq_lens[0])
+        h32[3: 3 + cols] = block_tables[0]  # (columns past the sequence's are never read)
+        h2d(self._i64, t64)
+        h2d(self._i32[: 3 + cols], t32[: 3 + cols])
+        if lslot:
+            hl = tlora[:t].numpy()
+            hl.fill(0)
+            hl[:n] = lslot
+            h2d(r.lora.token_slots[:t], tlora[:t])
+        self._stage.done()
+        graph, fwd, out = entry
+        if graph is not None:
+            graph.replay()
+            logits, h = out
+        else:
+            logits, h = fwd()
+        self.replays += 1
+        return StepResult(logits, rows, h)
