@@ -90,6 +90,16 @@ def hf_fake_quantized(folder: str, method: str = "int8"):
     return hf
 
 
+def hf_reference(folder: str):
+    """HF's float32 model of a folder on its eager attention: each architecture's own arithmetic on
+    every transformers version. (Left to choose, transformers 5.17 runs Gemma 2 on SDPA, which has
+    no attention-score softcapping, and its greedy tokens then part from the model's from the third
+    on; 5.25 picks eager for it by itself.)"""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 @torch.no_grad()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF greedy continuation of one prompt (no padding), EOS ignored."""
@@ -108,14 +118,12 @@ def triton_paths_match_hf(tmp_path, monkeypatch, cfg_dict: dict, mode: str, prom
     the decode launch (rotary's fused path forced on); returns, per backend attention call, whether
     it was given rope=. "speculative": the model drafting for itself (draft_model), verified through
     the static-buffer step path (StepGraphs, eager); returns []. Both end with every block free."""
-    from transformers import AutoModelForCausalLM
-
     from pageflash import LLM, SamplingParams
     from pageflash.kernels import backend as backend_mod
     from pageflash.layers import rotary as rotary_layer
 
     folder = make_random_hf_folder(tmp_path, cfg_dict)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = hf_reference(folder)
     kw = dict(block_size=4, max_num_batched_tokens=32, max_model_len=64, num_kv_blocks=96, dtype="float32",
               attention_backend="triton")
     ropes: list[bool] = []

@@ -9,7 +9,7 @@ pool so small that preemption must happen, and with prefix-cache hits.
 import pytest
 import torch
 
-from hf_ref import hf_greedy, hf_model_from_gguf, make_random_hf_folder
+from hf_ref import hf_greedy, hf_model_from_gguf, hf_reference, make_random_hf_folder
 from pageflash import LLM, SamplingParams
 from pageflash.config import ModelConfig
 
@@ -205,10 +205,8 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_random_models_match_hf(tmp_path, name):
-    from transformers import AutoModelForCausalLM
-
     folder = make_random_hf_folder(tmp_path, CONFIGS[name])
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = hf_reference(folder)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 211, (n,), generator=g).tolist() for n in (1, 5, 16, 17, 33, 40)]
     # block size 4 and a small token budget: many blocks per sequence, chunked prefill

@@ -31,19 +31,14 @@ def _alone(llm, prompts, lora=None, rounds=2):
              for p in prompts] for _ in range(rounds)]
 
 
-# (not gemma2: on the GPU machine's transformers 5.17 its CPU reference parts from every pageflash path,
-# the torch backend eager without prefill graphs included, from the third token on; the CPU suite's
-# transformers 5.25 agrees with pageflash: tests/test_engine_hf.py)
-@pytest.mark.parametrize("name", ["llama-gqa", "mixtral", "mistral-window", "gemma3", "qwen3-qk-norm",
+@pytest.mark.parametrize("name", ["llama-gqa", "mixtral", "mistral-window", "gemma2", "gemma3", "qwen3-qk-norm",
                                   "llama-dynamic"])
 def test_prefill_graphs_match_hf_fp32(tmp_path, name):
-    from transformers import AutoModelForCausalLM
-
-    from hf_ref import hf_greedy, make_random_hf_folder
+    from hf_ref import hf_greedy, hf_reference, make_random_hf_folder
     from test_engine_hf import CONFIGS
 
     folder = make_random_hf_folder(tmp_path, CONFIGS[name])
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # on the CPU
+    hf = hf_reference(folder)  # on the CPU, eager attention (hf_ref.hf_reference: Gemma 2's softcap)
     prompts = _prompts(200, (2, 9, 16, 17, 40, 90))
     llm = LLM(folder, dtype="float32", block_size=16, max_model_len=128, num_kv_blocks=64)
     pg = llm.llm_engine.runner.prefill_graphs
