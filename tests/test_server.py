@@ -359,7 +359,8 @@ def test_completions_many_prompts(srv: Srv) -> None:
     from pageflash.server.app import MAX_CHOICES
 
     prompts = [f"Count to {i}:" for i in range(300)]
-    r = srv.post("/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 1, "temperature": 0})
+    r = srv.post("/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 1, "temperature": 0},
+                  timeout=300)  # (300 prompts on a loaded 2-core CI host: past the client's 60 s)
     assert r.status_code == 200, r.text
     assert [c["index"] for c in r.json()["choices"]] == list(range(300))
     assert r.json()["usage"]["completion_tokens"] == 300
